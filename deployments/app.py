@@ -1,0 +1,69 @@
+"""The application builder: ``build_app(config) -> serve.Application``.
+
+Used by ``disagg serve``, by ``serve run deployments.app:build_app`` /
+``serve deploy`` with a serve config (``import_path: deployments.app:build_app``,
+``args:`` = an ``AppConfig``), and by the Helm chart's ``serveConfigV2``.
+
+    disaggregated:  Ingress -> DecodeServer --(long uncached suffix)--> PrefillServer
+    aggregated:     Ingress -> DecodeServer (prefills everything itself)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from deployments.ingress import Ingress
+from deployments.servers import DecodeServer, PrefillServer
+from disagg.config import AppConfig, ReplicaConfig, load_config
+
+ROUTER_CLASS = "deployments.request_router:AffinityRequestRouter"
+
+
+def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True) -> dict[str, Any]:
+    """Serve deployment options for one role."""
+    actor: dict[str, Any] = {"num_cpus": rc.num_cpus}
+    if rc.num_gpus:
+        actor["num_gpus"] = rc.num_gpus
+    if rc.accelerator_type:
+        actor["accelerator_type"] = rc.accelerator_type
+    opts: dict[str, Any] = {
+        "max_ongoing_requests": rc.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": cfg.deployment.graceful_shutdown_timeout_s,
+        "health_check_period_s": cfg.deployment.health_check_period_s,
+    }
+    if rc.tensor_parallel_size > 1 and rc.num_gpus:
+        # one bundle per TP rank, packed on one node; the replica actor takes the first
+        bundle = {"GPU": 1, "CPU": 1}
+        if rc.accelerator_type:
+            bundle[f"accelerator_type:{rc.accelerator_type}"] = 0.001
+        opts["placement_group_bundles"] = [dict(bundle, CPU=rc.num_cpus, GPU=rc.num_gpus)] + [
+            bundle for _ in range(rc.tensor_parallel_size - 1)
+        ]
+        opts["placement_group_strategy"] = "STRICT_PACK"
+    opts["ray_actor_options"] = actor
+    if rc.min_replicas is not None:
+        opts["autoscaling_config"] = {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
+                                      "target_ongoing_requests": rc.target_ongoing_requests}
+    else:
+        opts["num_replicas"] = rc.num_replicas
+    if routed:
+        opts["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
+    return opts
+
+
+def build_app(args: dict | AppConfig | None = None) -> serve.Application:
+    cfg = args if isinstance(args, AppConfig) else load_config(args or {})
+    data = cfg.model_dump()
+    d = cfg.deployment
+    prefill = None
+    if d.mode == "disaggregated":
+        prefill = serve.deployment(PrefillServer, name="PrefillServer").options(
+            **deployment_options(d.prefill, cfg)).bind(data)
+    decode = serve.deployment(DecodeServer, name="DecodeServer").options(
+        **deployment_options(d.decode, cfg)).bind(data, prefill)
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        **deployment_options(d.ingress, cfg, routed=False)).bind(data, decode, prefill)
+    return ingress

@@ -1,0 +1,107 @@
+"""Ray Serve deployments: the prefill server and the decode server.
+
+Each replica owns an engine (through the engine protocol: the reference engine
+now, vLLM later) and a client of its node's shared host tier. The decode
+server orchestrates a request: it prefills locally when the uncached suffix is
+short (conditional disaggregation) or asks a prefill replica, then loads the
+published state by handle and streams tokens.
+
+Replicas report ``record_routing_stats`` (queue, cache and state summaries) to
+the request router, answer ``check_health`` and drain on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from ray import serve
+
+from deployments.node_store import connect_node_store
+from disagg.config import AppConfig, load_config
+from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.factory import build_reference_engine
+from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.worker import StatefulWorker
+
+log = logging.getLogger("ray.serve")
+
+
+class _ServerBase:
+    role = "server"
+
+    def __init__(self, config: dict | AppConfig):
+        self.config = config if isinstance(config, AppConfig) else load_config(config)
+        if self.config.engine.backend != "reference":
+            raise ValueError(f"engine backend {self.config.engine.backend!r} is not available in this build")
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id if ctx else f"{self.role}-{os.getpid()}"
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.engine = AsyncEngine(build_reference_engine(self.config))
+        self.store = connect_node_store(self.config, self.node_id)
+        self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
+                                     self.config.router.local_prefill_max_tokens)
+        self._draining = False
+        self._inflight = 0
+
+    async def check_health(self) -> None:
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("engine step thread died")
+
+    def record_routing_stats(self) -> dict:
+        eng = self.engine.engine
+        return {"role": self.role, "node_id": self.node_id, "inflight": self._inflight,
+                "free_blocks": eng.cache.blocks.num_free, "num_blocks": eng.geometry.num_blocks,
+                "waiting": len(eng._waiting), "running": len(eng._running)}
+
+    async def stats(self) -> dict:
+        out = self.worker.stats()
+        out["replica_id"] = self.replica_id
+        out["role"] = self.role
+        return out
+
+    async def __del__(self):
+        self._draining = True
+        deadline = time.monotonic() + self.config.deployment.graceful_shutdown_timeout_s
+        while self._inflight and time.monotonic() < deadline:  # graceful drain
+            await asyncio.sleep(0.05)
+        self.engine.shutdown()
+
+
+class PrefillServer(_ServerBase):
+    role = "prefill"
+
+    async def prefill(self, params: GenerateParams) -> PrefillHandle:
+        self._inflight += 1
+        try:
+            return await self.worker.prefill(params)
+        finally:
+            self._inflight -= 1
+
+
+class DecodeServer(_ServerBase):
+    role = "decode"
+
+    def __init__(self, config: dict | AppConfig, prefill_handle=None):
+        super().__init__(config)
+        self.prefill_handle = prefill_handle
+
+    async def _prefill(self, params: GenerateParams) -> PrefillHandle:
+        return await self.prefill_handle.prefill.remote(params)
+
+    async def generate(self, params: GenerateParams):
+        """Stream ``StreamChunk``s for one request (a Serve streaming method)."""
+        self._inflight += 1
+        try:
+            fn = self._prefill if self.prefill_handle is not None else None
+            try:
+                async for chunk in self.worker.generate(params, fn):
+                    yield chunk
+            except ValueError as exc:  # refused by the engine: the client's fault
+                yield StreamChunk(finished=True, finish_reason="invalid", error=str(exc), replica_id=self.replica_id)
+        finally:
+            self._inflight -= 1

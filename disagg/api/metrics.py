@@ -1,0 +1,69 @@
+"""Prometheus metrics of the serving edge.
+
+Per-request figures (TTFT, ITL, E2E, prompt tokens by the source of their
+state, transfer bytes and time) are observed as responses stream; tier and
+router figures are copied from the backend's ``stats()`` at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+SOURCES = ("device", "host", "disk", "peer", "computed")
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServingMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.ttft = Histogram("disagg_ttft_seconds", "Time to first token", buckets=_LAT, registry=r)
+        self.itl = Histogram("disagg_itl_seconds", "Inter-token latency", buckets=_LAT, registry=r)
+        self.e2e = Histogram("disagg_e2e_seconds", "Request latency", buckets=_LAT, registry=r)
+        self.requests = Counter("disagg_requests", "Finished requests", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens by where their state came from",
+                                     ["source"], registry=r)
+        self.generation_tokens = Counter("disagg_generation_tokens", "Generated tokens", registry=r)
+        self.transfer_bytes = Counter("disagg_transfer_bytes", "State bytes loaded by decode/prefill", registry=r)
+        self.transfer_seconds = Histogram("disagg_transfer_seconds", "State load latency", buckets=_LAT, registry=r)
+        self.tier_used = Gauge("disagg_tier_used_bytes", "Bytes held per tier", ["tier"], registry=r)
+        self.tier_capacity = Gauge("disagg_tier_capacity_bytes", "Capacity per tier", ["tier"], registry=r)
+        self.tier_objects = Gauge("disagg_tier_objects", "Objects held per tier", ["tier"], registry=r)
+        self.evictions = Gauge("disagg_tier_evictions", "Evictions per tier (cumulative)", ["tier"], registry=r)
+        self.checksum_failures = Gauge("disagg_checksum_failures", "Objects dropped on checksum failure (cumulative)",
+                                       registry=r)
+        self.route_decisions = Gauge("disagg_route_decisions", "Router decisions by reason (cumulative)",
+                                     ["reason"], registry=r)
+        for s in SOURCES:
+            self.prompt_tokens.labels(source=s)
+
+    def request_done(self, endpoint: str, status: str) -> None:
+        self.requests.labels(endpoint=endpoint, status=status).inc()
+
+    def request_finished(self, endpoint: str, last, num_generated: int) -> None:
+        self.request_done(endpoint, "ok")
+        self.generation_tokens.inc(num_generated)
+        if last is None:
+            return
+        cached = last.num_cached_tokens
+        source = last.cached_source if last.cached_source in SOURCES else "host"
+        if cached:
+            self.prompt_tokens.labels(source=source).inc(cached)
+        self.prompt_tokens.labels(source="computed").inc(max(0, last.num_prompt_tokens - cached))
+        if last.transfer_bytes:
+            self.transfer_bytes.inc(last.transfer_bytes)
+            self.transfer_seconds.observe(last.transfer_seconds)
+
+    def observe_stats(self, stats: dict) -> None:
+        for tier, s in (stats.get("tiers") or {}).items():
+            self.tier_used.labels(tier=tier).set(s.get("used_bytes", 0))
+            self.tier_capacity.labels(tier=tier).set(s.get("capacity_bytes", 0))
+            self.tier_objects.labels(tier=tier).set(s.get("num_objects", 0))
+            self.evictions.labels(tier=tier).set(s.get("evictions", 0))
+        if "checksum_failures" in stats:
+            self.checksum_failures.set(stats["checksum_failures"])
+        for reason, n in (stats.get("route_decisions") or {}).items():
+            self.route_decisions.labels(reason=reason).set(n)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

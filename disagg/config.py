@@ -1,0 +1,157 @@
+"""Typed configuration of a disagg application, loaded from YAML.
+
+One ``AppConfig`` describes the whole application: model, engine, state tiers,
+router, the prefill/decode deployments and the HTTP edge. The same object is
+built by ``disagg serve --config``, by ``serve run`` through
+``deployments.app:build_app`` (its args are this config), and by the Helm
+chart's ``serveConfigV2``.
+
+Example (``deployments/configs/local-cpu.yaml``)::
+
+    model: {name: tiny, dtype: float32, device: cpu}
+    engine: {block_size: 64, cache_budget_mb: 256}
+    transfer: {host: {capacity_mb: 1024, policy: s3fifo}}
+    deployment: {mode: disaggregated, prefill: {num_replicas: 1}, decode: {num_replicas: 1}}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    name: str = "tiny"  # reference preset name, or a model directory (config.json + safetensors)
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:0" ...
+    seed: int = 0  # random init seed when no weights are given
+    served_name: str | None = None  # the OpenAI model name (default: "disagg-<name>")
+
+    @property
+    def openai_name(self) -> str:
+        return self.served_name or f"disagg-{Path(self.name).name}"
+
+
+class EngineConfig(_Strict):
+    backend: Literal["reference", "vllm"] = "reference"
+    block_size: int = 64  # tokens per MLA block
+    max_num_seqs: int = 16  # concurrent sequences per replica
+    max_num_batched_tokens: int = 2048  # tokens per engine step
+    cache_budget_mb: int = 256  # device cache budget (MLA blocks + KDA slots)
+    checkpoint_interval: int = 0  # extra KDA checkpoints every N tokens (0 = turn ends only)
+    resident_sessions: bool = True  # keep finished sessions on the device (device tier)
+    max_model_len: int | None = None  # cap on prompt + output tokens
+    vllm: dict[str, Any] = Field(default_factory=dict)  # extra vLLM engine kwargs (vllm backend)
+
+    @field_validator("block_size")
+    @classmethod
+    def _block(cls, v: int) -> int:
+        if v <= 0 or v % 64:
+            raise ValueError("block_size must be a positive multiple of 64")
+        return v
+
+
+class HostTierConfig(_Strict):
+    capacity_mb: int = 1024  # hard byte capacity of the node's shared host tier
+    policy: Literal["lru", "s3fifo"] = "s3fifo"  # eviction policy
+    pin_memory: bool = True  # page-lock for fast device copies where a GPU exists
+
+
+class DiskTierConfig(_Strict):
+    enabled: bool = False
+    path: str = "/tmp/disagg-disk-tier"  # segment directory (local NVMe)
+    capacity_gb: float = 16.0
+    admission: Literal["always", "on_evict", "second_touch"] = "on_evict"
+
+
+class GrpcConfig(_Strict):
+    enabled: bool = False  # cross-node transfer service
+    bind: str = "127.0.0.1:0"  # host:port (the cluster interface in production)
+    token_env: str = "DISAGG_TRANSFER_TOKEN"  # env var holding the shared secret
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    max_message_mb: int = 64
+    deadline_s: float = 5.0
+
+
+class TransferConfig(_Strict):
+    host: HostTierConfig = Field(default_factory=HostTierConfig)
+    disk: DiskTierConfig = Field(default_factory=DiskTierConfig)
+    grpc: GrpcConfig = Field(default_factory=GrpcConfig)
+    load_deadline_s: float = 5.0  # past this, a state load gives up and the request recomputes
+
+
+class RouterConfig(_Strict):
+    policy: str = "state_aware"  # state_aware | round_robin | power_of_two | prefix_tree | dynamo_cost
+    weights: dict[str, float] = Field(default_factory=lambda: {"prefix": 2.0, "load": 1.0, "affinity": 0.5})
+    local_prefill_max_tokens: int = 512  # uncached suffix at or under this is prefilled on the decode replica
+
+
+class ReplicaConfig(_Strict):
+    num_replicas: int = 1
+    min_replicas: int | None = None  # set both bounds to autoscale
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 8.0
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    accelerator_type: str | None = None  # e.g. "AMD-Instinct-MI355X-OAM"
+    tensor_parallel_size: int = 1  # GPUs per replica (a placement group bundle each)
+    max_ongoing_requests: int = 64
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ReplicaConfig:
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("set both min_replicas and max_replicas to autoscale")
+        if self.min_replicas is not None and not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError("need 0 <= min_replicas <= max_replicas")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    mode: Literal["disaggregated", "aggregated"] = "disaggregated"
+    prefill: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    decode: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    ingress: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5, max_ongoing_requests=1024))
+    graceful_shutdown_timeout_s: float = 20.0
+    health_check_period_s: float = 10.0
+
+
+class HTTPConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = Field(default_factory=list)  # empty = no auth
+    max_body_bytes: int = 4 << 20
+
+
+class AppConfig(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    http: HTTPConfig = Field(default_factory=HTTPConfig)
+
+
+def load_config(source: str | Path | dict | None) -> AppConfig:
+    """Build an ``AppConfig`` from a YAML file, a dict, or defaults (None).
+
+    A serve config (``applications: [{args: ...}]``) is accepted too: its first
+    application's ``args`` are taken.
+    """
+    if source is None:
+        return AppConfig()
+    if isinstance(source, dict):
+        data = source
+    else:
+        data = yaml.safe_load(Path(source).read_text()) or {}
+    if "applications" in data:
+        data = data["applications"][0].get("args", {}) or {}
+    return AppConfig.model_validate(data)

@@ -1,0 +1,438 @@
+"""The reference engine: continuous batching over the reference K3 model.
+
+Each step packs decodes (one token each) and prefill chunks into one forward,
+under ``max_num_batched_tokens``. Prefill chunks end on block boundaries (or at
+the end of the tokens to compute), so a computation resumed at a block
+boundary repeats exactly the arithmetic of an uninterrupted one:
+
+    prompt     |--- bs ---|--- bs ---|--- bs ---|-- rest --|
+    chunks      <------ chunk 1 ----><---- chunk 2 ------->   (budget 2*bs)
+
+State a request can hand on (``export_state``): MLA blocks before p, the MLA
+tail when p is not block-aligned, and the KDA state at p, for p = the current
+position or a checkpoint taken at a block boundary (``checkpoint_interval``).
+
+NOTES
+1. A request owns its block table and KDA slot from admission until it
+   finishes; a finished request with ``keep_state`` keeps its blocks (not its
+   slot: its end state is copied out) until ``release``.
+2. Released and finished requests become *resident sessions* (the device tier):
+   their blocks and end state stay until memory is needed (LRU). A new request
+   whose prompt extends a resident session's tokens adopts its state.
+3. ``num_computed <= len(token_ids) - 1`` after every step of a live request
+   that has sampled: the newest sampled token is not yet computed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
+from disagg.engine.reference.cache_view import SeqInput
+from disagg.engine.reference.paged_cache import PagedSeqCache, PagedStateCache, size_cache
+from disagg.engine.reference.sampling import sample
+from kv_transfer.objects import KDACheckpoint, MLABlock, ResumeState
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """Scheduling and memory knobs of the reference engine."""
+
+    block_size: int = 64  # tokens per MLA block (a multiple of the KDA chunk, 64)
+    max_num_seqs: int = 16  # running sequences (KDA slots)
+    max_num_batched_tokens: int = 2048  # tokens per step
+    cache_budget_bytes: int = 256 << 20  # MLA blocks + KDA slots
+    checkpoint_interval: int = 0  # keep KDA checkpoints every N tokens (multiple of block_size; 0 = off)
+    resident_sessions: bool = True  # keep finished sessions' state on the device (NOTE 2)
+    capture_logits: bool = False  # keep each request's latest sampling logits in ``last_logits`` (tests)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 64:
+            raise ValueError(f"block_size must be a positive multiple of 64, got {self.block_size}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.checkpoint_interval % self.block_size:
+            raise ValueError("checkpoint_interval must be a multiple of block_size")
+
+
+@dataclass(slots=True, repr=False)
+class _Request:
+    request_id: str
+    token_ids: list[int]
+    num_prompt: int
+    sampling: SamplingParams
+    keep_state: bool
+    first_output_index: int
+    block_table: list[int] = field(default_factory=list)
+    slot: int = -1
+    num_computed: int = 0
+    num_cached: int = 0
+    cached_source: str = "computed"
+    checkpoints: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    finished: bool = False
+    finish_reason: str | None = None
+    resume: ResumeState | None = None  # imported at admission, then dropped
+    cache_salt: str = ""  # tenant salt (residents are matched within one salt)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+
+@dataclass(slots=True, repr=False)
+class _Resident:
+    cache_salt: str  # tenant the state belongs to
+    tokens: list[int]  # tokens whose state is held (computed tokens)
+    block_table: list[int]
+    conv: list[torch.Tensor]
+    rec: list[torch.Tensor]
+
+
+class ReferenceEngine:
+    """Synchronous engine (one thread steps it) implementing ``disagg.engine.protocol.Engine``."""
+
+    def __init__(self, model, model_id: str, options: EngineOptions | None = None, eos_token_id: int | None = None):
+        self.model = model
+        self.model_id = model_id
+        self.options = options or EngineOptions()
+        self.block_size = self.options.block_size
+        dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.layout = model.state_layout(model_id, self.block_size, dtype)
+        self.geometry = size_cache(self.layout, self.options.cache_budget_bytes, self.options.max_num_seqs)
+        self.cache = PagedStateCache(self.layout, self.geometry, self.device)
+        self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
+        self.vocab_size = model.config.vocab_size
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._held: dict[str, _Request] = {}
+        self._residents: OrderedDict[int, _Resident] = OrderedDict()
+        self._next_resident = 0
+        self.last_logits: dict[str, torch.Tensor] = {}
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "device_hit_tokens": 0,
+                         "resident_evictions": 0, "preemptions": 0}
+
+    # -- admission -------------------------------------------------------------
+    @property
+    def max_tokens_per_request(self) -> int:
+        return self.geometry.num_blocks * self.block_size
+
+    def add_request(self, request: EngineRequest) -> None:
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        need = len(prompt) + request.sampling.max_tokens
+        if need > self.max_tokens_per_request:
+            raise ValueError(
+                f"request needs {need} tokens of cache (prompt {len(prompt)} + max_tokens "
+                f"{request.sampling.max_tokens}) but this engine holds at most {self.max_tokens_per_request}"
+            )
+        if any(r.request_id == request.request_id for r in self._all_live()):
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.resume is not None:
+            self._check_resume(request.resume, prompt)
+        req = _Request(request.request_id, prompt, len(prompt), request.sampling, request.keep_state,
+                       request.first_output_index)
+        req.resume = request.resume
+        req.cache_salt = request.cache_salt
+        req.cached_source = request.cached_source if request.resume is not None else "computed"
+        self._waiting.append(req)
+
+    def _check_resume(self, state: ResumeState, prompt: list[int]) -> None:
+        if state.layout.fingerprint() != self.layout.fingerprint():
+            raise ValueError("resume state was produced for another model layout")
+        if not 0 < state.position < len(prompt):
+            raise ValueError(f"resume position {state.position} must be inside the prompt (len {len(prompt)})")
+        if state.first_block != 0:
+            raise ValueError("resume state must carry every MLA block from position 0")
+
+    def _all_live(self):
+        yield from self._waiting
+        yield from self._running
+        yield from self._held.values()
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def abort(self, request_id: str) -> list[TokenOutput]:
+        for req in list(self._waiting) + self._running:
+            if req.request_id == request_id:
+                if req in self._waiting:
+                    self._waiting.remove(req)
+                else:
+                    self._running.remove(req)
+                    self._free(req, keep=False)
+                return [self._output(req, [], "abort")]
+        if request_id in self._held:
+            self.release(request_id, keep_resident=False)
+        return []
+
+    # -- memory --------------------------------------------------------------------
+    def _ensure_blocks(self, req: _Request, upto: int) -> bool:
+        need = math.ceil(upto / self.block_size) - len(req.block_table)
+        if need <= 0:
+            return True
+        while not self.cache.blocks.can_allocate(need) and self._residents:
+            self._evict_resident()
+        if not self.cache.blocks.can_allocate(need):
+            return False
+        req.block_table.extend(self.cache.blocks.allocate(need))
+        return True
+
+    def _evict_resident(self) -> None:
+        _, res = self._residents.popitem(last=False)
+        self.cache.blocks.free(res.block_table)
+        self.counters["resident_evictions"] += 1
+
+    def _free(self, req: _Request, keep: bool) -> None:
+        if req.slot >= 0:
+            if keep:
+                req.checkpoints[req.num_computed] = self._copy_slot(req.slot)
+            self.cache.free_slot(req.slot)
+            req.slot = -1
+        if not keep:
+            self.cache.blocks.free(req.block_table)
+            req.block_table = []
+
+    def _copy_slot(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [c[slot].clone() for c in self.cache.conv], [r[slot].clone() for r in self.cache.rec]
+
+    def _load_slot(self, slot: int, conv: list[torch.Tensor], rec: list[torch.Tensor]) -> None:
+        for dst, src in zip(self.cache.conv, conv):
+            dst[slot].copy_(src)
+        for dst, src in zip(self.cache.rec, rec):
+            dst[slot].copy_(src)
+
+    def _make_resident(self, req: _Request) -> None:
+        end = req.num_computed
+        if not self.options.resident_sessions or end not in req.checkpoints or not req.block_table:
+            self.cache.blocks.free(req.block_table)
+            req.block_table = []
+            return
+        conv, rec = req.checkpoints[end]
+        self._residents[self._next_resident] = _Resident(req.cache_salt, req.token_ids[:end], req.block_table, conv, rec)
+        self._next_resident += 1
+        req.block_table = []
+
+    def resident_match(self, tokens: list[int], cache_salt: str = "") -> tuple[int | None, int]:
+        """(resident id, tokens) of the longest resident session that ``tokens`` extends."""
+        best, best_len = None, 0
+        for rid, res in self._residents.items():
+            n = len(res.tokens)
+            if res.cache_salt == cache_salt and best_len < n < len(tokens) and tokens[:n] == res.tokens:
+                best, best_len = rid, n
+        return best, best_len
+
+    def _adopt_resident(self, req: _Request) -> None:
+        best, best_len = self.resident_match(req.token_ids, req.cache_salt)
+        if best is None:
+            return
+        res = self._residents.pop(best)
+        req.block_table = res.block_table
+        self._load_slot(req.slot, res.conv, res.rec)
+        req.num_computed = req.num_cached = best_len
+        req.cached_source = "device"
+        self.counters["device_hit_tokens"] += best_len
+
+    def _import(self, req: _Request, state: ResumeState) -> bool:
+        if not self._ensure_blocks(req, state.position):
+            return False
+        bs = self.block_size
+        for i, blk in enumerate(state.mla_blocks):
+            for layer in range(self.layout.num_mla_layers):
+                self.cache.mla[layer][req.block_table[i]].copy_(blk.rows[layer])
+        if state.tail is not None:
+            start = (state.position // bs) * bs
+            for layer in range(self.layout.num_mla_layers):
+                self.cache.write_rows(layer, req.block_table, start, state.tail.rows[layer].to(self.device))
+        kda = state.kda[0]
+        self._load_slot(req.slot, list(kda.conv), list(kda.recurrent))
+        req.num_computed = req.num_cached = state.position
+        return True
+
+    # -- export ------------------------------------------------------------------------
+    def export_state(self, request_id: str, position: int | None = None, first_block: int = 0) -> ResumeState:
+        """State of a held (or running) request at ``position`` (default: its current position)."""
+        req = self._held.get(request_id) or next((r for r in self._running if r.request_id == request_id), None)
+        if req is None:
+            raise KeyError(f"no live or held request {request_id!r}")
+        position = req.num_computed if position is None else position
+        if position == req.num_computed and req.slot >= 0:
+            conv, rec = self._copy_slot(req.slot)
+        elif position in req.checkpoints:
+            conv, rec = req.checkpoints[position]
+        else:
+            raise ValueError(f"no KDA checkpoint at {position} (have {sorted(req.checkpoints)} and {req.num_computed})")
+        bs = self.block_size
+        n_full = position // bs
+        blocks = []
+        if n_full > first_block:
+            ids = torch.as_tensor(req.block_table[first_block:n_full], device=self.device)
+            stacked = torch.stack([layer.index_select(0, ids) for layer in self.cache.mla])  # [L, nb, bs, D]
+            stacked = stacked.cpu()
+            blocks = [MLABlock(stacked[:, i], (first_block + i) * bs, bs) for i in range(stacked.shape[1])]
+        tail = None
+        if position % bs:
+            start = n_full * bs
+            rows = torch.stack([self.cache.read_rows(m, req.block_table, start, position)
+                                for m in range(self.layout.num_mla_layers)]).cpu()
+            tail = MLABlock(rows, start, position - start)
+        kda = KDACheckpoint(torch.stack(conv).cpu(), torch.stack(rec).cpu(), position)
+        return ResumeState(self.layout, position, blocks, first_block, tail, [kda])
+
+    def computed_tokens(self, request_id: str) -> list[int]:
+        req = self._held[request_id]
+        return req.token_ids[: req.num_computed]
+
+    def release(self, request_id: str, keep_resident: bool = True) -> None:
+        req = self._held.pop(request_id, None)
+        if req is None:
+            return
+        if keep_resident:
+            self._make_resident(req)
+        else:
+            self.cache.blocks.free(req.block_table)
+            req.block_table = []
+
+    # -- stepping -------------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        budget = self.options.max_num_batched_tokens
+        plan: list[tuple[_Request, int]] = []
+        outputs: list[TokenOutput] = []
+        for req in list(self._running):
+            n = self._chunk(req, budget)
+            if n > 0 and self._ensure_blocks(req, req.num_computed + n):
+                plan.append((req, n))
+                budget -= n
+            elif n > 0 and len(req.token_ids) - req.num_computed == 1:
+                self._preempt_newest(exclude=req)
+        while self._waiting and budget > 0 and self.cache.num_free_slots > 0:
+            req = self._waiting[0]
+            if not self._admit(req):
+                break
+            self._waiting.popleft()
+            self._running.append(req)
+            n = self._chunk(req, budget)
+            if n > 0 and self._ensure_blocks(req, req.num_computed + n):
+                plan.append((req, n))
+                budget -= n
+        if not plan:
+            return outputs
+        seqs = []
+        for req, n in plan:
+            ids = torch.as_tensor(req.token_ids[req.num_computed : req.num_computed + n], device=self.device)
+            view = PagedSeqCache(self.cache, req.block_table, req.slot, req.num_computed)
+            seqs.append(SeqInput(ids, req.num_computed, view))
+        with torch.inference_mode():
+            logits = self.model.forward(seqs)
+        self.counters["steps"] += 1
+        for (req, n), lg in zip(plan, logits):
+            req.num_computed += n
+            if n == 1 and req.num_output > 0:
+                self.counters["decode_tokens"] += 1
+            else:
+                self.counters["prefill_tokens"] += n
+            if req.num_computed < len(req.token_ids):
+                self._maybe_checkpoint(req)
+                continue
+            if self.options.capture_logits:
+                self.last_logits[req.request_id] = lg[-1].detach().clone()
+            token = sample(lg[-1], req.sampling, req.first_output_index + req.num_output)
+            req.token_ids.append(token)
+            reason = self._finish_reason(req, token)
+            outputs.append(self._output(req, [token], reason))
+            if reason is not None:
+                self._finish(req)
+        return outputs
+
+    def _chunk(self, req: _Request, budget: int) -> int:
+        todo = len(req.token_ids) - req.num_computed
+        n = min(todo, budget)
+        if n < todo:  # a partial chunk must end on a block boundary
+            n = ((req.num_computed + n) // self.block_size) * self.block_size - req.num_computed
+        every = self.options.checkpoint_interval
+        if req.keep_state and every and todo > 1:  # stop at the next checkpoint boundary to take one there
+            n = min(n, (req.num_computed // every + 1) * every - req.num_computed)
+        return max(n, 0)
+
+    def _admit(self, req: _Request) -> bool:
+        req.slot = self.cache.allocate_slot()
+        state = req.resume
+        if state is not None:
+            if not self._import(req, state):
+                self.cache.free_slot(req.slot)
+                req.slot = -1
+                return False
+            req.resume = None
+        else:
+            self._adopt_resident(req)
+        return True
+
+    def _preempt_newest(self, exclude: _Request) -> None:
+        victims = [r for r in self._running if r is not exclude]
+        if not victims:
+            return
+        victim = victims[-1]
+        self._running.remove(victim)
+        self._free(victim, keep=False)
+        victim.num_computed = 0
+        victim.checkpoints.clear()
+        self._waiting.appendleft(victim)
+        self.counters["preemptions"] += 1
+
+    def _maybe_checkpoint(self, req: _Request) -> None:
+        every = self.options.checkpoint_interval
+        if req.keep_state and every and req.num_computed % every == 0:
+            req.checkpoints[req.num_computed] = self._copy_slot(req.slot)
+
+    def _finish_reason(self, req: _Request, token: int) -> str | None:
+        sp = req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token == self.eos_token_id):
+            return "stop"
+        if req.num_output >= sp.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, req: _Request) -> None:
+        self._running.remove(req)
+        req.finished = True
+        self._free(req, keep=True)
+        if req.keep_state:
+            self._held[req.request_id] = req
+        else:
+            self._make_resident(req)
+
+    def _output(self, req: _Request, tokens: list[int], reason: str | None) -> TokenOutput:
+        req.finish_reason = reason
+        return TokenOutput(req.request_id, tokens, reason is not None, reason, req.num_prompt,
+                           req.num_cached, req.cached_source)
+
+    # -- convenience ---------------------------------------------------------------------
+    def generate(self, request: EngineRequest) -> tuple[list[int], TokenOutput]:
+        """Run one request to completion alone (tests, CLI). Returns (output ids, last output)."""
+        self.add_request(request)
+        tokens: list[int] = []
+        last = None
+        while True:
+            for out in self.step():
+                if out.request_id == request.request_id:
+                    tokens.extend(out.new_token_ids)
+                    last = out
+            if last is not None and last.finished:
+                return tokens, last
+            if not self.has_work():
+                raise RuntimeError("engine stalled")
+
+    def stats(self) -> dict:
+        return dict(self.counters, free_blocks=self.cache.blocks.num_free, num_blocks=self.geometry.num_blocks,
+                    block_bytes=self.geometry.block_bytes,
+                    resident_sessions=len(self._residents), running=len(self._running),
+                    waiting=len(self._waiting), held=len(self._held), time=time.time())

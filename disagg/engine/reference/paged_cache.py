@@ -1,0 +1,169 @@
+"""Paged MLA latent cache and KDA state slots, sized from a byte budget.
+
+    MLA cache, per MLA layer:  [num_blocks, block_size, latent_dim]
+    KDA slots, per KDA layer:  conv [num_slots, conv_width - 1, 3*H*K]
+                               recurrent [num_slots, H, K, V]
+
+A request owns a block table (list of block ids, position t lives in block
+table[t // bs] at row t % bs) and one KDA slot while it runs.
+
+NOTES
+1. A block id is either free or owned by exactly one request / resident
+   session; ``BlockAllocator`` asserts both directions.
+2. Block tables are append-only while a request runs.
+3. The byte budget is split: KDA slots for ``max_num_seqs`` sequences first,
+   the rest to MLA blocks. A request needing more blocks than exist is refused
+   at admission with a ValueError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.objects import StateLayout
+
+
+class BlockAllocator:
+    """Free list of block ids with ownership checks."""
+
+    def __init__(self, num_blocks: int):
+        assert num_blocks > 0, "need at least one block"
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._used = [False] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        assert self.can_allocate(n), f"asked for {n} blocks, {len(self._free)} free"
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            assert not self._used[b], f"block {b} handed out twice"
+            self._used[b] = True
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            assert self._used[b], f"block {b} freed twice"
+            self._used[b] = False
+            self._free.append(b)
+
+
+@dataclass(slots=True)
+class CacheGeometry:
+    """How many blocks and slots a budget buys."""
+
+    num_blocks: int  # MLA blocks
+    num_slots: int  # KDA state slots
+    block_bytes: int  # MLA bytes per block (all layers)
+    slot_bytes: int  # KDA bytes per slot (all layers)
+
+
+def size_cache(layout: StateLayout, budget_bytes: int, max_num_seqs: int) -> CacheGeometry:
+    """Split ``budget_bytes`` into KDA slots and MLA blocks (NOTE 3)."""
+    block_bytes = layout.mla_block_bytes()
+    slot_bytes = layout.kda_checkpoint_bytes()
+    kda_bytes = slot_bytes * max_num_seqs
+    if kda_bytes + block_bytes > budget_bytes:
+        raise ValueError(
+            f"cache budget {budget_bytes} B is too small: {max_num_seqs} KDA slots need "
+            f"{kda_bytes} B and one MLA block {block_bytes} B"
+        )
+    num_blocks = (budget_bytes - kda_bytes) // max(block_bytes, 1)
+    return CacheGeometry(num_blocks, max_num_seqs, block_bytes, slot_bytes)
+
+
+class PagedStateCache:
+    """The engine's device-resident state: paged MLA latents + KDA slots."""
+
+    def __init__(self, layout: StateLayout, geometry: CacheGeometry, device: str | torch.device = "cpu"):
+        self.layout = layout
+        self.geometry = geometry
+        bs, d = layout.block_size, layout.latent_dim
+        cdt = getattr(torch, layout.cache_dtype)
+        self.mla = [
+            torch.zeros(geometry.num_blocks, bs, d, dtype=cdt, device=device) for _ in range(layout.num_mla_layers)
+        ]
+        h, k, v, w = layout.kda_heads, layout.head_k, layout.head_v, layout.conv_width
+        self.conv = [
+            torch.zeros(geometry.num_slots, w - 1, 3 * h * k, dtype=getattr(torch, layout.conv_dtype), device=device)
+            for _ in range(layout.num_kda_layers)
+        ]
+        self.rec = [
+            torch.zeros(geometry.num_slots, h, k, v, dtype=getattr(torch, layout.state_dtype), device=device)
+            for _ in range(layout.num_kda_layers)
+        ]
+        self.blocks = BlockAllocator(geometry.num_blocks)
+        self._free_slots = list(range(geometry.num_slots - 1, -1, -1))
+
+    # -- slots ---------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def allocate_slot(self) -> int:
+        assert self._free_slots, "no free KDA slot"
+        slot = self._free_slots.pop()
+        for c, r in zip(self.conv, self.rec):
+            c[slot].zero_()
+            r[slot].zero_()
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        assert slot not in self._free_slots, f"slot {slot} freed twice"
+        self._free_slots.append(slot)
+
+    # -- positions -------------------------------------------------------------
+    def row_index(self, block_table: list[int], start: int, stop: int) -> torch.Tensor:
+        """Flat row ids (block * bs + offset) of positions [start, stop)."""
+        bs = self.layout.block_size
+        pos = torch.arange(start, stop)
+        table = torch.as_tensor(block_table, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
+
+    def read_rows(self, mla_idx: int, block_table: list[int], start: int, stop: int) -> torch.Tensor:
+        flat = self.mla[mla_idx].view(-1, self.layout.latent_dim)
+        if stop - start == 0:
+            return flat[:0]
+        bs = self.layout.block_size
+        if start % bs == 0:  # whole blocks then a partial one: one gather per block run
+            first, last = start // bs, (stop + bs - 1) // bs
+            rows = self.mla[mla_idx][block_table[first:last]].reshape(-1, self.layout.latent_dim)
+            return rows[: stop - start]
+        return flat[self.row_index(block_table, start, stop)]
+
+    def write_rows(self, mla_idx: int, block_table: list[int], start: int, rows: torch.Tensor) -> None:
+        flat = self.mla[mla_idx].view(-1, self.layout.latent_dim)
+        flat[self.row_index(block_table, start, start + rows.shape[0])] = rows.to(flat.dtype)
+
+
+class PagedSeqCache:
+    """``SequenceCache`` view of one request over a ``PagedStateCache``."""
+
+    __slots__ = ("cache", "block_table", "slot", "start_pos")
+
+    def __init__(self, cache: PagedStateCache, block_table: list[int], slot: int, start_pos: int):
+        self.cache = cache
+        self.block_table = block_table
+        self.slot = slot
+        self.start_pos = start_pos
+
+    def mla_history(self, mla_idx: int) -> torch.Tensor:
+        return self.cache.read_rows(mla_idx, self.block_table, 0, self.start_pos)
+
+    def mla_append(self, mla_idx: int, rows: torch.Tensor) -> None:
+        self.cache.write_rows(mla_idx, self.block_table, self.start_pos, rows)
+
+    def kda_state(self, kda_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.conv[kda_idx][self.slot], self.cache.rec[kda_idx][self.slot]
+
+    def kda_update(self, kda_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.cache.conv[kda_idx][self.slot].copy_(conv)
+        self.cache.rec[kda_idx][self.slot].copy_(recurrent)

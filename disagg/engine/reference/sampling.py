@@ -1,0 +1,32 @@
+"""Token sampling: greedy, temperature, top-p, per-request seeds.
+
+Seeded sampling draws token i of a request from a generator seeded with
+(seed, i), so the same request samples the same tokens whichever engine
+(prefill or decode replica) samples which position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disagg.engine.protocol import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
+    """Pick one token from ``logits`` [vocab] (any float dtype)."""
+    logits = logits.float()
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        keep = cum - sorted_p < params.top_p  # always keeps the top token
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        probs = probs / probs.sum()
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed((params.seed * 1_000_003 + output_index) % (2**63))
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())

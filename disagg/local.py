@@ -1,0 +1,61 @@
+"""Run the application on a local Ray cluster (``disagg serve`` / ``demo``, tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+from disagg.config import AppConfig
+
+log = logging.getLogger(__name__)
+APP_NAME = "disagg"
+
+
+def _init_ray() -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # logical CPUs: the embedded default packs ingress + prefill + decode onto small machines
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, namespace="disagg",
+             log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
+    return True
+
+
+@contextlib.contextmanager
+def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
+    """Serve ``cfg`` on a local Ray cluster; yields the base URL; tears everything down."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.node_store import shutdown_node_stores
+
+    started = _init_ray()
+    try:
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False)
+        yield f"http://{cfg.http.host}:{cfg.http.port}"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.delete(name)
+        with contextlib.suppress(Exception):
+            shutdown_node_stores()
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        if started:
+            ray.shutdown()
+
+
+def serve_forever(cfg: AppConfig) -> None:
+    with local_app(cfg) as url:
+        print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1  (Ctrl-C to stop)",
+              flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("shutting down", flush=True)

@@ -1,0 +1,61 @@
+"""Messages that cross process boundaries (ingress <-> prefill/decode replicas).
+
+Only small control data travels through Ray: state moves through kv_transfer
+tiers and is named here by a handle. Reprs keep prompts out of logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disagg.engine.protocol import SamplingParams
+
+
+@dataclass(slots=True)
+class PrefillHandle:
+    """Where a prefill left the request's state (returned by a prefill replica)."""
+
+    position: int  # tokens whose state was published (== prompt length)
+    first_token: int  # the token sampled at the end of the prompt
+    num_cached_tokens: int  # prompt tokens the prefill replica reused
+    cached_source: str  # where those came from: device | host | disk | peer | computed
+    replica_id: str  # the prefill replica (for logs and metrics)
+    node_id: str  # node whose host tier holds the state
+    published_bytes: int = 0  # bytes written to the host tier for this request
+    publish_seconds: float = 0.0  # export + put time
+    prefill_seconds: float = 0.0  # compute time on the prefill replica
+
+
+@dataclass(slots=True, repr=False)
+class GenerateParams:
+    """One generation as the ingress hands it to a replica."""
+
+    request_id: str  # unique id (also the engine request id)
+    prompt_token_ids: list[int]  # full prompt, tenant-independent token ids
+    sampling: SamplingParams  # how to pick tokens
+    session_id: str | None = None  # conversation id for affinity (optional)
+    cache_salt: str = ""  # tenant salt entering every state key
+    prefill: PrefillHandle | None = None  # set when a prefill replica ran first
+    route_reason: str = ""  # why the router placed it here (metrics)
+
+    def __repr__(self) -> str:
+        return (
+            f"GenerateParams(id={self.request_id!r}, prompt_len={len(self.prompt_token_ids)}, "
+            f"session={self.session_id!r}, prefill={self.prefill})"
+        )
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """A piece of a streamed generation (replica -> ingress)."""
+
+    token_ids: list[int] = field(default_factory=list)  # new tokens in order
+    finished: bool = False  # last chunk of the request
+    finish_reason: str | None = None  # length | stop | abort | error
+    num_prompt_tokens: int = 0  # prompt length
+    num_cached_tokens: int = 0  # prompt tokens whose state was reused
+    cached_source: str = "computed"  # device | host | disk | peer | computed
+    error: str | None = None  # message when finish_reason == "error"
+    transfer_bytes: int = 0  # state bytes loaded for this request
+    transfer_seconds: float = 0.0  # time spent loading them
+    replica_id: str = ""  # the replica that produced the chunk

@@ -1,0 +1,203 @@
+"""A serving worker: one engine plus the node's state store, Ray-free.
+
+The Serve prefill and decode deployments are thin shells around this class, and
+the in-process backend (tests, overhead baseline) uses it directly.
+
+A request's path through a decode worker (the decode side orchestrates):
+
+    resume = longest of (device-resident session, store's resumable prefix)
+    suffix = prompt - resume
+    suffix <= local_prefill_max_tokens or no prefill pool
+        -> prefill here from ``resume``                      (conditional disagg.)
+    else
+        -> prefill worker: resume, compute, publish state, return a handle
+        -> load the state by handle from the host tier        (checksummed)
+           missing or corrupt -> recompute here, never a wrong token
+    decode, streaming tokens
+    turn end: publish the state at the last computed token (next turn resumes)
+
+NOTES
+1. Bulk state never travels in a Ray message: only ``PrefillHandle``.
+2. ``num_cached_tokens`` counts prompt tokens whose state was reused (by the
+   prefill worker when one ran); the hand-off itself is a transfer, not a hit.
+3. Any failure of the state path degrades to recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from disagg.engine.protocol import EngineRequest
+from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
+
+log = logging.getLogger(__name__)
+
+PrefillFn = Callable[[GenerateParams], Awaitable[PrefillHandle]]
+
+
+@dataclass(slots=True)
+class _Resume:
+    state: object | None  # ResumeState to import, or None (engine may adopt a resident session)
+    position: int  # tokens reused
+    source: str  # device | host | disk | peer | computed
+    nbytes: int = 0  # bytes loaded
+    seconds: float = 0.0  # load time
+
+
+class StatefulWorker:
+    def __init__(self, engine, store=None, replica_id: str = "local", node_id: str = "local",
+                 local_prefill_max_tokens: int = 512, prefill_retries: int = 1):
+        self.engine = engine  # AsyncEngine
+        self.store = store  # kv_transfer.store.StateStore (node-shared tiers) or None
+        self.replica_id = replica_id
+        self.node_id = node_id
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.prefill_retries = prefill_retries
+        self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
+        self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,
+                         "load_failures": 0, "prefill_failures": 0, "published_bytes": 0}
+
+    # -- state lookup ---------------------------------------------------------------
+    async def _plan_resume(self, tokens: list[int], hasher: BlockHasher, cache_salt: str) -> _Resume:
+        _, device_len = await self.engine.call(self.engine.engine.resident_match, tokens, cache_salt)
+        if self.store is not None:
+            point = self.store.resumable_length(tokens, hasher, max_position=len(tokens) - 1)
+            if point.position > device_len:
+                loaded = await self._load(tokens, point.position, hasher)
+                if loaded is not None:
+                    return replace(loaded, source=point.tier)
+        return _Resume(None, device_len, "device" if device_len else "computed")
+
+    async def _load(self, tokens: list[int], position: int, hasher: BlockHasher) -> _Resume | None:
+        t0 = time.perf_counter()
+        try:
+            state = await self.engine.call(self.store.load_state, tokens, position, hasher, self.engine.layout)
+        except Exception:  # a tier that fails is a miss (NOTE 3)
+            log.exception("state load failed; recomputing")
+            state = None
+        if state is None:
+            self.counters["load_failures"] += 1
+            return None
+        nbytes = sum(b.rows.nbytes for b in state.mla_blocks) + (state.tail.rows.nbytes if state.tail else 0)
+        nbytes += sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
+        return _Resume(state, position, "host", nbytes, time.perf_counter() - t0)
+
+    async def _publish(self, request_id: str, tokens: list[int], hasher: BlockHasher) -> tuple[int, float]:
+        """Publish a held request's state at its current position; release it to the device tier."""
+        t0 = time.perf_counter()
+        nbytes = 0
+        try:
+            if self.store is not None:
+                present = self._present_blocks(tokens, hasher)
+                state = await self.engine.export_state(request_id, len(tokens), present)
+                result = await self.engine.call(self.store.put_state, tokens, state, hasher)
+                nbytes = getattr(result, "nbytes", 0)
+                self.counters["published_bytes"] += nbytes
+        except Exception:
+            log.exception("publishing state failed; the next turn will recompute")
+        finally:
+            await self.engine.release(request_id)
+        return nbytes, time.perf_counter() - t0
+
+    def _present_blocks(self, tokens: list[int], hasher: BlockHasher) -> int:
+        digests = hasher.block_hashes(tokens)
+        if not digests:
+            return 0
+        flags = self.store.contains_keys([ObjectKey("mla", d) for d in digests])
+        n = 0
+        while n < len(flags) and flags[n]:
+            n += 1
+        return n
+
+    # -- prefill (runs on a prefill worker) ---------------------------------------------------
+    async def prefill(self, params: GenerateParams) -> PrefillHandle:
+        t0 = time.perf_counter()
+        tokens = params.prompt_token_ids
+        hasher = self.hasher.with_salt(params.cache_salt)
+        plan = await self._plan_resume(tokens, hasher, params.cache_salt)
+        rid = f"{params.request_id}/prefill"
+        req = EngineRequest(rid, tokens, replace(params.sampling, max_tokens=1), resume=plan.state,
+                            keep_state=True, cached_source=plan.source, cache_salt=params.cache_salt)
+        last = None
+        async for out in self.engine.generate(req):
+            last = out
+        assert last is not None and last.new_token_ids, "prefill produced no token"
+        compute_s = time.perf_counter() - t0
+        nbytes, pub_s = await self._publish(rid, tokens, hasher)
+        self.counters["prefills"] += 1
+        return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
+                             self.replica_id, self.node_id, nbytes, pub_s, compute_s)
+
+    # -- generate (runs on a decode worker) -----------------------------------------------------
+    async def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
+        tokens = list(params.prompt_token_ids)
+        hasher = self.hasher.with_salt(params.cache_salt)
+        sampling = params.sampling
+        plan = await self._plan_resume(tokens, hasher, params.cache_salt)
+        handle = None
+        if prefill_fn is not None and len(tokens) - plan.position > self.local_prefill_max_tokens:
+            handle = await self._remote_prefill(params, prefill_fn)
+        first_index = 0
+        cached, source = plan.position, plan.source
+        transfer_bytes, transfer_s = plan.nbytes, plan.seconds
+        if handle is not None:
+            self.counters["remote_prefills"] += 1
+            cached, source = handle.num_cached_tokens, handle.cached_source
+            first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=cached,
+                                cached_source=source, replica_id=self.replica_id)
+            done = sampling.max_tokens == 1 or _is_stop(handle.first_token, sampling, self.engine.engine)
+            if done:
+                first.finished, first.finish_reason = True, "length" if sampling.max_tokens == 1 else "stop"
+                yield first
+                return
+            yield first
+            loaded = await self._load(tokens, handle.position, hasher)
+            plan = loaded or _Resume(None, 0, "computed")
+            transfer_bytes, transfer_s = plan.nbytes, plan.seconds
+            tokens = tokens + [handle.first_token]
+            sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
+            first_index = 1
+        else:
+            self.counters["local_prefills"] += 1
+        rid = f"{params.request_id}/decode"
+        req = EngineRequest(rid, tokens, sampling, resume=plan.state, keep_state=True,
+                            first_output_index=first_index, cached_source=plan.source, cache_salt=params.cache_salt)
+        finished = False
+        try:
+            async for out in self.engine.generate(req):
+                chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason, len(params.prompt_token_ids),
+                                    cached if handle else out.num_cached_tokens, source if handle else out.cached_source,
+                                    out.error, transfer_bytes, transfer_s, self.replica_id)
+                if out.finished:
+                    finished = True
+                    if out.finish_reason != "abort":
+                        computed = await self.engine.call(self.engine.engine.computed_tokens, rid)
+                        await self._publish(rid, computed, hasher)
+                yield chunk
+        finally:
+            if not finished:
+                await self.engine.release(rid, False)
+            self.counters["decodes"] += 1
+
+    async def _remote_prefill(self, params: GenerateParams, prefill_fn: PrefillFn) -> PrefillHandle | None:
+        for attempt in range(self.prefill_retries + 1):
+            try:
+                return await prefill_fn(params)
+            except Exception as exc:  # a dead or failing prefill replica: retry, then prefill here
+                self.counters["prefill_failures"] += 1
+                log.warning("remote prefill attempt %d failed (%s)", attempt + 1, exc)
+        return None
+
+    def stats(self) -> dict:
+        out = {"worker": dict(self.counters), "engine": self.engine.engine.stats()}
+        if self.store is not None:
+            out["store"] = self.store.stats()
+        return out
+
+
+def _is_stop(token: int, sampling, engine) -> bool:
+    return token in sampling.stop_token_ids or (not sampling.ignore_eos and token == engine.eos_token_id)

@@ -1,0 +1,182 @@
+"""The reference engine: scheduling, state export/import, residency, exactness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.engine.protocol import EngineRequest, SamplingParams
+from disagg.engine.reference.config import load_preset
+from disagg.engine.reference.engine import EngineOptions, ReferenceEngine
+from disagg.engine.reference.model import K3ForCausalLM
+
+BS = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.float32).eval()
+
+
+def make_engine(model, **kw) -> ReferenceEngine:
+    opts = dict(block_size=BS, max_num_batched_tokens=128, checkpoint_interval=BS, cache_budget_bytes=64 << 20,
+                max_num_seqs=8, capture_logits=True)
+    opts.update(kw)
+    return ReferenceEngine(model, "tiny-test", EngineOptions(**opts))
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 259, (n,), generator=g).tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def run(engine: ReferenceEngine, rid: str, tokens, n: int, **kw):
+    out, last = engine.generate(EngineRequest(rid, tokens, greedy(n), **kw))
+    return out, last, engine.last_logits[rid]
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> None:
+    err = (a - b).abs().max() / b.abs().max()
+    assert err < rtol, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("position", [64, 128, 192, 256])
+def test_resume_at_block_boundary_matches_uninterrupted_run(model, position):
+    p = prompt(300)
+    a = make_engine(model)
+    ref_tokens, _, ref_logits = run(a, "a", p, 8, keep_state=True)
+    state = a.export_state("a", position)
+    assert state.position == position and state.tail is None and len(state.mla_blocks) == position // BS
+    b = make_engine(model, resident_sessions=False)
+    tokens, last, logits = run(b, "b", p, 8, resume=state)
+    assert tokens == ref_tokens
+    assert last.num_cached_tokens == position
+    assert_close(logits, ref_logits)
+
+
+def test_resume_at_unaligned_turn_end_matches_recompute(model):
+    p1 = prompt(150)
+    a = make_engine(model)
+    out1, _, _ = run(a, "t1", p1, 10, keep_state=True)
+    computed = a.computed_tokens("t1")
+    assert len(computed) == 150 + 10 - 1 and computed[-1] != None  # noqa: E711
+    state = a.export_state("t1")
+    assert state.position % BS != 0 and state.tail is not None
+    p2 = p1 + out1 + prompt(40, seed=2)
+    fresh = make_engine(model, resident_sessions=False)
+    ref_tokens, _, ref_logits = run(fresh, "full", p2, 8)
+    b = make_engine(model, resident_sessions=False)
+    tokens, last, logits = run(b, "resumed", p2, 8, resume=state)
+    assert last.num_cached_tokens == len(computed)
+    assert tokens == ref_tokens
+    assert_close(logits, ref_logits)
+
+
+def test_turn_two_adopts_device_resident_state(model):
+    eng = make_engine(model)
+    p1 = prompt(200)
+    out1, _, _ = run(eng, "s1", p1, 6)
+    p2 = p1 + out1 + prompt(30, seed=3)
+    tokens, last, _ = run(eng, "s2", p2, 6)
+    assert last.cached_source == "device" and last.num_cached_tokens == 200 + 6 - 1
+    ref, _, _ = run(make_engine(model, resident_sessions=False), "ref", p2, 6)
+    assert tokens == ref
+
+
+def test_residents_are_not_shared_across_cache_salts(model):
+    eng = make_engine(model)
+    p1 = prompt(200)
+    out1, _, _ = run(eng, "s1", p1, 4, cache_salt="tenant-a")
+    _, last, _ = run(eng, "s2", p1 + out1 + [5], 2, cache_salt="tenant-b")
+    assert last.num_cached_tokens == 0
+
+
+def test_greedy_tokens_do_not_depend_on_batch(model):
+    solo = make_engine(model)
+    target = prompt(180, seed=7)
+    ref, _, ref_logits = run(solo, "x", target, 12)
+    eng = make_engine(model, max_num_batched_tokens=256)
+    for i, n in enumerate((70, 130, 260)):
+        eng.add_request(EngineRequest(f"other{i}", prompt(n, seed=10 + i), greedy(9)))
+    eng.add_request(EngineRequest("x", target, greedy(12)))
+    got: list[int] = []
+    while eng.has_work():
+        for o in eng.step():
+            if o.request_id == "x":
+                got.extend(o.new_token_ids)
+    assert got == ref
+    assert_close(eng.last_logits["x"], ref_logits, rtol=1e-4)
+
+
+def test_preemption_under_memory_pressure_keeps_outputs(model):
+    reqs = {f"r{i}": prompt(100 + 20 * i, seed=20 + i) for i in range(4)}
+    refs = {rid: run(make_engine(model), rid, p, 40)[0] for rid, p in reqs.items()}
+    # room for ~10 blocks: four requests growing to 3-4 blocks each must preempt
+    layout_bytes = make_engine(model).geometry
+    budget = layout_bytes.slot_bytes * 4 + layout_bytes.block_bytes * 10
+    eng = make_engine(model, cache_budget_bytes=budget, max_num_seqs=4, resident_sessions=False)
+    for rid, p in reqs.items():
+        eng.add_request(EngineRequest(rid, p, greedy(40)))
+    got = {rid: [] for rid in reqs}
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id].extend(o.new_token_ids)
+    assert eng.counters["preemptions"] > 0
+    assert got == refs
+    assert eng.cache.blocks.num_free == eng.geometry.num_blocks
+
+
+def test_refuses_requests_that_can_never_fit(model):
+    eng = make_engine(model, cache_budget_bytes=8 << 20)
+    too_long = eng.max_tokens_per_request
+    with pytest.raises(ValueError, match="holds at most"):
+        eng.add_request(EngineRequest("big", prompt(too_long), greedy(1)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request(EngineRequest("bad", [1, 2, 10**6], greedy(1)))
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.add_request(EngineRequest("empty", [], greedy(1)))
+
+
+def test_abort_frees_blocks_and_slot(model):
+    eng = make_engine(model, resident_sessions=False)
+    eng.add_request(EngineRequest("a", prompt(300), greedy(50)))
+    eng.step()
+    assert eng.cache.blocks.num_free < eng.geometry.num_blocks
+    outs = eng.abort("a")
+    assert outs and outs[0].finish_reason == "abort"
+    assert eng.cache.blocks.num_free == eng.geometry.num_blocks
+    assert eng.cache.num_free_slots == eng.geometry.num_slots
+    assert not eng.has_work()
+
+
+def test_seeded_sampling_is_split_invariant(model):
+    """Tokens sampled with a seed are the same whether one engine samples them all or two split them."""
+    p = prompt(100)
+    sp = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+    a = make_engine(model)
+    whole, _ = a.generate(EngineRequest("w", p, sp, keep_state=True))
+    first, _ = make_engine(model).generate(
+        EngineRequest("p", p, SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, seed=1234), keep_state=True))
+    assert first == whole[:1]
+    b = make_engine(model)
+    pre = make_engine(model)
+    pre.generate(EngineRequest("p", p, SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, seed=1234),
+                               keep_state=True))
+    state = pre.export_state("p")
+    rest, _ = b.generate(EngineRequest("d", p + first, SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9,
+                                                                       seed=1234, ignore_eos=True),
+                                       resume=state, first_output_index=1))
+    assert first + rest == whole
+
+
+def test_stop_token_and_max_tokens(model):
+    eng = make_engine(model)
+    out, last = eng.generate(EngineRequest("a", prompt(50), greedy(5)))
+    assert len(out) == 5 and last.finish_reason == "length"
+    stop = out[2]
+    out2, last2 = eng.generate(EngineRequest("b", prompt(50), SamplingParams(max_tokens=5, stop_token_ids=(stop,))))
+    assert out2[-1] == stop and last2.finish_reason == "stop" and len(out2) <= 3
