@@ -42,7 +42,7 @@ class _ServerBase:
 
         self.node_id = ray.get_runtime_context().get_node_id()
         self.engine = AsyncEngine(build_reference_engine(self.config))
-        self.store = connect_node_store(self.config, self.node_id)
+        self.store = connect_node_store(self.config, self.node_id, self.engine.layout)
         self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
                                      self.config.router.local_prefill_max_tokens)
         self._draining = False

@@ -15,6 +15,9 @@ import json
 import sys
 import time
 
+from disagg.bench.cli import add_bench_parsers
+from disagg.sim.cli import add_sim_parsers
+
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (an AppConfig, or a Serve config with args)")
@@ -123,12 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one-line JSON output")
     p.set_defaults(func=cmd_generate)
 
-    for mod, fn in (("disagg.bench.cli", "add_bench_parsers"), ("disagg.sim.cli", "add_sim_parsers")):
-        try:
-            module = __import__(mod, fromlist=[fn])
-        except ImportError:
-            continue
-        getattr(module, fn)(sub)
+    add_bench_parsers(sub)
+    add_sim_parsers(sub)
     return ap
 
 

@@ -48,6 +48,7 @@ class EngineConfig(_Strict):
     checkpoint_interval: int = 0  # extra KDA checkpoints every N tokens (0 = turn ends only)
     resident_sessions: bool = True  # keep finished sessions on the device (device tier)
     max_model_len: int | None = None  # cap on prompt + output tokens
+    num_threads: int | None = None  # torch intra-op threads per replica (None = torch's default)
     vllm: dict[str, Any] = Field(default_factory=dict)  # extra vLLM engine kwargs (vllm backend)
 
     @field_validator("block_size")
@@ -68,7 +69,7 @@ class DiskTierConfig(_Strict):
     enabled: bool = False
     path: str = "/tmp/disagg-disk-tier"  # segment directory (local NVMe)
     capacity_gb: float = 16.0
-    admission: Literal["always", "on_evict", "second_touch"] = "on_evict"
+    admission: Literal["always", "second_touch"] = "always"  # what host evictions the disk keeps
 
 
 class GrpcConfig(_Strict):

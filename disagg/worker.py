@@ -69,7 +69,7 @@ class StatefulWorker:
             if point.position > device_len:
                 loaded = await self._load(tokens, point.position, hasher)
                 if loaded is not None:
-                    return replace(loaded, source=point.tier)
+                    return replace(loaded, source=_source(point.slowest_tier))
         return _Resume(None, device_len, "device" if device_len else "computed")
 
     async def _load(self, tokens: list[int], position: int, hasher: BlockHasher) -> _Resume | None:
@@ -95,7 +95,7 @@ class StatefulWorker:
                 present = self._present_blocks(tokens, hasher)
                 state = await self.engine.export_state(request_id, len(tokens), present)
                 result = await self.engine.call(self.store.put_state, tokens, state, hasher)
-                nbytes = getattr(result, "nbytes", 0)
+                nbytes = result.bytes_stored
                 self.counters["published_bytes"] += nbytes
         except Exception:
             log.exception("publishing state failed; the next turn will recompute")
@@ -197,6 +197,13 @@ class StatefulWorker:
         if self.store is not None:
             out["store"] = self.store.stats()
         return out
+
+
+def _source(tier: str | None) -> str:
+    """Metric source name of a tier: host, disk, or peer for any remote tier."""
+    if tier is None:
+        return "computed"
+    return "peer" if tier.startswith("remote") else tier
 
 
 def _is_stop(token: int, sampling, engine) -> bool:

@@ -112,7 +112,7 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         if body.model != backend.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {backend.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
-        vocab = getattr(backend.tokenizer, "vocab_size", None)
+        vocab = getattr(backend, "vocab_size", None)
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else max(1, backend.max_model_len - len(ids))

@@ -32,6 +32,8 @@ class ServingMetrics:
         self.evictions = Gauge("disagg_tier_evictions", "Evictions per tier (cumulative)", ["tier"], registry=r)
         self.checksum_failures = Gauge("disagg_checksum_failures", "Objects dropped on checksum failure (cumulative)",
                                        registry=r)
+        self.engine_requests = Gauge("disagg_engine_requests", "Requests in the engines by role and state",
+                                     ["role", "state"], registry=r)
         self.route_decisions = Gauge("disagg_route_decisions", "Router decisions by reason (cumulative)",
                                      ["reason"], registry=r)
         for s in SOURCES:
@@ -62,8 +64,39 @@ class ServingMetrics:
             self.evictions.labels(tier=tier).set(s.get("evictions", 0))
         if "checksum_failures" in stats:
             self.checksum_failures.set(stats["checksum_failures"])
+        for role, e in (stats.get("engines") or {}).items():
+            for state in ("running", "waiting", "held"):
+                self.engine_requests.labels(role=role, state=state).set(e.get(state, 0))
         for reason, n in (stats.get("route_decisions") or {}).items():
             self.route_decisions.labels(reason=reason).set(n)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def merge_replica_stats(replica_stats: list[dict]) -> dict:
+    """Fold replica stats into the shape ``ServingMetrics.observe_stats`` reads."""
+    tiers: dict[str, dict] = {}
+    engines: dict[str, dict] = {}
+    checksum = 0
+    for s in replica_stats:
+        store = s.get("store") or {}
+        for key, t in store.items():
+            if key.startswith("tier:") and isinstance(t, dict):
+                # node-shared tiers: every replica on the node reports the same figures
+                tiers[key[5:]] = dict(t, evictions=t.get("num_evictions", t.get("num_evicted", 0)))
+        checksum = max(checksum, store.get("num_corrupt_pieces", 0))
+        eng = s.get("engine") or {}
+        if eng:
+            agg = engines.setdefault(s.get("role", "?"), {"running": 0, "waiting": 0, "held": 0})
+            for k in agg:
+                agg[k] += eng.get(k, 0)
+            dev = tiers.setdefault(f"device:{s.get('role', '?')}", {"used_bytes": 0, "capacity_bytes": 0,
+                                                                    "num_objects": 0, "evictions": 0})
+            dev["num_objects"] += eng.get("resident_sessions", 0)
+            dev["evictions"] += eng.get("resident_evictions", 0)
+            blocks = eng.get("num_blocks", 0)
+            block_bytes = eng.get("block_bytes", 0)
+            dev["used_bytes"] += (blocks - eng.get("free_blocks", 0)) * block_bytes
+            dev["capacity_bytes"] += blocks * block_bytes
+    return {"tiers": tiers, "engines": engines, "checksum_failures": checksum}

@@ -32,8 +32,10 @@ def load_reference_model(cfg: ModelConfig):
 def build_reference_engine(app: AppConfig):
     from disagg.engine.reference.engine import EngineOptions, ReferenceEngine
 
-    model, model_id = load_reference_model(app.model)
     e = app.engine
+    if e.num_threads:
+        torch.set_num_threads(e.num_threads)
+    model, model_id = load_reference_model(app.model)
     opts = EngineOptions(
         block_size=e.block_size,
         max_num_seqs=e.max_num_seqs,

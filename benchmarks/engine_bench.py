@@ -1,0 +1,174 @@
+"""Reference engine figures: prefill / decode throughput and resume vs recompute.
+
+    python benchmarks/engine_bench.py                       # CPU, tiny preset
+    python benchmarks/engine_bench.py --device cuda --preset small --prefill-lens 8192,32768 \
+        --decode-batches 1,16,64 --context 32768
+
+Prints a table; every ratio is measured against a baseline in the same run.
+Resume vs recompute: TTFT of a follow-up turn (``--followup`` new tokens) on a
+``--context``-token conversation when its state is imported (from memory, and
+through the host tier with checksums when kv_transfer's store is available)
+against recomputing the whole conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from disagg.engine.protocol import EngineRequest, SamplingParams
+from disagg.engine.reference.config import load_preset
+from disagg.engine.reference.engine import EngineOptions, ReferenceEngine
+from disagg.engine.reference.model import K3ForCausalLM
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(vocab, 259), (n,), generator=g).tolist()
+
+
+def make_engine(model, device: str, budget_mb: int, chunk: int, **kw) -> ReferenceEngine:
+    opts = EngineOptions(block_size=64, max_num_seqs=max(64, kw.pop("max_num_seqs", 64)),
+                         max_num_batched_tokens=chunk, cache_budget_bytes=budget_mb << 20, **kw)
+    return ReferenceEngine(model, "bench", opts)
+
+
+def ttft(engine: ReferenceEngine, rid: str, prompt: list[int], device: str, **kw) -> tuple[float, int]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out, last = engine.generate(EngineRequest(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), **kw))
+    _sync(device)
+    return time.perf_counter() - t0, out[0]
+
+
+def bench_prefill(model, device, budget_mb, chunk, length, reps) -> float:
+    times = []
+    for r in range(reps):
+        eng = make_engine(model, device, budget_mb, chunk, resident_sessions=False)
+        t, _ = ttft(eng, f"p{r}", _ids(length, r, model.config.vocab_size), device)
+        times.append(t)
+    return length / statistics.median(times)
+
+
+def bench_decode(model, device, budget_mb, chunk, batch, context, steps) -> float:
+    """Median decode step time (s) with ``batch`` sequences at ``context`` tokens."""
+    eng = make_engine(model, device, budget_mb, max(chunk, batch), resident_sessions=False, max_num_seqs=batch)
+    for i in range(batch):
+        eng.add_request(EngineRequest(f"d{i}", _ids(context, i, model.config.vocab_size),
+                                      SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
+    while any(len(r.token_ids) == r.num_prompt for r in eng._running) or eng._waiting:  # finish prefills
+        eng.step()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        eng.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:] if len(times) > 4 else times)
+
+
+def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> dict:
+    vocab = model.config.vocab_size
+    first = _ids(context, 7, vocab)
+    src = make_engine(model, device, budget_mb, chunk)
+    out, _ = src.generate(EngineRequest("t1", first, SamplingParams(max_tokens=1, ignore_eos=True), keep_state=True))
+    state = src.export_state("t1")
+    turn2 = first + out + _ids(followup, 8, vocab)
+    res: dict[str, list[float]] = {"recompute": [], "resume_memory": [], "resume_host_tier": []}
+    store = _store(budget_mb, src.layout)
+    hasher = None
+    if store is not None:
+        from kv_transfer.keys import BlockHasher, KeyExtras
+
+        hasher = BlockHasher(64, KeyExtras("bench"))
+        store.put_state(src.computed_tokens("t1"), state, hasher)
+    tok = {}
+    for r in range(reps):
+        t, tok["recompute"] = ttft(make_engine(model, device, budget_mb, chunk, resident_sessions=False),
+                                   f"r{r}", turn2, device)
+        res["recompute"].append(t)
+        t, tok["resume_memory"] = ttft(make_engine(model, device, budget_mb, chunk, resident_sessions=False),
+                                       f"m{r}", turn2, device, resume=state)
+        res["resume_memory"].append(t)
+        if store is not None:
+            eng = make_engine(model, device, budget_mb, chunk, resident_sessions=False)
+            _sync(device)
+            t0 = time.perf_counter()
+            point = store.resumable_length(turn2, hasher, max_position=len(turn2) - 1)
+            loaded = store.load_state(turn2, point.position, hasher, eng.layout)
+            assert loaded is not None and point.position == state.position
+            t_load = time.perf_counter() - t0
+            t, tok["resume_host_tier"] = ttft(eng, f"h{r}", turn2, device, resume=loaded)
+            res["resume_host_tier"].append(t_load + t)
+    assert len(set(tok.values())) == 1, f"resumed and recomputed first tokens differ: {tok}"
+    med = {k: statistics.median(v) for k, v in res.items() if v}
+    return {"context": context, "followup": followup, **{f"ttft_{k}_ms": 1000 * v for k, v in med.items()},
+            **{f"speedup_{k}": med["recompute"] / v for k, v in med.items() if k != "recompute"}}
+
+
+def _store(budget_mb: int, layout):
+    try:
+        from kv_transfer.store import StateStore
+        from kv_transfer.tiers.host import HostTier
+    except ImportError:
+        return None
+    return StateStore([HostTier(max(256, budget_mb) << 20)], layout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--budget-mb", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--prefill-lens", default="1024,4096")
+    ap.add_argument("--decode-batches", default="1,16")
+    ap.add_argument("--decode-context", type=int, default=512)
+    ap.add_argument("--context", default="4096", help="resume-vs-recompute context lengths (comma list)")
+    ap.add_argument("--followup", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = K3ForCausalLM.random_init(load_preset(args.preset), seed=0, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
+    figures: dict = {"preset": args.preset, "device": args.device, "dtype": args.dtype,
+                     "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+                     "torch": torch.__version__, "threads": torch.get_num_threads()}
+    ttft(make_engine(model, args.device, args.budget_mb, args.chunk), "warm", _ids(256, 0, 300), args.device)
+    for n in [int(x) for x in args.prefill_lens.split(",") if x]:
+        figures[f"prefill_tok_s_{n}"] = round(bench_prefill(model, args.device, args.budget_mb, args.chunk, n,
+                                                            args.reps), 1)
+        print(f"prefill {n:>6} tokens: {figures[f'prefill_tok_s_{n}']:>10.1f} tok/s", flush=True)
+    for b in [int(x) for x in args.decode_batches.split(",") if x]:
+        step = bench_decode(model, args.device, args.budget_mb, args.chunk, b, args.decode_context, 12)
+        figures[f"decode_step_ms_b{b}"] = round(1000 * step, 3)
+        figures[f"decode_tok_s_b{b}"] = round(b / step, 1)
+        print(f"decode batch {b:>3} @ {args.decode_context} ctx: step {1000 * step:8.2f} ms  "
+              f"{b / step:10.1f} tok/s", flush=True)
+    for c in [int(x) for x in args.context.split(",") if x]:
+        r = bench_resume(model, args.device, args.budget_mb, args.chunk, c, args.followup, args.reps)
+        figures[f"resume_{c}"] = r
+        line = "  ".join(f"{k}={v:.1f}" for k, v in r.items() if isinstance(v, float))
+        print(f"resume vs recompute @ {c}: {line}", flush=True)
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""``K3ForCausalLM``: the reference Kimi Linear / K3 decoder (KDA + MLA + MoE).
+
+Pre-norm residual blocks, HF parameter names:
+
+    h = embed_tokens(ids)
+    for layer i:   h = h + self_attn_i(input_layernorm(h))        KDA or MLA
+                   h = h + ffn_i(post_attention_layernorm(h))     mlp (dense) or block_sparse_moe
+    logits = lm_head(norm(h))
+
+One ``forward`` serves a batch of sequences, each with its own new tokens,
+``start_pos`` and cache. Token-wise work (embedding, norms, projections, MoE)
+runs once over all new tokens concatenated; only sequence mixing (short conv,
+KDA recurrence, MLA attention) loops over sequences:
+
+    rows    | seq 0: n0 new tokens | seq 1: n1 new tokens | ...
+    mixing  | cache 0, start_pos 0 | cache 1, start_pos 1 | ...
+
+NOTES
+1. The model is stateless: every piece of per-sequence state lives in the
+   ``SequenceCache`` it is handed (MLA rows per MLA layer, KDA conv and
+   recurrent state per KDA layer; layer indices count within each kind).
+2. ``A_log``, ``dt_bias`` and ``e_score_correction_bias`` stay fp32 when the
+   model runs in a half dtype (``cast_model``).
+3. ``random_init`` draws every parameter from one CPU generator in fp32, in
+   sorted-name order: the same seed gives the same weights in any dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from disagg.engine.reference.cache_view import SeqInput
+from disagg.engine.reference.config import K3Config
+from disagg.engine.reference.kda import KimiDeltaAttention
+from disagg.engine.reference.layers import RMSNorm, TokenSpan, state_dtype
+from disagg.engine.reference.mla import KimiMLAAttention
+from disagg.engine.reference.moe import SparseMoE, SwiGLU
+from kv_transfer.objects import StateLayout
+
+FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")  # NOTE 2
+LOGIT_STD = 6.0  # random init: logits std, so greedy choices have wide margins
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, layer_id: int):
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.is_kda = c.is_kda_layer(layer_id)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if self.is_kda:
+            self.self_attn = KimiDeltaAttention(
+                c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.conv_width, c.rms_norm_eps
+            )
+        else:
+            self.self_attn = KimiMLAAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.is_moe_layer(layer_id):
+            self.block_sparse_moe = SparseMoE(c)
+        else:
+            self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, h: torch.Tensor, spans: list[TokenSpan], kind_idx: int, absorbed: bool | None) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.is_kda:
+            h = h + self.self_attn(x, spans, kind_idx)
+        else:
+            h = h + self.self_attn(x, spans, kind_idx, absorbed)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return h + ffn(self.post_attention_layernorm(h))
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class K3ForCausalLM(nn.Module):
+    """Reference model. ``forward(seqs) -> per-sequence logits``; see the module docstring."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        la = config.linear_attn_config
+        if la.get("use_full_rank_gate") or "gate_lower_bound" in la:
+            raise ValueError("linear_attn_config.use_full_rank_gate / gate_lower_bound (K3 KDA gate) is not supported")
+        if config.extra.get("mla_use_output_gate"):
+            raise ValueError("mla_use_output_gate: gated MLA is not supported by the reference model")
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        kda_ids, mla_ids = config.kda_layer_ids, config.mla_layer_ids
+        self._kind_idx = [kda_ids.index(i) if i in kda_ids else mla_ids.index(i) for i in range(config.num_hidden_layers)]
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -- forward ---------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, seqs: list[SeqInput], absorbed: bool | None = None) -> list[torch.Tensor]:
+        """Logits per sequence: [1, vocab] for the last new token, or [n, vocab] with ``all_logits``.
+
+        Args:
+            seqs: sequences of this step (each: new token ids, start_pos, cache).
+            absorbed: MLA form; None picks absorbed for 1-token steps, expanded otherwise.
+        """
+        assert seqs, "forward needs at least one sequence"
+        device = self.model.embed_tokens.weight.device
+        spans, offset = [], 0
+        for s in seqs:
+            n = int(s.input_ids.numel())
+            assert s.input_ids.dim() == 1 and n > 0, "input_ids must be a non-empty 1-D tensor"
+            assert s.start_pos >= 0, "start_pos must be >= 0"
+            spans.append(TokenSpan(offset, n, s.start_pos, s.cache))
+            offset += n
+        ids = torch.cat([s.input_ids.to(device=device, dtype=torch.long) for s in seqs])
+        h = self.model.embed_tokens(ids)
+        for layer, kind_idx in zip(self.model.layers, self._kind_idx):
+            h = layer(h, spans, kind_idx, absorbed)
+        pick = torch.cat([
+            torch.arange(sp.offset, sp.offset + sp.num_tokens) if s.all_logits
+            else torch.tensor([sp.offset + sp.num_tokens - 1])
+            for s, sp in zip(seqs, spans)
+        ]).to(device)
+        logits = self.lm_head(self.model.norm(h[pick])).to(state_dtype(self.dtype))
+        sizes = [sp.num_tokens if s.all_logits else 1 for s, sp in zip(seqs, spans)]
+        return list(logits.split(sizes))
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def random_init(
+        cls, config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> K3ForCausalLM:
+        """Deterministic random weights with peaked outputs (NOTE 3)."""
+        model = cls(config)  # built on CPU (a meta build costs seconds on first use)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters()):
+                p.copy_(_init_value(name, tuple(p.shape), config, gen))
+        return cast_model(model, dtype, device).eval()
+
+    def state_layout(self, model_id: str, block_size: int, dtype: torch.dtype | None = None) -> StateLayout:
+        """Geometry of this model's per-request state (for kv_transfer and the engine cache)."""
+        c = self.config
+        dtype = dtype or self.dtype
+        name = str(dtype).removeprefix("torch.")
+        return StateLayout(
+            model_id=model_id, block_size=block_size, num_mla_layers=len(c.mla_layer_ids),
+            latent_dim=c.latent_dim, num_kda_layers=len(c.kda_layer_ids), kda_heads=c.kda_num_heads,
+            head_k=c.kda_head_dim, head_v=c.kda_head_dim, conv_width=c.conv_width,
+            cache_dtype=name, conv_dtype=name, state_dtype=str(state_dtype(dtype)).removeprefix("torch."),
+        )
+
+
+def cast_model(model: K3ForCausalLM, dtype: torch.dtype, device: str | torch.device = "cpu") -> K3ForCausalLM:
+    """Move and cast, keeping the NOTE 2 parameters in fp32 for half dtypes."""
+    model.to(device=device, dtype=dtype)
+    if dtype in (torch.float16, torch.bfloat16):
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in FP32_PARAMS:
+                p.data = p.data.float()
+    return model
+
+
+def _init_value(name: str, shape: tuple[int, ...], config: K3Config, gen: torch.Generator) -> torch.Tensor:
+    """Initial value of one parameter (fp32, CPU)."""
+    leaf = name.rsplit(".", 1)[-1]
+    randn = lambda std: torch.randn(shape, generator=gen) * std
+    uniform = lambda lo, hi: lo + (hi - lo) * torch.rand(shape, generator=gen)
+    if leaf == "A_log":  # A in [1, 2]
+        return uniform(1.0, 2.0).log()
+    if leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 5e-2]: alpha mostly 0.9-0.999
+        dt = uniform(math.log(1e-3), math.log(5e-2)).exp()
+        return dt + torch.log(-torch.expm1(-dt))
+    if leaf == "e_score_correction_bias":
+        return randn(0.05)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("embed_tokens.weight"):
+        return randn(1.0)
+    if name == "lm_head.weight":
+        return randn(LOGIT_STD / math.sqrt(shape[1]))
+    if name.endswith("conv1d.weight"):
+        return randn(1.0 / math.sqrt(shape[-1]))
+    fan_in = shape[1]
+    if name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")):  # residual branch outputs
+        return randn(1.0 / math.sqrt(fan_in * 2 * config.num_hidden_layers))
+    if name.endswith("f_b_proj.weight"):  # small data-dependent part of the decay
+        return randn(0.3 / math.sqrt(fan_in))
+    return randn(1.0 / math.sqrt(fan_in))

@@ -1,0 +1,137 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and the sigmoid top-k MoE.
+
+    SwiGLU(x)  = down(silu(gate(x)) * up(x))               (experts: w2(silu(w1 x) * w3 x))
+
+Routing (``route``), per token, E experts, in >= fp32:
+
+    s        = sigmoid(x W_g^T)                      (softmax when so configured)
+    chosen   = top-k of (s + e_score_correction_bias) (optionally group-limited first)
+    weight_j = s[chosen_j]                           (the bias only selects)
+    weight   = weight / sum(weight)                  when moe_renormalize
+    weight  *= routed_scaling_factor
+    MoE(x)   = sum_j weight_j expert_{chosen_j}(x) + shared_experts(x)   (shared unscaled)
+
+Group-limited top-k (``num_expert_group`` > 1): each group scores the sum of its
+two best biased scores, the best ``topk_group`` groups stay eligible.
+
+NOTES
+1. Each token's expert outputs are added in ascending expert id, so a token's
+   result does not depend on which other tokens share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.engine.reference.layers import compute_dtype
+
+
+class SwiGLU(nn.Module):
+    """Dense MLP with names gate_proj / up_proj / down_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Expert(nn.Module):
+    """A routed expert with the checkpoint names w1 (gate), w2 (down), w3 (up)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEGate(nn.Module):
+    """Router parameters: ``gate.weight`` [E, hidden], ``gate.e_score_correction_bias`` [E]."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+
+def route(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    activation: str = "sigmoid",
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose experts per token. router_logits [N, E] -> (ids [N, k] int64, weights [N, k])."""
+    logits = router_logits.to(compute_dtype(router_logits.dtype))
+    if activation == "sigmoid":
+        scores = logits.sigmoid()
+    elif activation == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"moe_router_activation_func {activation!r} is not supported")
+    choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)
+    n, e = choice.shape
+    if num_expert_group > 1:
+        grouped = choice.view(n, num_expert_group, e // num_expert_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(n, e)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights * routed_scaling_factor
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus shared experts (module name ``block_sparse_moe`` in the model)."""
+
+    def __init__(self, config):
+        super().__init__()
+        c = config
+        self.top_k = c.num_experts_per_token
+        self.renormalize = c.moe_renormalize
+        self.scaling = c.routed_scaling_factor
+        self.activation = c.moe_router_activation_func
+        grouped = c.use_grouped_topk
+        self.num_expert_group = c.num_expert_group if grouped else 1
+        self.topk_group = c.topk_group if grouped else 1
+        self.gate = MoEGate(c.hidden_size, c.num_experts)
+        self.experts = nn.ModuleList(Expert(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts))
+        n_shared = c.num_shared_experts or 0
+        self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * n_shared) if n_shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cd = compute_dtype(x.dtype)
+        logits = x.to(cd) @ self.gate.weight.to(cd).T
+        return route(
+            logits, self.gate.e_score_correction_bias, top_k=self.top_k, renormalize=self.renormalize,
+            routed_scaling_factor=self.scaling, activation=self.activation,
+            num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
+        for e in torch.unique(ids).tolist():  # ascending (NOTE 1)
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[tok]).to(out.dtype)
+            out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,125 @@
+"""Tokenizers: a byte-level default and an HF tokenizer when a model ships one.
+
+ByteTokenizer ids::
+
+    0 <pad>   1 <bos>   2 <eos>   3 <unk>   4 .. 259  UTF-8 bytes 0x00 .. 0xFF
+
+Chat template (plain text, then encoded like any other text)::
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n
+
+NOTES
+1. ``decode`` never raises: special ids are dropped (or rendered by name),
+   ids outside the table become U+FFFD, and invalid UTF-8 is replaced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+BYTE_OFFSET = len(SPECIALS)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past a few special ids; fits any vocab_size >= 260."""
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    unk_token_id = 3
+    vocab_size = BYTE_OFFSET + 256
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = [b + BYTE_OFFSET for b in text.encode("utf-8")]
+        return [self.bos_token_id, *ids] if add_bos else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out: list[str] = []
+        buf = bytearray()
+
+        def flush() -> None:
+            if buf:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf.clear()
+
+        for i in ids:
+            i = int(i)
+            if BYTE_OFFSET <= i < self.vocab_size:
+                buf.append(i - BYTE_OFFSET)
+                continue
+            flush()
+            if 0 <= i < BYTE_OFFSET:
+                if not skip_special_tokens:
+                    out.append(SPECIALS[i])
+            else:
+                out.append("\ufffd")
+        flush()
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return render_chat(messages, add_generation_prompt)
+
+
+def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Role-tagged plain-text chat template shared by the fallback tokenizers."""
+    parts = []
+    for m in messages:
+        role, content = m.get("role", "user"), m.get("content", "")
+        if not isinstance(content, str):  # OpenAI-style content parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|{role}|>\n{content}\n")
+    if add_generation_prompt:
+        parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+class _TokenizersAdapter:
+    """Gives a bare ``tokenizers.Tokenizer`` the small API the engine uses."""
+
+    def __init__(self, tok, directory: Path):
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        cfg = directory / "config.json"
+        ids = {}
+        if cfg.exists():
+            import json
+
+            ids = json.loads(cfg.read_text())
+        self.bos_token_id = ids.get("bos_token_id")
+        self.eos_token_id = ids.get("eos_token_id")
+        self.pad_token_id = ids.get("pad_token_id")
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return render_chat(messages, add_generation_prompt)
+
+
+def load_tokenizer(model_dir: str | Path | None = None):
+    """HF tokenizer from ``model_dir/tokenizer.json`` when one can be loaded, else ``ByteTokenizer``.
+
+    With ``transformers`` the result is its ``AutoTokenizer`` (its own API);
+    with only ``tokenizers`` it is wrapped to ``ByteTokenizer``'s API.
+    """
+    if model_dir is None or not (Path(model_dir) / "tokenizer.json").exists():
+        return ByteTokenizer()
+    directory = Path(model_dir)
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(directory))
+    except ImportError:
+        pass
+    try:
+        from tokenizers import Tokenizer
+
+        return _TokenizersAdapter(Tokenizer.from_file(str(directory / "tokenizer.json")), directory)
+    except ImportError:
+        return ByteTokenizer()

@@ -1,0 +1,1 @@
+"""Filters: ``filter(ctx, workers) -> workers`` (a subset, never reordered)."""

@@ -1,0 +1,69 @@
+"""Load guard: exclude overloaded workers before scoring (anti-pinning).
+
+Two guards, both relative to the candidates' mean:
+
+    prefill:   drop w if  q_w > prefill_ratio * mean(q) + prefill_slack_tokens
+    sessions:  drop w if  s_w > session_ratio * mean(s) + session_slack
+               (only for a session's first turn: moving a live session costs
+               its cache, so placed sessions are judged by the prefill guard)
+
+q is the effective queued prefill (live + in-flight predictions), s the
+active sessions placed on the worker. The guard never empties the list: if
+every worker would be dropped, the least loaded one stays. With a hot shared
+prompt this is what stops one worker from collecting every new session: once
+it holds more than its share, new sessions go to the next-best (cached)
+worker instead.
+
+Config example (YAML)::
+
+    load_guard: {prefill_ratio: 1.25, prefill_slack_tokens: 8192,
+                 session_ratio: 1.1, session_slack: 1}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.router.context import RoutingContext
+from disagg.router.types import WorkerState
+
+
+@dataclass(slots=True)
+class LoadGuardConfig:
+    prefill_ratio: float = 1.25  # allowed multiple of the mean queued prefill
+    prefill_slack_tokens: float = 8192.0  # absolute slack (idle clusters)
+    session_ratio: float = 1.1  # allowed multiple of the mean active sessions
+    session_slack: float = 1.0  # absolute slack in sessions
+
+    def __post_init__(self) -> None:
+        if self.prefill_ratio < 1.0 or self.session_ratio < 1.0:
+            raise ValueError("guard ratios must be >= 1")
+        if self.prefill_slack_tokens < 0 or self.session_slack < 0:
+            raise ValueError("guard slack must be >= 0")
+
+
+class LoadGuardFilter:
+    name = "load_guard"
+
+    def __init__(self, config: LoadGuardConfig | None = None, **params: object):
+        self.config = config or LoadGuardConfig(**params)  # type: ignore[arg-type]
+
+    def filter(self, ctx: RoutingContext, workers: list[WorkerState]) -> list[WorkerState]:
+        if len(workers) <= 1:
+            return list(workers)
+        cfg = self.config
+        loads = [ctx.load(w) for w in workers]
+        mean_q = sum(x.prefill_tokens for x in loads) / len(loads)
+        q_cap = cfg.prefill_ratio * mean_q + cfg.prefill_slack_tokens
+        new_session = ctx.session_worker is None
+        mean_s = sum(x.active_sessions for x in loads) / len(loads)
+        s_cap = cfg.session_ratio * mean_s + cfg.session_slack
+        kept = [
+            w
+            for w, x in zip(workers, loads, strict=True)
+            if x.prefill_tokens <= q_cap and (not new_session or x.active_sessions <= s_cap)
+        ]
+        if kept:
+            return kept
+        least = min(range(len(workers)), key=lambda i: (loads[i].prefill_tokens, workers[i].worker_id))
+        return [workers[least]]

@@ -1,0 +1,56 @@
+"""Router counters: decisions by reason, predicted vs realized cache hits.
+
+    prediction_ratio = realized_cached_tokens / predicted_cached_tokens
+    overpredicted    = requests whose realized hit < predicted hit
+
+A ratio well below 1 means the index lags the caches (events late or lost);
+the router then routes to state that is gone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RouterMetrics:
+    decisions: Counter = field(default_factory=Counter)  # reason -> count
+    tiers: Counter = field(default_factory=Counter)  # predicted source tier -> count
+    num_decisions: int = 0  # routed requests
+    num_finished: int = 0  # requests reported finished
+    predicted_cached_tokens: int = 0  # sum over finished requests
+    realized_cached_tokens: int = 0  # sum over finished requests
+    overpredicted: int = 0  # finished requests with realized < predicted
+    prompt_tokens: int = 0  # sum of prompt tokens of finished requests
+
+    def record_decision(self, reason: str, tier: str | None) -> None:
+        self.num_decisions += 1
+        self.decisions[reason] += 1
+        self.tiers[tier or "none"] += 1
+
+    def record_finished(self, predicted: int, realized: int, prompt_len: int) -> None:
+        self.num_finished += 1
+        self.predicted_cached_tokens += predicted
+        self.realized_cached_tokens += realized
+        self.prompt_tokens += prompt_len
+        if realized < predicted:
+            self.overpredicted += 1
+
+    @property
+    def prediction_ratio(self) -> float:
+        if self.predicted_cached_tokens == 0:
+            return 1.0
+        return self.realized_cached_tokens / self.predicted_cached_tokens
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "decisions": dict(self.decisions),
+            "tiers": dict(self.tiers),
+            "num_decisions": self.num_decisions,
+            "num_finished": self.num_finished,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
+            "realized_cached_tokens": self.realized_cached_tokens,
+            "prediction_ratio": round(self.prediction_ratio, 4),
+            "overpredicted": self.overpredicted,
+        }

@@ -1,0 +1,115 @@
+"""The one table of routing plugins, and profile construction from config.
+
+A profile config names plugins from ``PLUGINS``; a plugin is written either
+as its name or as ``{name: {param: value}}``; a scorer's value is its weight
+or ``{weight: w, params: {...}}``. Shared plugin parameters live under the
+top-level ``plugins`` key and apply to every instance of that plugin::
+
+    profiles:
+      both:
+        filters: [healthy, role, load_guard]
+        scorers: {prefix: 2, load: 1, affinity: 0.5}
+        picker: {max_score: {epsilon: 0.0}}
+    plugins:
+      prefix: {tier_weights: {device: 1.0, host: 0.85, disk: 0.5, remote: 0.4}}
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from disagg.router.filters.healthy import HealthyFilter
+from disagg.router.filters.load_guard import LoadGuardFilter
+from disagg.router.filters.role import RoleFilter
+from disagg.router.picker import MaxScorePicker
+from disagg.router.profile import SchedulingProfile
+from disagg.router.scorers.affinity import AffinityScorer
+from disagg.router.scorers.load import LoadScorer
+from disagg.router.scorers.prefix import PrefixScorer
+
+FILTERS: dict[str, Callable[..., Any]] = {
+    "healthy": HealthyFilter,
+    "role": RoleFilter,
+    "load_guard": LoadGuardFilter,
+}
+SCORERS: dict[str, Callable[..., Any]] = {
+    "prefix": PrefixScorer,
+    "load": LoadScorer,
+    "affinity": AffinityScorer,
+}
+PICKERS: dict[str, Callable[..., Any]] = {"max_score": MaxScorePicker}
+PLUGINS: dict[str, dict[str, Callable[..., Any]]] = {
+    "filters": FILTERS,
+    "scorers": SCORERS,
+    "pickers": PICKERS,
+}
+
+DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
+    "both": {
+        "filters": ["healthy", "role", "load_guard"],
+        "scorers": {"prefix": 2.0, "load": 1.0, "affinity": 0.5},
+    },
+    "prefill": {
+        "filters": ["healthy", {"role": {"phase": "prefill"}}, "load_guard"],
+        "scorers": {"prefix": 2.0, "load": 1.0, "affinity": 0.5},
+    },
+    "decode": {
+        "filters": ["healthy", {"role": {"phase": "decode"}}],
+        "scorers": {
+            "prefix": 1.0,
+            "load": {"weight": 1.0, "params": {"prefill_weight": 0.3, "decode_weight": 1.0}},
+            "affinity": 0.5,
+        },
+    },
+}
+
+
+def _split(spec: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, dict) and len(spec) == 1:
+        name, params = next(iter(spec.items()))
+        return name, dict(params or {})
+    raise ValueError(f"plugin spec must be a name or {{name: params}}, got {spec!r}")
+
+
+def _make(table: dict[str, Callable[..., Any]], name: str, params: dict[str, Any]) -> Any:
+    if name not in table:
+        raise ValueError(f"unknown plugin {name!r}; known: {sorted(table)}")
+    return table[name](**params)
+
+
+def build_profile(
+    name: str, cfg: dict[str, Any], shared: dict[str, dict[str, Any]] | None = None
+) -> SchedulingProfile:
+    """Build one profile from its config dict (see module docstring)."""
+    shared = shared or {}
+    unknown = set(cfg) - {"filters", "scorers", "picker"}
+    if unknown:
+        raise ValueError(f"profile {name!r}: unknown keys {sorted(unknown)}")
+    filters = []
+    for spec in cfg.get("filters", []):
+        fname, params = _split(spec)
+        filters.append(_make(FILTERS, fname, {**shared.get(fname, {}), **params}))
+    scorers = []
+    for sname, val in cfg.get("scorers", {}).items():
+        if isinstance(val, dict):
+            weight = float(val.get("weight", 1.0))
+            params = dict(val.get("params", {}))
+        else:
+            weight, params = float(val), {}
+        scorers.append((_make(SCORERS, sname, {**shared.get(sname, {}), **params}), weight))
+    pname, pparams = _split(cfg.get("picker", "max_score"))
+    picker = _make(PICKERS, pname, {**shared.get(pname, {}), **pparams})
+    return SchedulingProfile(name, filters, scorers, picker)
+
+
+def build_profiles(
+    profiles: dict[str, dict[str, Any]] | None = None, shared: dict[str, dict[str, Any]] | None = None
+) -> dict[str, SchedulingProfile]:
+    """Defaults overlaid by ``profiles`` (a profile given replaces the default)."""
+    merged = copy.deepcopy(DEFAULT_PROFILES)
+    merged.update(copy.deepcopy(profiles or {}))
+    return {name: build_profile(name, cfg, shared) for name, cfg in merged.items()}

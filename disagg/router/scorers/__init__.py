@@ -1,0 +1,1 @@
+"""Scorers: ``score(ctx, workers) -> {worker_id: float in [0, 1]}``."""

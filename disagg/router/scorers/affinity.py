@@ -1,0 +1,50 @@
+"""Session-affinity scorer: keep a session's turns where its state was left.
+
+    score_w = 1.0            if w ran the session's previous turn
+            = node_score     if w shares that worker's node (host-tier reach)
+            = 0.0            otherwise (or for a session's first turn)
+
+It is a tie-breaker next to the prefix scorer (which sees what is actually
+cached); affinity also covers the window between routing a turn and the
+store events that report its state.
+
+Config example (YAML)::
+
+    affinity: {node_score: 0.5}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.router.context import RoutingContext
+from disagg.router.types import WorkerState
+
+
+@dataclass(slots=True)
+class AffinityScorerConfig:
+    node_score: float = 0.5  # score for another worker of the same node
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.node_score <= 1.0:
+            raise ValueError("node_score must be in [0, 1]")
+
+
+class AffinityScorer:
+    name = "affinity"
+
+    def __init__(self, config: AffinityScorerConfig | None = None, **params: object):
+        self.config = config or AffinityScorerConfig(**params)  # type: ignore[arg-type]
+
+    def score(self, ctx: RoutingContext, workers: list[WorkerState]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for w in workers:
+            if ctx.session_worker is None:
+                out[w.worker_id] = 0.0
+            elif w.worker_id == ctx.session_worker:
+                out[w.worker_id] = 1.0
+            elif ctx.session_node is not None and w.node_id == ctx.session_node:
+                out[w.worker_id] = self.config.node_score
+            else:
+                out[w.worker_id] = 0.0
+        return out

@@ -1,0 +1,394 @@
+"""StateStore: resume state (MLA blocks, tails, KDA checkpoints) over ordered tiers.
+
+Objects and their keys (see ``kv_transfer.keys``):
+
+    tokens    |<- block 0 ->|<- block 1 ->|<- tail ->|            p = resume point
+    objects     mla:h_1       mla:h_2       tail:D(p)   kda:D(p):tp{r}of{T}  (r < T)
+    DCP d > 1   mla:h_i:dcp{r}of{d}, tail:D(p):dcp{r}of{d}             (r < d)
+
+    D(p) = prefix_digest(p): h_{p/bs} when p is aligned, else tail(p).
+
+MLA blocks carry no TP rank: TP ranks share the latent cache, so the first rank
+to put a block stores it and the others find it present (stored once per TP
+group); each TP rank's KDA head shard is its own object.
+
+Resumable length: the furthest p <= max_position with every MLA block before p
+present, a KDA checkpoint at p (all TP shards) and, when p is unaligned, the
+tail at p. Unaligned candidates come from a small index parent digest -> tail
+lengths kept on put (entries found absent in every tier are dropped lazily).
+
+Tier order is speed order (host, disk, remote...). ``put_state`` writes to the
+first tier that accepts (encoding straight into the host arena); with
+``write_behind`` objects the host evicts move to the next tier; a hit in a
+lower tier is promoted to the first. Every load verifies every checksum: a
+corrupt object is counted and deleted from its tier and the next tier is
+tried; if any piece cannot be had, ``load_state`` returns None (recompute).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kv_transfer import codec
+from kv_transfer.dcp import reshard_dcp
+from kv_transfer.errors import CorruptObjectError
+from kv_transfer.events import EventLog, StoreEvent
+from kv_transfer.keys import BlockHasher, ObjectKey, dcp_shard, kda_shard
+from kv_transfer.objects import KDACheckpoint, MLABlock, ResumeState, StateLayout
+from kv_transfer.tiers.base import ByteStore
+
+
+@dataclass(slots=True)
+class PutResult:
+    num_stored: int = 0  # objects written by this call
+    num_skipped: int = 0  # objects already present in some tier
+    num_refused: int = 0  # objects no tier accepted (backpressure)
+    bytes_stored: int = 0  # encoded bytes written
+    bytes_skipped: int = 0  # encoded bytes not written because present
+    keys_stored: list[str] = field(default_factory=list)  # str(ObjectKey) written
+
+
+@dataclass(slots=True)
+class ResumePoint:
+    """Where a prompt can resume. position 0 means nothing usable is stored."""
+
+    position: int  # tokens whose state can be loaded
+    num_blocks: int  # full MLA blocks before position
+    has_tail: bool  # position is unaligned (a tail is part of the state)
+    tiers: dict[str, str] = field(default_factory=dict)  # piece key -> tier holding it
+    slowest_tier: str | None = None  # the lowest tier (in tier order) any piece comes from
+
+    @property
+    def hit(self) -> bool:
+        return self.position > 0
+
+
+class StateStore:
+    """Facade over an ordered list of ``ByteStore`` tiers for one key space.
+
+    NOTES
+    1. A resumable position always has every KDA shard present: resumable
+       length never exceeds the newest complete KDA checkpoint <= max_position.
+    2. MLA objects are keyed without a TP rank (stored once per TP group).
+    3. load_state returns state only if every piece passed checksum and layout
+       checks; otherwise None (never partial or unverified data).
+    """
+
+    def __init__(self, tiers: Sequence[ByteStore], layout: StateLayout, *, tp_size: int = 1,
+                 dcp_size: int = 1, write_behind: bool = True, promote: bool = True,
+                 event_log: EventLog | None = None, worker_id: str = ""):
+        if not tiers:
+            raise ValueError("a StateStore needs at least one tier")
+        if layout.kda_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} does not divide {layout.kda_heads} KDA heads")
+        self.tiers = list(tiers)
+        self.layout = layout
+        self.tp_size, self.dcp_size = tp_size, dcp_size
+        self.promote = promote
+        self.event_log, self.worker_id = event_log, worker_id
+        self._lock = threading.Lock()
+        self._tails: dict[bytes, set[int]] = {}  # parent digest -> tail lengths
+        self._tail_keys: dict[bytes, tuple[bytes, int]] = {}  # tail digest -> (parent, length)
+        self._counters = dict.fromkeys(
+            ("num_put_objects", "num_put_skipped", "num_put_refused", "bytes_put", "num_loads",
+             "num_load_hits", "num_load_misses", "num_missing_pieces", "num_corrupt_pieces",
+             "num_promoted", "num_demoted", "num_demote_dropped"), 0)
+        first = self.tiers[0]
+        if write_behind and len(self.tiers) > 1 and getattr(first, "on_evict", False) is None:
+            first.on_evict = self._demote
+
+    # ---- keys ----------------------------------------------------------
+    def _shards(self, kind: str, digest: bytes) -> list[str]:
+        if kind == "kda":
+            return [str(ObjectKey("kda", digest, kda_shard(r, self.tp_size))) for r in range(self.tp_size)]
+        if self.dcp_size == 1:
+            return [str(ObjectKey(kind, digest))]
+        return [str(ObjectKey(kind, digest, dcp_shard(r, self.dcp_size))) for r in range(self.dcp_size)]
+
+    @staticmethod
+    def _mla_key(kind: str, digest: bytes, blk: MLABlock) -> str:
+        shard = dcp_shard(blk.dcp_rank, blk.dcp_size) if blk.dcp_size > 1 else ""
+        return str(ObjectKey(kind, digest, shard))
+
+    def _locate(self, keys: list[str]) -> dict[str, int]:
+        """key -> index of the first tier holding it (absent keys left out)."""
+        found: dict[str, int] = {}
+        todo = list(dict.fromkeys(keys))
+        for i, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            hits = tier.contains(todo)
+            found.update((k, i) for k, h in zip(todo, hits, strict=True) if h)
+            todo = [k for k, h in zip(todo, hits, strict=True) if not h]
+        return found
+
+    def contains_keys(self, keys: Sequence[ObjectKey | str]) -> list[bool]:
+        """Presence of each key in any tier (one ``contains`` call per tier)."""
+        names = [str(k) for k in keys]
+        where = self._locate(names)
+        return [n in where for n in names]
+
+    # ---- put -----------------------------------------------------------
+    def put_state(self, tokens: Sequence[int], state: ResumeState, hasher: BlockHasher,
+                  tp_rank: int | None = 0) -> PutResult:
+        """Store every piece of ``state`` not already present in some tier.
+
+        Args:
+            tokens: the prompt (at least ``state.position`` tokens).
+            state: blocks, tail and KDA shard(s) at ``state.position``.
+            hasher: the key space (block size must match the layout).
+            tp_rank: the TP rank putting the state; its KDA shards must carry
+                this rank (None: any, e.g. a gathered state with every shard).
+        """
+        layout, bs, p = self.layout, self.layout.block_size, state.position
+        assert hasher.block_size == bs, "hasher and layout disagree on block size"
+        assert state.layout.fingerprint() == layout.fingerprint(), "state from another layout"
+        assert p <= len(tokens), "state past the end of the tokens"
+        n_full = p // bs
+        hashes = hasher.block_hashes(tokens[: n_full * bs])
+        parent = hashes[n_full - 1] if n_full else hasher.root
+        prefix = hasher.prefix_digest(tokens, p, hashes) if p else parent
+        pieces: list[tuple[str, MLABlock | KDACheckpoint, bytes | None]] = []
+        for i, blk in enumerate(state.mla_blocks):
+            idx = state.first_block + i
+            assert blk.start == idx * bs and blk.span == bs, f"block {idx} misplaced: {blk}"
+            pieces.append((self._mla_key("mla", hashes[idx], blk), blk, None))
+        if state.tail is not None:
+            assert state.tail.start == n_full * bs and state.tail.span == p % bs, "tail misplaced"
+            pieces.append((self._mla_key("tail", prefix, state.tail), state.tail, parent))
+            with self._lock:
+                self._tails.setdefault(parent, set()).add(p % bs)
+                self._tail_keys[prefix] = (parent, p % bs)
+        for k in state.kda:
+            assert tp_rank is None or k.tp_rank == tp_rank, "KDA shard of another TP rank"
+            assert k.tp_size == self.tp_size, f"KDA shard for tp_size {k.tp_size}, store has {self.tp_size}"
+            pieces.append((str(ObjectKey("kda", prefix, kda_shard(k.tp_rank, k.tp_size))), k, None))
+        present = self._locate([key for key, _, _ in pieces])
+        result = PutResult()
+        for key, obj, par in pieces:
+            nbytes = codec.encoded_size(obj)
+            if key in present:
+                result.num_skipped += 1
+                result.bytes_skipped += nbytes
+                continue
+            tier = self._put_object(key, obj, par, nbytes)
+            if tier is None:
+                result.num_refused += 1
+                continue
+            result.num_stored += 1
+            result.bytes_stored += nbytes
+            result.keys_stored.append(key)
+            pos = obj.position if isinstance(obj, KDACheckpoint) else (p if par is not None else None)
+            self._emit("stored", key, tier, nbytes, pos, par)
+        with self._lock:
+            self._counters["num_put_objects"] += result.num_stored
+            self._counters["num_put_skipped"] += result.num_skipped
+            self._counters["num_put_refused"] += result.num_refused
+            self._counters["bytes_put"] += result.bytes_stored
+        return result
+
+    def _put_object(self, key: str, obj: MLABlock | KDACheckpoint, parent: bytes | None,
+                    nbytes: int) -> str | None:
+        data = None
+        for tier in self.tiers:
+            reserve = getattr(tier, "reserve", None)
+            if reserve is not None:  # encode straight into the tier's memory
+                res = reserve(key, nbytes)
+                if res is None:
+                    continue
+                if not res.duplicate:
+                    try:
+                        codec.encode_into(obj, self.layout, res.view, parent)
+                    except BaseException:
+                        res.abort()
+                        raise
+                if res.commit():
+                    return tier.name
+                continue
+            if data is None:
+                data = codec.encode(obj, self.layout, parent)
+            if tier.put_bytes(key, data):
+                return tier.name
+        return None
+
+    def _demote(self, key: str, data: bytes) -> None:
+        """Host eviction callback: write the object to the next tier that takes it."""
+        for tier in self.tiers[1:]:
+            if tier.put_bytes(key, data):
+                with self._lock:
+                    self._counters["num_demoted"] += 1
+                self._emit("moved", key, tier.name, len(data))
+                return
+        with self._lock:
+            self._counters["num_demote_dropped"] += 1
+            if key.startswith("tail:"):
+                self._forget_tail(ObjectKey.parse(key).digest)
+
+    def _forget_tail(self, digest: bytes) -> None:
+        got = self._tail_keys.pop(digest, None)
+        if got is not None:
+            parent, length = got
+            lengths = self._tails.get(parent)
+            if lengths is not None:
+                lengths.discard(length)
+                if not lengths:
+                    del self._tails[parent]
+
+    # ---- lookup --------------------------------------------------------
+    def resumable_length(self, tokens: Sequence[int], hasher: BlockHasher,
+                         max_position: int | None = None) -> ResumePoint:
+        """The furthest resume point <= max_position (default len(tokens))."""
+        bs = self.layout.block_size
+        assert hasher.block_size == bs, "hasher and layout disagree on block size"
+        max_p = len(tokens) if max_position is None else min(max_position, len(tokens))
+        hashes = hasher.block_hashes(tokens[: max_p // bs * bs])
+        block_keys = [self._shards("mla", h) for h in hashes]
+        where = self._locate([k for ks in block_keys for k in ks])
+        n_avail = 0
+        while n_avail < len(block_keys) and all(k in where for k in block_keys[n_avail]):
+            n_avail += 1
+        # candidates: (position, pieces at the point: kda shards + tail shards)
+        candidates: list[tuple[int, list[str], list[str], bytes]] = []
+        for k in range(1, n_avail + 1):
+            candidates.append((k * bs, self._shards("kda", hashes[k - 1]), [], hashes[k - 1]))
+        with self._lock:
+            tails = {k: sorted(self._tails.get(hashes[k - 1] if k else hasher.root, ()))
+                     for k in range(n_avail + 1)}
+        for k, lengths in tails.items():
+            parent = hashes[k - 1] if k else hasher.root
+            for t in lengths:
+                if k * bs + t <= max_p:
+                    digest = hasher.tail_digest(parent, tokens[k * bs : k * bs + t])
+                    candidates.append((k * bs + t, self._shards("kda", digest), self._shards("tail", digest), digest))
+        # Tails another process stored are not in this store's index: probe every tail length in
+        # the block after the last available one (where turn-end checkpoints sit), in one pass.
+        start = n_avail * bs
+        probe_end = min(max_p, start + bs - 1)
+        if probe_end > start:
+            known = {c[0] for c in candidates}
+            parent = hashes[n_avail - 1] if n_avail else hasher.root
+            for t, digest in enumerate(hasher.tail_digests(parent, tokens[start:probe_end]), start=1):
+                if start + t not in known:
+                    candidates.append((start + t, self._shards("kda", digest), self._shards("tail", digest), digest))
+        where.update(self._locate([k for _, kda, tail, _ in candidates for k in kda + tail]))
+        with self._lock:
+            for _, _, tail, digest in candidates:
+                if tail and not any(k in where for k in tail):
+                    self._forget_tail(digest)
+        for p, kda, tail, _ in sorted(candidates, key=lambda c: c[0], reverse=True):
+            if all(k in where for k in kda + tail):
+                pieces = [k for ks in block_keys[: p // bs] for k in ks] + tail + kda
+                tiers = {k: self.tiers[where[k]].name for k in pieces}
+                slowest = self.tiers[max(where[k] for k in pieces)].name
+                return ResumePoint(p, p // bs, bool(tail), tiers, slowest)
+        return ResumePoint(0, 0, False)
+
+    # ---- load ----------------------------------------------------------
+    def load_state(self, tokens: Sequence[int], position: int, hasher: BlockHasher,
+                   layout: StateLayout | None = None, *, first_block: int = 0,
+                   dcp_size: int = 1, dcp_rank: int = 0,
+                   tp_ranks: Sequence[int] | None = None) -> ResumeState | None:
+        """Load and verify the state at ``position``; None if any piece is missing or corrupt.
+
+        Args:
+            first_block: skip blocks the caller already holds.
+            dcp_size, dcp_rank: the DCP shard wanted (stored shards are resharded).
+            tp_ranks: KDA shards to load (default: all ``tp_size``).
+        """
+        layout = layout or self.layout
+        bs = layout.block_size
+        assert 0 < position <= len(tokens), f"bad resume position {position}"
+        with self._lock:
+            self._counters["num_loads"] += 1
+        n_full = position // bs
+        hashes = hasher.block_hashes(tokens[: n_full * bs])
+        prefix = hasher.prefix_digest(tokens, position, hashes)
+        blocks: list[MLABlock] = []
+        for i in range(first_block, n_full):
+            shards = self._load_group(self._shards("mla", hashes[i]), layout)
+            if shards is None:
+                return self._miss()
+            blocks.extend(reshard_dcp(shards, self.dcp_size, dcp_size)[dcp_rank :: dcp_size])
+        tail = None
+        if position % bs:
+            shards = self._load_group(self._shards("tail", prefix), layout)
+            if shards is None:
+                return self._miss()
+            tail = reshard_dcp(shards, self.dcp_size, dcp_size)[dcp_rank]
+        ranks = range(self.tp_size) if tp_ranks is None else tp_ranks
+        kda = self._load_group([str(ObjectKey("kda", prefix, kda_shard(r, self.tp_size))) for r in ranks], layout)
+        if kda is None:
+            return self._miss()
+        if any(k.position != position for k in kda) or any(
+            b.start != (first_block + i) * bs for i, b in enumerate(blocks)
+        ) or (tail is not None and tail.start != n_full * bs):
+            return self._miss(corrupt=True)
+        with self._lock:
+            self._counters["num_load_hits"] += 1
+        return ResumeState(layout, position, blocks, first_block, tail, kda)
+
+    def _miss(self, corrupt: bool = False) -> None:
+        with self._lock:
+            self._counters["num_load_misses"] += 1
+            if corrupt:
+                self._counters["num_corrupt_pieces"] += 1
+        return None
+
+    def _load_group(self, keys: list[str], layout: StateLayout) -> list | None:
+        out = []
+        for key in keys:
+            obj = self._load_one(key, layout)
+            if obj is None:
+                return None
+            out.append(obj)
+        return out
+
+    def _load_one(self, key: str, layout: StateLayout) -> MLABlock | KDACheckpoint | None:
+        for i, tier in enumerate(self.tiers):
+            get_view = getattr(tier, "get_view", None)
+            try:
+                if get_view is not None:
+                    lease = get_view(key)
+                    if lease is None:
+                        continue
+                    with lease:  # copy out of the shared arena before the pin ends
+                        obj = codec.decode(lease.view, layout, copy=True)
+                        data = bytes(lease.view) if i and self.promote else None
+                else:
+                    data = tier.get_bytes(key)
+                    if data is None:
+                        continue
+                    obj = codec.decode(data, layout, copy=False)
+            except CorruptObjectError:
+                with self._lock:
+                    self._counters["num_corrupt_pieces"] += 1
+                tier.delete(key)
+                self._emit("evicted", key, tier.name, 0)
+                continue
+            if i and self.promote and data is not None and self.tiers[0].put_bytes(key, data):
+                with self._lock:
+                    self._counters["num_promoted"] += 1
+                self._emit("moved", key, self.tiers[0].name, len(data))
+            return obj
+        with self._lock:
+            self._counters["num_missing_pieces"] += 1
+        return None
+
+    # ---- misc ----------------------------------------------------------
+    def _emit(self, kind: str, key: str, tier: str, nbytes: int, position: int | None = None,
+              parent: bytes | None = None) -> None:
+        if self.event_log is not None:
+            self.event_log.emit(StoreEvent(kind, key, key.split(":", 1)[0], tier, self.worker_id,
+                                           position, parent, nbytes))
+
+    def stats(self) -> dict:
+        with self._lock:
+            out: dict = dict(self._counters)
+            out["num_tail_entries"] = len(self._tail_keys)
+        for tier in self.tiers:
+            st = getattr(tier, "stats", None)
+            if st is not None:
+                out[f"tier:{tier.name}"] = st()
+        return out

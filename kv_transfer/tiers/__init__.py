@@ -1,0 +1,1 @@
+"""Storage tiers: host shared-memory arena, disk segments (and remote ByteStores)."""

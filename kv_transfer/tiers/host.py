@@ -1,0 +1,351 @@
+"""Host tier: a node-local shared-memory arena with an index, slab allocation,
+a pluggable eviction policy and reader pins.
+
+    writer:  reserve(key, n) -> region in the arena -> write bytes -> commit()
+    reader:  get_view(key)   -> HostLease (pins; zero-copy memoryview) -> release()
+    full:    evict unpinned objects in policy order (slab-aware, see below);
+             no room even then -> put returns False (backpressure)
+
+Eviction, for a request of size class c: (1) victims in policy order until the
+allocation succeeds, for at most one slot's worth of bytes; (2) then only
+victims whose eviction frees a slot of class c or empties a slab; (3) then
+whole-slab reclaim of the least occupied slab without pins. Uniform sizes
+therefore see the exact policy order. Evicted bytes go to ``on_evict`` (e.g.
+the disk tier's write-behind queue), called outside the lock.
+
+One process owns the index (this class, thread-safe); other processes on the
+node use ``HostTierClient`` (``kv_transfer.tiers.host_ipc``) and read and write
+the same arena directly.
+
+Config example::
+
+    host_tier:
+      capacity_bytes: 68719476736   # 64 GiB, hard limit
+      eviction: s3fifo              # lru | s3fifo
+      pin_memory: true              # cudaHostRegister where CUDA exists
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kv_transfer.events import EventLog, StoreEvent, object_kind_of
+from kv_transfer.tiers.allocator import Allocation, SlabAllocator
+from kv_transfer.tiers.arena import SharedArena
+from kv_transfer.tiers.eviction import make_policy
+
+EvictCallback = Callable[[str, bytes], None]
+
+
+@dataclass(slots=True)
+class _Entry:
+    alloc: Allocation  # where the bytes live
+    num_pins: int = 0  # open leases
+
+
+class HostLease:
+    """A pinned, read-only, zero-copy view of one object. Use as a context manager."""
+
+    __slots__ = ("key", "lease_id", "view", "_release", "_released")
+
+    def __init__(self, key: str, lease_id: int, view: memoryview, release: Callable[[int], None]):
+        self.key = key  # object key
+        self.lease_id = lease_id  # id the owner knows this pin by
+        self.view = view  # read-only bytes of the object, inside the arena
+        self._release = release
+        self._released = False
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.view)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
+            self.view.release()
+        except BufferError:
+            pass  # a tensor still aliases it; the caller keeps it alive at its own risk
+        self._release(self.lease_id)
+
+    def __enter__(self) -> HostLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass(slots=True)
+class Reservation:
+    """A region reserved for ``key``; write ``view`` then ``commit()`` (or ``abort()``)."""
+
+    key: str  # object key
+    reservation_id: int  # id the owner knows this region by (0: duplicate)
+    offset: int  # byte offset in the arena (-1: duplicate)
+    nbytes: int  # bytes to write
+    view: memoryview | None  # writable region (None: key already stored)
+    commit_fn: Callable[[int], bool] | None = None
+    abort_fn: Callable[[int], None] | None = None
+
+    @property
+    def duplicate(self) -> bool:
+        return self.reservation_id == 0
+
+    def commit(self) -> bool:
+        return True if self.duplicate else self.commit_fn(self.reservation_id)
+
+    def abort(self) -> None:
+        if not self.duplicate:
+            self.abort_fn(self.reservation_id)
+
+
+class HostTier:
+    """The owner of a host arena's index.
+
+    NOTES
+    1. allocated_bytes (committed + reserved slots) never exceeds capacity_bytes.
+    2. An object with num_pins > 0 is never evicted, deleted or freed.
+    3. Committed objects are immutable; a put of an existing key is a no-op (True).
+    4. used_bytes == sum of committed object sizes; num_objects == len(index).
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        eviction: str = "lru",
+        slab_bytes: int | None = None,
+        arena_dir: str | None = None,
+        pin_memory: bool = False,
+        prefault: bool = False,
+        on_evict: EvictCallback | None = None,
+        event_log: EventLog | None = None,
+        worker_id: str = "",
+        name: str = "host",
+    ):
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self._alloc = SlabAllocator(capacity_bytes, slab_bytes)
+        self._policy = make_policy(eviction, capacity_bytes)
+        self.arena = SharedArena.create(capacity_bytes, arena_dir, pin=pin_memory, prefault=prefault)
+        self.on_evict = on_evict
+        self.event_log = event_log
+        self.worker_id = worker_id
+        self._lock = threading.Lock()
+        self._index: dict[str, _Entry] = {}
+        self._leases: dict[int, str] = {}
+        self._pending: dict[int, tuple[str, Allocation]] = {}
+        self._next_id = 1
+        self._used_bytes = 0
+        self._counters = dict.fromkeys(
+            ("num_puts", "num_duplicate_puts", "num_put_rejected", "num_hits", "num_misses",
+             "num_evictions", "evicted_bytes", "num_deletes", "num_slab_reclaims"), 0)
+
+    # ---- writes --------------------------------------------------------
+    def reserve(self, key: str, nbytes: int) -> Reservation | None:
+        """Reserve ``nbytes`` for ``key``, evicting if needed. None: no room (backpressure)."""
+        evicted: list[tuple[str, bytes | None, int]] = []
+        with self._lock:
+            if key in self._index:
+                self._counters["num_duplicate_puts"] += 1
+                return Reservation(key, 0, -1, nbytes, None)
+            alloc = self._alloc.allocate(nbytes) if nbytes > 0 else None
+            if alloc is None and 0 < nbytes <= self._alloc.max_object_bytes:
+                alloc = self._evict_for(nbytes, evicted)
+            if alloc is None:
+                self._counters["num_put_rejected"] += 1
+            else:
+                rid = self._new_id()
+                self._pending[rid] = (key, alloc)
+        self._after_evictions(evicted)
+        if alloc is None:
+            return None
+        view = self.arena.view[alloc.offset : alloc.offset + nbytes]
+        return Reservation(key, rid, alloc.offset, nbytes, view, self.commit, self.abort)
+
+    def commit(self, reservation_id: int) -> bool:
+        with self._lock:
+            key, alloc = self._pending.pop(reservation_id)
+            if key in self._index:  # a concurrent writer won: drop ours
+                self._alloc.free(alloc.offset)
+                self._counters["num_duplicate_puts"] += 1
+                return True
+            self._index[key] = _Entry(alloc)
+            self._used_bytes += alloc.nbytes
+            self._policy.on_insert(key, alloc.nbytes)
+            self._counters["num_puts"] += 1
+            assert self._alloc.allocated_bytes <= self.capacity_bytes, "capacity exceeded"
+        self._emit("stored", key, alloc.nbytes)
+        return True
+
+    def abort(self, reservation_id: int) -> None:
+        with self._lock:
+            _, alloc = self._pending.pop(reservation_id)
+            self._alloc.free(alloc.offset)
+
+    def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        data = memoryview(data).cast("B")
+        res = self.reserve(key, len(data))
+        if res is None:
+            return False
+        if res.duplicate:
+            return True
+        try:
+            res.view[:] = data
+        except BaseException:
+            res.abort()
+            raise
+        return res.commit()
+
+    # ---- reads ---------------------------------------------------------
+    def acquire(self, key: str) -> tuple[int, int, int] | None:
+        """Pin ``key``: (lease_id, offset, nbytes), or None on a miss."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self._counters["num_misses"] += 1
+                return None
+            entry.num_pins += 1
+            lease_id = self._new_id()
+            self._leases[lease_id] = key
+            self._policy.on_access(key)
+            self._counters["num_hits"] += 1
+            return lease_id, entry.alloc.offset, entry.alloc.nbytes
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            key = self._leases.pop(lease_id)
+            entry = self._index[key]
+            assert entry.num_pins > 0, "release without a pin"
+            entry.num_pins -= 1
+
+    def get_view(self, key: str) -> HostLease | None:
+        got = self.acquire(key)
+        if got is None:
+            return None
+        lease_id, offset, nbytes = got
+        view = self.arena.view[offset : offset + nbytes].toreadonly()
+        return HostLease(key, lease_id, view, self.release)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        lease = self.get_view(key)
+        if lease is None:
+            return None
+        with lease:
+            return bytes(lease.view)
+
+    def contains(self, keys: Iterable[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._index)
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or entry.num_pins:
+                return False
+            self._remove(key, evicted=False)
+            self._counters["num_deletes"] += 1
+        self._emit("evicted", key, entry.alloc.nbytes)
+        return True
+
+    # ---- eviction (lock held) -----------------------------------------
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _remove(self, key: str, evicted: bool) -> Allocation:
+        entry = self._index.pop(key)
+        assert entry.num_pins == 0, "freeing a pinned object"
+        self._policy.on_remove(key, evicted)
+        self._used_bytes -= entry.alloc.nbytes
+        return self._alloc.free(entry.alloc.offset)
+
+    def _evict(self, key: str, out: list[tuple[str, bytes | None, int]]) -> None:
+        entry = self._index[key]
+        a = entry.alloc
+        data = bytes(self.arena.view[a.offset : a.offset + a.nbytes]) if self.on_evict else None
+        self._remove(key, evicted=True)
+        self._counters["num_evictions"] += 1
+        self._counters["evicted_bytes"] += a.nbytes
+        out.append((key, data, a.nbytes))
+
+    def _evict_for(self, nbytes: int, out: list[tuple[str, bytes | None, int]]) -> Allocation | None:
+        size_class = self._alloc.size_class(nbytes)
+        budget = self._alloc.class_sizes[size_class]  # strict policy order for ~one slot of bytes
+        for strict in (True, False):
+            for key in self._policy.victims():
+                entry = self._index[key]
+                if entry.num_pins:
+                    continue
+                if strict and budget <= 0:
+                    break
+                if not strict and not self._alloc.frees_room_for(entry.alloc.offset, size_class):
+                    continue
+                budget -= entry.alloc.slot_bytes
+                self._evict(key, out)
+                alloc = self._alloc.allocate(nbytes)
+                if alloc is not None:
+                    return alloc
+        by_offset = {e.alloc.offset: k for k, e in self._index.items()}
+        for slab_id in self._alloc.slabs_by_occupancy():
+            keys = [by_offset.get(o) for o in self._alloc.slab_offsets(slab_id)]
+            if any(k is None or self._index[k].num_pins for k in keys):
+                continue  # a reservation or a pin holds this slab
+            for k in keys:
+                self._evict(k, out)
+            self._counters["num_slab_reclaims"] += 1
+            return self._alloc.allocate(nbytes)
+        return None
+
+    def _after_evictions(self, evicted: list[tuple[str, bytes | None, int]]) -> None:
+        for key, data, nbytes in evicted:
+            self._emit("evicted", key, nbytes)
+            if self.on_evict is not None and data is not None:
+                self.on_evict(key, data)
+
+    def _emit(self, kind: str, key: str, nbytes: int) -> None:
+        if self.event_log is not None:
+            self.event_log.emit(StoreEvent(kind, key, object_kind_of(key), self.name, self.worker_id, nbytes=nbytes))
+
+    # ---- accounting ----------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    @property
+    def num_objects(self) -> int:
+        return len(self._index)
+
+    def stats(self) -> dict[str, int | float | str]:
+        with self._lock:
+            return {
+                "tier": self.name,
+                "policy": self._policy.name,
+                "capacity_bytes": self.capacity_bytes,
+                "used_bytes": self._used_bytes,
+                "allocated_bytes": self._alloc.allocated_bytes,
+                "pending_bytes": sum(a.slot_bytes for _, a in self._pending.values()),
+                "num_objects": len(self._index),
+                "num_pinned": sum(1 for e in self._index.values() if e.num_pins),
+                "num_leases": len(self._leases),
+                "slab_bytes": self._alloc.slab_bytes,
+                "fragmentation": self._alloc.fragmentation(),
+                "pinned_memory": int(self.arena.pinned),
+                **self._counters,
+            }
+
+    def close(self) -> None:
+        self.arena.close()
+
+    def __enter__(self) -> HostTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,288 @@
+"""Sharing one host tier between the processes of a node.
+
+``HostTierServer`` (a thread in the owning process) serves a ``HostTier``'s
+index over a Unix-domain socket; ``HostTierClient`` (any process on the node)
+maps the same arena file and moves the bytes itself: the socket carries only
+small control messages, never object bytes.
+
+Protocol (little-endian), one request then one response per round trip:
+
+    frame    := u32 body_len | body
+    request  := u8 op | fields            response := u8 status | fields
+    str      := u32 len | utf-8 bytes
+
+    op  name      request fields         response fields (status 1 = ok)
+    1   HELLO     -                      u64 capacity | str arena_path
+    2   RESERVE   u64 nbytes | str key   u64 reservation_id | u64 offset   (0 full, 2 duplicate)
+    3   COMMIT    u64 reservation_id     -
+    4   ABORT     u64 reservation_id     -
+    5   GET       str key                u64 lease_id | u64 offset | u64 nbytes   (0 miss)
+    6   RELEASE   u64 lease_id           -
+    7   CONTAINS  u32 n | n x str        n x u8
+    8   DELETE    str key                -                                 (0 absent or pinned)
+    9   STATS     -                      str json
+
+Leases and reservations belong to the connection: when a client goes away its
+pins are released and its uncommitted regions freed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterable
+
+from kv_transfer.tiers.arena import SharedArena
+from kv_transfer.tiers.host import HostLease, HostTier, Reservation
+
+HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
+_U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
+
+
+def _pack_str(s: str) -> bytes:
+    b = s.encode()
+    return _U32.pack(len(b)) + b
+
+
+class _Reader:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes):
+        self.buf, self.pos = buf, 0
+
+    def take(self, st: struct.Struct) -> int:
+        (v,) = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
+        return v
+
+    def str(self) -> str:
+        n = self.take(_U32)
+        self.pos += n
+        return self.buf[self.pos - n : self.pos].decode()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    parts, got = [], 0
+    while got < n:
+        chunk = sock.recv(n - got)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _send_frame(sock: socket.socket, body: bytes) -> None:
+    sock.sendall(_U32.pack(len(body)) + body)
+
+
+def _recv_frame(sock: socket.socket) -> bytes | None:
+    head = _recv_exact(sock, 4)
+    if head is None:
+        return None
+    return _recv_exact(sock, _U32.unpack(head)[0])
+
+
+class HostTierServer:
+    """Serves a ``HostTier`` to other processes of the node (one thread per client).
+
+    NOTES
+    1. Every lease and reservation a connection opened is released / aborted
+       when the connection closes, so a crashed client never pins memory.
+    """
+
+    def __init__(self, tier: HostTier, socket_path: str | None = None):
+        self.tier = tier
+        self.socket_path = socket_path or tier.arena.path + ".sock"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.socket_path)
+        self._sock.listen(64)
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name="host-tier-server", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        leases: set[int] = set()
+        reservations: set[int] = set()
+        try:
+            while True:
+                body = _recv_frame(conn)
+                if body is None:
+                    return
+                _send_frame(conn, self._handle(_Reader(body), leases, reservations))
+        except OSError:
+            return
+        finally:
+            for lease_id in leases:
+                self.tier.release(lease_id)
+            for rid in reservations:
+                self.tier.abort(rid)
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, r: _Reader, leases: set[int], reservations: set[int]) -> bytes:
+        op, tier = r.take(_U8), self.tier
+        if op == HELLO:
+            return _U8.pack(1) + _U64.pack(tier.capacity_bytes) + _pack_str(tier.arena.path)
+        if op == RESERVE:
+            nbytes = r.take(_U64)
+            res = tier.reserve(r.str(), nbytes)
+            if res is None:
+                return _U8.pack(0) + _U64.pack(0) + _U64.pack(0)
+            if res.duplicate:
+                return _U8.pack(2) + _U64.pack(0) + _U64.pack(0)
+            reservations.add(res.reservation_id)
+            return _U8.pack(1) + _U64.pack(res.reservation_id) + _U64.pack(res.offset)
+        if op in (COMMIT, ABORT):
+            rid = r.take(_U64)
+            reservations.discard(rid)
+            ok = tier.commit(rid) if op == COMMIT else tier.abort(rid) is None
+            return _U8.pack(int(ok))
+        if op == GET:
+            got = tier.acquire(r.str())
+            if got is None:
+                return _U8.pack(0) + bytes(24)
+            leases.add(got[0])
+            return _U8.pack(1) + b"".join(_U64.pack(v) for v in got)
+        if op == RELEASE:
+            lease_id = r.take(_U64)
+            if lease_id in leases:
+                leases.discard(lease_id)
+                tier.release(lease_id)
+            return _U8.pack(1)
+        if op == CONTAINS:
+            keys = [r.str() for _ in range(r.take(_U32))]
+            return _U8.pack(1) + bytes(int(b) for b in tier.contains(keys))
+        if op == DELETE:
+            return _U8.pack(int(tier.delete(r.str())))
+        if op == STATS:
+            return _U8.pack(1) + _pack_str(json.dumps(tier.stats()))
+        raise ValueError(f"unknown op {op}")
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            for conn in list(self._conns):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+
+
+class HostTierClient:
+    """A ``ByteStore`` over a ``HostTier`` owned by another process of this node.
+
+    Reads are zero-copy views into the shared arena; writes reserve a region,
+    copy into the arena and commit. Thread-safe (one request at a time).
+    """
+
+    def __init__(self, socket_path: str, name: str = "host"):
+        self.name = name
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(socket_path)
+        self._lock = threading.Lock()
+        r = self._call(_U8.pack(HELLO))
+        assert r.take(_U8) == 1
+        self.capacity_bytes = r.take(_U64)
+        self.arena = SharedArena.attach(r.str(), self.capacity_bytes)
+
+    def _call(self, body: bytes) -> _Reader:
+        with self._lock:
+            _send_frame(self._sock, body)
+            resp = _recv_frame(self._sock)
+        if resp is None:
+            raise ConnectionError("host tier server closed the connection")
+        return _Reader(resp)
+
+    def reserve(self, key: str, nbytes: int) -> Reservation | None:
+        r = self._call(_U8.pack(RESERVE) + _U64.pack(nbytes) + _pack_str(key))
+        status, rid, offset = r.take(_U8), r.take(_U64), r.take(_U64)
+        if status == 0:
+            return None
+        if status == 2:
+            return Reservation(key, 0, -1, nbytes, None)
+        view = self.arena.view[offset : offset + nbytes]
+        return Reservation(key, rid, offset, nbytes, view, self._commit, self._abort)
+
+    def _commit(self, rid: int) -> bool:
+        return self._call(_U8.pack(COMMIT) + _U64.pack(rid)).take(_U8) == 1
+
+    def _abort(self, rid: int) -> None:
+        self._call(_U8.pack(ABORT) + _U64.pack(rid))
+
+    def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        data = memoryview(data).cast("B")
+        res = self.reserve(key, len(data))
+        if res is None:
+            return False
+        if res.duplicate:
+            return True
+        try:
+            res.view[:] = data
+        except BaseException:
+            res.abort()
+            raise
+        return res.commit()
+
+    def get_view(self, key: str) -> HostLease | None:
+        r = self._call(_U8.pack(GET) + _pack_str(key))
+        status, lease_id, offset, nbytes = r.take(_U8), r.take(_U64), r.take(_U64), r.take(_U64)
+        if status == 0:
+            return None
+        view = self.arena.view[offset : offset + nbytes].toreadonly()
+        return HostLease(key, lease_id, view, self._release)
+
+    def _release(self, lease_id: int) -> None:
+        self._call(_U8.pack(RELEASE) + _U64.pack(lease_id))
+
+    def get_bytes(self, key: str) -> bytes | None:
+        lease = self.get_view(key)
+        if lease is None:
+            return None
+        with lease:
+            return bytes(lease.view)
+
+    def contains(self, keys: Iterable[str]) -> list[bool]:
+        keys = list(keys)
+        r = self._call(_U8.pack(CONTAINS) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
+        r.take(_U8)
+        return [bool(b) for b in r.buf[r.pos : r.pos + len(keys)]]
+
+    def delete(self, key: str) -> bool:
+        return self._call(_U8.pack(DELETE) + _pack_str(key)).take(_U8) == 1
+
+    def stats(self) -> dict:
+        r = self._call(_U8.pack(STATS))
+        r.take(_U8)
+        return json.loads(r.str())
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        finally:
+            self.arena.close()

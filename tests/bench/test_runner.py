@@ -1,0 +1,223 @@
+"""Closed- and open-loop replay against the test server, and the whole bench pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from disagg.bench.cli import main
+from disagg.bench.client import OpenAIClient
+from disagg.bench.runner import RunConfig, replay
+from disagg.bench.sweep import BenchParams, run_bench_sync
+from disagg.bench.synth import synthesize
+from disagg.bench.tokens import TokenFactory, shared_hash_ids
+from disagg.bench.trace import TraceRecord
+
+
+def _trace(num_sessions: int, turns: int, *, delay: float = 0.0, bs: int = 4) -> list[TraceRecord]:
+    recs = []
+    for s in range(num_sessions):
+        ids = [0, 1]  # global prefix
+        for t in range(turns):
+            ids = ids + [1000 * (s + 1) + t]
+            recs.append(
+                TraceRecord(
+                    f"s{s}",
+                    t,
+                    100.0 * s + 10 * t,
+                    delay if t else 0.0,
+                    len(ids) * bs,
+                    3,
+                    list(ids),
+                    block_size=bs,
+                )
+            )
+    return recs
+
+
+async def _replay(url: str, records: list[TraceRecord], cfg: RunConfig):
+    async with OpenAIClient(url, model="m") as client:
+        factory = TokenFactory(block_size=4, shared_ids=shared_hash_ids(records))
+        return await replay(client, factory, records, cfg)
+
+
+def test_closed_loop_lanes_replay_sessions_in_order(server_factory) -> None:
+    server = server_factory(ttft_ms=2, itl_ms=1, cache_block_size=4)
+    records = _trace(4, 3)
+    cfg = RunConfig(concurrency=2, recycle=False, progress=False, warmup_requests=2)
+    out = asyncio.run(_replay(server.url, records, cfg))
+    assert len(out.results) == 12 and all(r.ok for r in out.results)
+    assert sum(r.warmup for r in out.results) == 2
+    for lane in (0, 1):
+        mine = sorted((r for r in out.results if r.lane == lane), key=lambda r: r.send_ns)
+        for a, b in zip(mine, mine[1:], strict=False):
+            assert b.send_ns >= a.end_ns  # one request at a time per lane
+            if a.session_id == b.session_id:
+                assert b.turn == a.turn + 1
+    for r in out.results:  # prompts come from the trace, never from the model's output
+        assert r.prompt_tokens == r.input_length == (r.turn + 3) * 4
+        assert r.output_tokens == 3
+    # Turn k+1 finds turn k (and the shared prefix) in the server cache.
+    later = [r for r in out.results if r.turn > 0]
+    assert all(r.cached_tokens == r.input_length - 4 for r in later)
+    assert out.theoretical_hit is not None and out.theoretical_hit > 0.5
+
+
+def test_think_time_is_capped_and_scaled(server_factory) -> None:
+    server = server_factory()
+    records = _trace(1, 3, delay=10_000.0)
+    cfg = RunConfig(concurrency=1, recycle=False, progress=False, think_cap_ms=200, think_scale=0.5)
+    out = asyncio.run(_replay(server.url, records, cfg))
+    r0, r1, r2 = sorted(out.results, key=lambda r: r.send_ns)
+    gap = (r1.send_ns - r0.end_ns) / 1e6
+    assert 100 <= gap < 130  # min(10 s, 200 ms) * 0.5
+
+
+def test_recycling_uses_new_salts_but_keeps_the_shared_prefix(server_factory) -> None:
+    server = server_factory(cache_block_size=4)
+    records = _trace(2, 2)
+    cfg = RunConfig(concurrency=3, recycle=True, max_requests=10, progress=False, run_salt=1)
+    out = asyncio.run(_replay(server.url, records, cfg))
+    assert len(out.results) >= 10
+    salts = {r.salt for r in out.results}
+    assert (1 << 16) in salts and (1 << 16 | 1) in salts
+    replays = [r for r in out.results if r.salt != (1 << 16) and r.turn == 0]
+    # A recycled first turn hits only the global prefix (2 blocks of 4), not the old session.
+    assert replays and all(r.cached_tokens == 8 for r in replays)
+
+
+def test_duration_bound_and_open_loop(server_factory) -> None:
+    server = server_factory(itl_ms=1)
+    records = _trace(3, 4, delay=50)
+    cfg = RunConfig(concurrency=2, duration_s=0.4, warmup_s=0.1, progress=False)
+    out = asyncio.run(_replay(server.url, records, cfg))
+    last_send = max(r.send_ns for r in out.results) - out.started_ns
+    assert last_send / 1e9 < 0.5 and any(r.warmup for r in out.results)
+    open_cfg = RunConfig(mode="open", speedup=2.0, recycle=False, progress=False)
+    out = asyncio.run(_replay(server.url, records, open_cfg))
+    assert len(out.results) == 12 and all(r.lane == -1 for r in out.results)
+    for r in out.results:
+        rec = next(x for x in records if x.session_id == r.session_id and x.turn == r.turn)
+        sent_ms = (r.send_ns - out.started_ns) / 1e6
+        assert sent_ms == pytest.approx(rec.timestamp / 2.0, abs=15)
+
+
+def test_bench_writes_summary_jsonl_and_plots(server_factory, tmp_path: Path) -> None:
+    server = server_factory(ttft_ms=3, itl_ms=2, prefill_ms_per_token=0.0005)
+    records = synthesize(6, seed=1, scale=0.01, block_size=16)
+    params = BenchParams(
+        url=server.url,
+        trace="t.jsonl",
+        out=str(tmp_path / "res"),
+        concurrency=[1, 3],
+        max_requests=12,
+        warmup_requests=2,
+        think_scale=0.0,
+        num_gpus=2,
+        gpu_cost="mi355x",
+        slo_ttft_ms=100,
+        slo_itl_ms=50,
+        parquet=True,
+        record_chunks=True,
+        progress=False,
+        quiet=True,
+    )
+    doc = run_bench_sync(params, records)
+    res = tmp_path / "res"
+    for name in (
+        "summary.json",
+        "pareto.png",
+        "latency_cdf.png",
+        "runs/c1/requests.jsonl",
+        "runs/c3/requests.parquet",
+        "runs/c3/summary.json",
+    ):
+        assert (res / name).stat().st_size > 0, name
+    assert [e["label"] for e in doc["runs"]] == ["c1", "c3"]
+    s = doc["runs"][1]["summary"]
+    assert s["valid"] and s["num_requests"] >= 12 and s["num_gpus"] == 2
+    assert s["cache_hit_server"] is not None and s["cache_hit_usage"] is not None
+    assert s["tokens_per_dollar"] == pytest.approx(s["total_tps_per_gpu"] * 3600 / 1.48)
+    rows = [json.loads(x) for x in (res / "runs/c1/requests.jsonl").read_text().splitlines()]
+    assert len(rows[0]["chunk_ms"]) == rows[0]["output_tokens"]
+    assert json.loads((res / "summary.json").read_text())["config"]["concurrency"] == [1, 3]
+
+
+def test_cli_end_to_end(server_factory, tmp_path: Path, capsys) -> None:
+    server = server_factory(itl_ms=1)
+    trace = tmp_path / "t.jsonl"
+    assert (
+        main(
+            [
+                "trace",
+                "synth",
+                "--sessions",
+                "4",
+                "--scale",
+                "0.01",
+                "--block-size",
+                "16",
+                "-o",
+                str(trace),
+            ]
+        )
+        == 0
+    )
+    assert main(["trace", "stats", str(trace), "--json"]) == 0
+    assert '"theoretical_hit_rate"' in capsys.readouterr().out
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text('{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n')
+    assert main(["trace", "import-mooncake", str(mc), "-o", str(tmp_path / "m.jsonl")]) == 0
+    outs = []
+    for label in ("a", "b"):
+        out = tmp_path / label
+        outs.append(str(out))
+        assert (
+            main(
+                [
+                    "bench",
+                    "--url",
+                    server.url,
+                    "--trace",
+                    str(trace),
+                    "--concurrency",
+                    "1,2",
+                    "--requests",
+                    "6",
+                    "--think-scale",
+                    "0",
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                    "--quiet",
+                    "--no-plots",
+                ]
+            )
+            == 0
+        )
+    assert main(["bench", "plot", outs[0]]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "compare",
+                *outs,
+                "--labels",
+                "A,B",
+                "-o",
+                str(tmp_path / "ab.png"),
+                "--targets",
+                "100,1000",
+            ]
+        )
+        == 0
+    )
+    assert (tmp_path / "ab.png").stat().st_size > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"session_id": "s"}\n')
+    assert main(["trace", "stats", str(bad)]) == 2
+    assert "line 1" in capsys.readouterr().err
+    assert main(["bench", "--url", server.url]) == 2

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer.tiers.eviction import EVICTION_POLICIES, LRUPolicy, S3FIFOPolicy, make_policy
+from kv_transfer.tiers.host import HostTier
+
+OBJ = 4096  # one page: every object in one size class, so eviction follows the policy exactly
+
+
+def _tier(policy: str, num_objects: int) -> HostTier:
+    # slab = capacity = num_objects pages
+    return HostTier(num_objects * OBJ, eviction=policy, slab_bytes=num_objects * OBJ)
+
+
+def _run(tier: HostTier, script: str) -> list[str]:
+    """'+a' puts a, 'a' reads a; returns evicted keys in order."""
+    evicted: list[str] = []
+    tier.on_evict = lambda k, _: evicted.append(k)
+    for op in script.split():
+        if op.startswith("+"):
+            assert tier.put_bytes(op[1:], bytes(OBJ))
+        else:
+            assert tier.get_bytes(op) is not None, op
+    return evicted
+
+
+def test_registry_is_one_explicit_table() -> None:
+    assert set(EVICTION_POLICIES) == {"lru", "s3fifo"}
+    assert isinstance(make_policy("lru", 1), LRUPolicy)
+    with pytest.raises(ValueError):
+        make_policy("mru", 1)
+
+
+@pytest.mark.parametrize(
+    "script,expected",
+    [
+        ("+a +b +c +d +e", ["a"]),
+        ("+a +b +c +d a +e +f", ["b", "c"]),
+        ("+a +b +c +d c a +e +f +g", ["b", "d", "c"]),
+    ],
+)
+def test_lru_exact_order(script: str, expected: list[str]) -> None:
+    with _tier("lru", 4) as tier:
+        assert _run(tier, script) == expected
+
+
+@pytest.mark.parametrize(
+    "script,expected,queues",
+    [
+        # capacity 10 objects: S target = 1 object; S is evicted from while it holds > 1
+        # never-read objects leave S (FIFO) into the ghost list
+        ("+a +b +c +d +e +f +g +h +i +j +k +l", ["a", "b"], (["c", "d", "e", "f", "g", "h", "i", "j", "k", "l"], [], ["a", "b"])),
+        # a and b were read while in S: they move to M when they reach the head of S
+        ("+a +b +c +d +e +f +g +h +i +j a b +k +l", ["c", "d"], (["e", "f", "g", "h", "i", "j", "k", "l"], ["a", "b"], ["c", "d"])),
+        # a ghost key comes back straight into M
+        ("+a +b +c +d +e +f +g +h +i +j +k +a", ["a", "b"], (["c", "d", "e", "f", "g", "h", "i", "j", "k"], ["a"], ["b"])),
+    ],
+)
+def test_s3fifo_exact_order(script: str, expected: list[str], queues) -> None:
+    with _tier("s3fifo", 10) as tier:
+        assert _run(tier, script) == expected
+        assert tier._policy.queues() == queues
+
+
+def test_s3fifo_main_reinserts_hit_keys() -> None:
+    p = S3FIFOPolicy(capacity_bytes=10 * OBJ)
+    for k in "abc":
+        p.on_insert(k, OBJ)
+        p.on_access(k)
+    victims = p.victims()
+    first = next(victims)  # S promotes a, b, c to M (all hit), then M: freq 0 -> a
+    assert first == "a"
+    assert p.queues()[1] == ["a", "b", "c"]
+    p.on_access("b")
+    p.on_remove("a", evicted=True)
+    assert next(victims) == "c"  # b was hit: reinserted behind c
+
+
+def test_pinned_objects_are_skipped_not_evicted() -> None:
+    with _tier("lru", 4) as tier:
+        _run(tier, "+a +b +c +d")
+        lease = tier.get_view("a")  # a is now most recent; pin b instead
+        lease.release()
+        with tier.get_view("b"):
+            evicted = _run(tier, "+e +f")
+            assert evicted == ["c", "d"]
+            assert tier.contains(["b"]) == [True]
+        assert tier.delete("b")
+
+
+def _hit_ratio(policy: str) -> float:
+    """A hot set of 6 read in a loop, interleaved with a one-pass scan of 100 keys."""
+    with _tier(policy, 10) as tier:
+        hot = [f"h{i}" for i in range(6)]
+        for k in hot:
+            tier.put_bytes(k, bytes(OBJ))
+        hits = total = 0
+        for rnd in range(20):
+            for k in hot:
+                total += 1
+                lease = tier.get_view(k)
+                if lease is not None:
+                    hits += 1
+                    lease.release()
+                else:
+                    tier.put_bytes(k, bytes(OBJ))
+            for s in range(5):  # the scan: never read again
+                tier.put_bytes(f"scan{rnd}-{s}", bytes(OBJ))
+        return hits / total
+
+
+def test_s3fifo_resists_a_scan_that_flushes_lru() -> None:
+    lru, s3 = _hit_ratio("lru"), _hit_ratio("s3fifo")
+    assert lru < 0.1  # every scan pushes the whole hot set out of LRU
+    assert s3 > 0.9

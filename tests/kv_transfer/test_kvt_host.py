@@ -1,0 +1,199 @@
+from __future__ import annotations
+
+import random
+import threading
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from kv_transfer.events import EventLog
+from kv_transfer.tiers.base import ByteStore
+from kv_transfer.tiers.host import HostTier
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def payload(key: str, size: int) -> bytes:
+    unit = (key + "|").encode()
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def check_accounting(tier: HostTier, sizes: dict[str, int]) -> None:
+    st_ = tier.stats()
+    present = [k for k in sizes if tier.contains([k])[0]]
+    assert st_["allocated_bytes"] <= st_["capacity_bytes"]
+    assert st_["num_objects"] == len(tier.keys())
+    assert st_["used_bytes"] == sum(sizes[k] for k in tier.keys())
+    assert set(present) <= set(tier.keys())
+
+
+def test_put_get_duplicate_delete_and_protocol() -> None:
+    with HostTier(1 * MiB, slab_bytes=64 * KiB) as tier:
+        assert isinstance(tier, ByteStore)
+        assert tier.put_bytes("a", payload("a", 10_000))
+        assert tier.put_bytes("a", b"other bytes are ignored")  # immutable: no-op, True
+        assert tier.get_bytes("a") == payload("a", 10_000)
+        assert tier.contains(["a", "b"]) == [True, False]
+        assert tier.get_bytes("b") is None
+        assert tier.delete("a") and not tier.delete("a")
+        st_ = tier.stats()
+        assert (st_["num_objects"], st_["used_bytes"], st_["allocated_bytes"]) == (0, 0, 0)
+        assert (st_["num_puts"], st_["num_duplicate_puts"], st_["num_hits"], st_["num_misses"]) == (1, 1, 1, 1)
+
+
+def test_zero_copy_view_points_into_the_arena() -> None:
+    with HostTier(1 * MiB, slab_bytes=64 * KiB) as tier:
+        data = torch.arange(1000, dtype=torch.float32)
+        tier.put_bytes("t", data.numpy().tobytes())
+        with tier.get_view("t") as lease:
+            assert lease.view.readonly
+            t = torch.frombuffer(lease.view, dtype=torch.float32)
+            base = torch.frombuffer(tier.arena.view, dtype=torch.uint8).data_ptr()
+            assert base <= t.data_ptr() < base + tier.capacity_bytes
+            assert torch.equal(t, data)
+            del t
+
+
+def test_backpressure_when_everything_is_pinned_and_oversize() -> None:
+    with HostTier(256 * KiB, slab_bytes=64 * KiB) as tier:
+        leases = []
+        for i in range(4):
+            assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+            leases.append(tier.get_view(f"k{i}"))
+        assert tier.put_bytes("new", b"x" * 100) is False  # all pinned: no room, no exception
+        assert tier.put_bytes("huge", b"x" * (65 * KiB)) is False  # larger than a slab
+        assert tier.stats()["num_put_rejected"] == 2
+        assert tier.stats()["num_pinned"] == 4
+        assert not tier.delete("k0")  # in use
+        for lease in leases:
+            lease.release()
+        assert tier.put_bytes("new", b"x" * 100)
+        assert tier.stats()["num_evictions"] == 1
+
+
+def test_on_evict_gets_the_exact_bytes_and_events_are_emitted() -> None:
+    log = EventLog()
+    got: dict[str, bytes] = {}
+    with HostTier(64 * KiB, slab_bytes=64 * KiB, on_evict=lambda k, b: got.__setitem__(k, b),
+                  event_log=log, worker_id="w0") as tier:
+        for i in range(17):  # 16 slots of 4 KiB
+            tier.put_bytes(f"k{i}", payload(f"k{i}", 4000))
+        assert got == {"k0": payload("k0", 4000)}
+        events = log.take()
+        assert [e.kind for e in events].count("stored") == 17
+        assert [(e.kind, e.key) for e in events if e.kind == "evicted"] == [("evicted", "k0")]
+        assert events[0].worker_id == "w0" and len(log) == 0
+
+
+def test_mixed_size_churn_keeps_the_arena_full() -> None:
+    """Full arena, mixed sizes, policy + slab-aware eviction: utilisation stays high."""
+    rng = random.Random(3)
+    sizes = [12 * KiB, 40 * KiB, 300 * KiB, 1 * MiB, 2 * MiB]
+    with HostTier(64 * MiB, slab_bytes=4 * MiB, eviction="s3fifo") as tier:
+        utilisation = []
+        for i in range(3000):
+            nbytes = rng.choice(sizes)
+            assert tier.put_bytes(f"k{i}", bytes(nbytes))  # never refused: nothing is pinned
+            if i > 500:
+                utilisation.append(tier.used_bytes / tier.capacity_bytes)
+            if rng.random() < 0.3:
+                tier.get_bytes(f"k{rng.randrange(i + 1)}")
+        st_ = tier.stats()
+        mean = sum(utilisation) / len(utilisation)
+        print(f"mean utilisation {mean:.3f}, min {min(utilisation):.3f}, slab reclaims {st_['num_slab_reclaims']}")
+        assert mean > 0.75
+        assert st_["allocated_bytes"] <= st_["capacity_bytes"]
+
+
+def test_concurrent_writers_and_readers_threads() -> None:
+    sizes = {f"k{i}": 1000 + 997 * (i % 50) for i in range(400)}
+    errors: list[str] = []
+    with HostTier(2 * MiB, slab_bytes=128 * KiB, eviction="lru") as tier:
+        def writer(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(600):
+                k = rng.choice(list(sizes))
+                tier.put_bytes(k, payload(k, sizes[k]))
+                if tier.stats()["allocated_bytes"] > tier.capacity_bytes:
+                    errors.append("capacity exceeded")
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(1500):
+                k = rng.choice(list(sizes))
+                lease = tier.get_view(k)
+                if lease is not None:
+                    with lease:
+                        if bytes(lease.view) != payload(k, sizes[k]):
+                            errors.append(f"bad bytes for {k}")
+
+        threads = [threading.Thread(target=writer, args=(s,)) for s in range(4)]
+        threads += [threading.Thread(target=reader, args=(100 + s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:3]
+        check_accounting(tier, sizes)
+        assert tier.stats()["num_leases"] == 0 and tier.stats()["pending_bytes"] == 0
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    """Allocator + eviction model: capacity, pins, exact accounting, contents."""
+
+    leases = Bundle("leases")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier = HostTier(256 * KiB, slab_bytes=32 * KiB, eviction="s3fifo")
+        self.sizes = {f"k{i}": 1 + (i * 7919) % (32 * KiB) for i in range(24)}
+        self.pinned: dict[int, str] = {}
+
+    def teardown(self) -> None:
+        self.tier.close()
+
+    @rule(i=st.integers(0, 23))
+    def put(self, i: int) -> None:
+        k = f"k{i}"
+        before = set(self.tier.keys())
+        ok = self.tier.put_bytes(k, payload(k, self.sizes[k]))
+        if k in before:
+            assert ok
+        if ok:
+            assert self.tier.contains([k]) == [True]
+        gone = before - set(self.tier.keys())
+        assert not gone & set(self.pinned.values()), "a pinned object was evicted"
+
+    @rule(target=leases, i=st.integers(0, 23))
+    def pin(self, i: int):
+        lease = self.tier.get_view(f"k{i}")
+        if lease is not None:
+            self.pinned[id(lease)] = lease.key
+        return lease
+
+    @rule(lease=consumes(leases))
+    def release(self, lease) -> None:
+        if lease is not None:
+            assert bytes(lease.view) == payload(lease.key, self.sizes[lease.key])
+            del self.pinned[id(lease)]
+            lease.release()
+
+    @rule(i=st.integers(0, 23))
+    def delete(self, i: int) -> None:
+        k = f"k{i}"
+        present = self.tier.contains([k])[0]
+        ok = self.tier.delete(k)
+        assert ok == (present and k not in self.pinned.values())
+
+    @invariant()
+    def accounting(self) -> None:
+        check_accounting(self.tier, self.sizes)
+        st_ = self.tier.stats()
+        assert st_["num_leases"] == len(self.pinned)
+        assert set(self.pinned.values()) <= set(self.tier.keys())
+
+
+TestHostTierMachine = HostTierMachine.TestCase
+TestHostTierMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)

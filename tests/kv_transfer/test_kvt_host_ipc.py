@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+from test_kvt_host import check_accounting, payload
+
+from kv_transfer.tiers.base import ByteStore
+from kv_transfer.tiers.host import HostTier
+from kv_transfer.tiers.host_ipc import HostTierClient, HostTierServer
+
+KiB, MiB = 1 << 10, 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[2])
+    from kv_transfer.tiers.host_ipc import HostTierClient
+
+    def payload(key, size):
+        unit = (key + "|").encode()
+        return (unit * (size // len(unit) + 1))[:size]
+
+    client = HostTierClient(sys.argv[1])
+    for i in range(40):
+        assert client.put_bytes(f"c{i}", payload(f"c{i}", 3000 + 101 * i))
+    with client.get_view("p0") as lease:          # written by the parent
+        assert bytes(lease.view) == payload("p0", 5000)
+    res = client.reserve("direct", 4096)          # alloc, write in place, commit
+    res.view[:] = payload("direct", 4096)
+    assert res.commit()
+    lease = client.get_view("c39")                # hold a pin, then die without releasing
+    print("pinned", flush=True)
+    sys.stdin.readline()
+    os._exit(0)
+    """
+)
+
+
+def test_second_process_reads_and_writes_the_shared_arena() -> None:
+    with HostTier(1 * MiB, slab_bytes=64 * KiB) as tier:
+        server = HostTierServer(tier)
+        try:
+            tier.put_bytes("p0", payload("p0", 5000))
+            child = subprocess.Popen([sys.executable, "-c", CHILD, server.socket_path, ROOT],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert child.stdout.readline().strip() == "pinned"
+            sizes = {"p0": 5000, "direct": 4096, **{f"c{i}": 3000 + 101 * i for i in range(40)}}
+            for k, n in sizes.items():
+                assert tier.get_bytes(k) == payload(k, n), k
+            assert tier.stats()["num_leases"] == 1
+            assert not tier.delete("c39")  # pinned by the other process
+            check_accounting(tier, sizes)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.wait(timeout=30) == 0
+            deadline = time.time() + 10
+            while tier.stats()["num_leases"] and time.time() < deadline:
+                time.sleep(0.01)
+            assert tier.stats()["num_leases"] == 0  # the dead client's pin was released
+            assert tier.delete("c39")
+        finally:
+            server.close()
+
+
+def test_client_implements_the_byte_store_protocol_in_process() -> None:
+    with HostTier(512 * KiB, slab_bytes=64 * KiB) as tier:
+        server = HostTierServer(tier)
+        client = HostTierClient(server.socket_path)
+        try:
+            assert isinstance(client, ByteStore)
+            assert client.put_bytes("a", b"hello" * 1000)
+            assert client.put_bytes("a", b"ignored")
+            assert client.get_bytes("a") == b"hello" * 1000
+            assert client.contains(["a", "b"]) == [True, False]
+            assert client.get_view("b") is None
+            with client.get_view("a") as lease:
+                assert not client.delete("a")  # pinned
+                assert tier.stats()["num_pinned"] == 1
+            assert client.delete("a")
+            assert client.stats()["num_objects"] == 0
+            # backpressure travels through the protocol as False
+            leases = []
+            for i in range(8):
+                assert client.put_bytes(f"big{i}", bytes(64 * KiB))
+                leases.append(client.get_view(f"big{i}"))
+            assert client.put_bytes("no-room", bytes(10)) is False
+            for lease in leases:
+                lease.release()
+        finally:
+            client.close()
+            server.close()

@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import pytest
+
+from disagg.router.context import EffectiveLoad, RoutingContext
+from disagg.router.decider import PDDecider
+from disagg.router.filters.healthy import HealthyFilter
+from disagg.router.filters.load_guard import LoadGuardFilter
+from disagg.router.filters.role import RoleFilter
+from disagg.router.index import MatchResult, PrefixMatch
+from disagg.router.picker import MaxScorePicker
+from disagg.router.profile import SchedulingProfile
+from disagg.router.registry import build_profile, build_profiles
+from disagg.router.scorers.affinity import AffinityScorer
+from disagg.router.scorers.load import LoadScorer
+from disagg.router.scorers.prefix import PrefixScorer
+from disagg.router.types import RouteRequest, WorkerState
+
+
+def _ctx(matches=None, common=0, loads=None, session=None, node=None, phase="both", prompt_len=101):
+    r = RouteRequest("r", "s", [], prompt_len, 4)
+    return RoutingContext(r, MatchResult(matches or {}, common), loads or {}, phase, session, node)
+
+
+W3 = [WorkerState("a", node_id="n0"), WorkerState("b", node_id="n0"), WorkerState("c", node_id="n1")]
+PREFIX_CFG = dict(bytes_per_token=1e6, checkpoint_bytes=0.0, prefill_tokens_per_s=1000.0,
+                  bandwidth_gbps={"host": 2.0, "disk": 1.0, "remote": 4.0},
+                  latency_s={"host": 0.0, "disk": 0.0, "remote": 0.0})
+
+
+@pytest.mark.parametrize(
+    "matches, common, expect",
+    [
+        # device hit: 80 of 101 tokens
+        ({"a": PrefixMatch(80, "device", 20)}, 0, {"a": 80 / 101, "b": 0.0, "c": 0.0}),
+        # host: weight 0.85 * (1 - xfer/saved) = 0.85 * (1 - 0.5)
+        ({"b": PrefixMatch(80, "host", 20)}, 0, {"a": 0.0, "b": 0.425 * 80 / 101, "c": 0.0}),
+        # disk: transfer as slow as recompute -> no credit
+        ({"c": PrefixMatch(80, "disk", 20)}, 0, {"a": 0.0, "b": 0.0, "c": 0.0}),
+        # remote: 0.4 * (1 - 0.25)
+        ({"c": PrefixMatch(40, "remote", 10)}, 0, {"a": 0.0, "b": 0.0, "c": 0.3 * 40 / 101}),
+        # common prefix of 5 blocks (20 tokens) earns nothing
+        ({"a": PrefixMatch(80, "device", 20), "b": PrefixMatch(20, "device", 5)}, 5,
+         {"a": 60 / 81, "b": 0.0, "c": 0.0}),
+    ],
+)
+def test_prefix_scorer(matches, common, expect):
+    got = PrefixScorer(**PREFIX_CFG).score(_ctx(matches, common), W3)
+    assert got == pytest.approx(expect)
+
+
+def test_prefix_scorer_rejects_bad_weights():
+    with pytest.raises(ValueError):
+        PrefixScorer(tier_weights={"device": 1.5})
+
+
+@pytest.mark.parametrize(
+    "loads, expect",
+    [
+        ({"a": EffectiveLoad(32768, 0, 0, 0.0, 0), "b": EffectiveLoad(0, 262144, 3, 0.5, 4),
+          "c": EffectiveLoad(0, 0, 0, 0.0, 0)}, {"a": 1 - 1 / 2.2, "b": 0.5, "c": 1.0}),
+        # below the floors, small loads stay small
+        ({"a": EffectiveLoad(1638.4, 0, 0, 0.0, 0), "b": EffectiveLoad(0, 0, 0, 0.0, 2),
+          "c": EffectiveLoad(0, 0, 0, 1.0, 0)}, {"a": 1 - 0.1 / 2.2, "b": 1 - 0.25 / 2.2, "c": 1 - 0.2 / 2.2}),
+    ],
+)
+def test_load_scorer(loads, expect):
+    assert LoadScorer().score(_ctx(loads=loads), W3) == pytest.approx(expect)
+
+
+@pytest.mark.parametrize(
+    "session, node, expect",
+    [(None, None, {"a": 0.0, "b": 0.0, "c": 0.0}), ("a", "n0", {"a": 1.0, "b": 0.5, "c": 0.0}),
+     ("c", "n1", {"a": 0.0, "b": 0.0, "c": 1.0})],
+)
+def test_affinity_scorer(session, node, expect):
+    assert AffinityScorer().score(_ctx(session=session, node=node), W3) == expect
+
+
+def test_healthy_and_role_filters():
+    ws = [WorkerState("p", "prefill"), WorkerState("d", "decode"), WorkerState("x", "both", healthy=False)]
+    assert [w.worker_id for w in HealthyFilter().filter(_ctx(), ws)] == ["p", "d"]
+    assert [w.worker_id for w in RoleFilter().filter(_ctx(phase="prefill"), ws)] == ["p", "x"]
+    assert [w.worker_id for w in RoleFilter("decode").filter(_ctx(phase="prefill"), ws)] == ["d", "x"]
+
+
+@pytest.mark.parametrize(
+    "q, s, session, expect",
+    [
+        ([0, 10000, 30000], [0, 0, 0], "a", ["a", "b"]),  # cap = 1.25 * 13333 -> c out
+        ([0, 0, 0], [5, 0, 0], None, ["b", "c"]),  # new session: a holds too many sessions
+        ([0, 0, 0], [5, 0, 0], "a", ["a", "b", "c"]),  # live session: session guard off
+        ([100000, 0, 0], [0, 0, 0], "a", ["b", "c"]),
+    ],
+)
+def test_load_guard(q, s, session, expect):
+    loads = {w.worker_id: EffectiveLoad(qq, 0, 0, 0.0, ss) for w, qq, ss in zip(W3, q, s, strict=True)}
+    f = LoadGuardFilter(prefill_slack_tokens=0.0)
+    assert [w.worker_id for w in f.filter(_ctx(loads=loads, session=session), W3)] == expect
+
+
+def test_load_guard_never_empties():
+    loads = {"a": EffectiveLoad(10, 0, 0, 0, 9), "b": EffectiveLoad(5, 0, 0, 0, 9)}
+    f = LoadGuardFilter(prefill_ratio=1.0, prefill_slack_tokens=0.0, session_ratio=1.0, session_slack=0.0)
+    loads["b"].active_sessions = 100
+    assert [w.worker_id for w in f.filter(_ctx(loads=loads), W3[:2])] == ["b"]  # all over a guard: least queued prefill stays
+
+
+def test_picker_ties_and_epsilon():
+    p = MaxScorePicker()
+    assert p.pick({"a": 0.5, "b": 0.7, "c": 0.7}, ["a", "b", "c"]) == ["b", "c", "a"]
+    picks = {MaxScorePicker(epsilon=0.05, seed=s).pick({"a": 0.70, "b": 0.68, "c": 0.1}, ["a", "b", "c"])[0]
+             for s in range(20)}
+    assert picks == {"a", "b"}
+
+
+class _Bad:
+    name = "bad"
+
+    def score(self, ctx, workers):
+        return {w.worker_id: 1.5 for w in workers}
+
+
+def test_profile_enforces_range_and_weights():
+    prof = SchedulingProfile("t", [], [(_Bad(), 1.0)])
+    with pytest.raises(AssertionError, match="bad"):
+        prof.run(_ctx(), W3)
+    prof = build_profile("t", {"filters": ["healthy"], "scorers": {"affinity": 1, "load": 1}})
+    res = prof.run(_ctx(session="c", node="n1"), W3)
+    assert res.picked == "c" and res.totals["c"] == pytest.approx(1.0)
+    assert res.totals["a"] == pytest.approx(0.5)
+
+
+def test_registry_rejects_unknown_plugins():
+    with pytest.raises(ValueError, match="unknown plugin"):
+        build_profile("t", {"scorers": {"nope": 1}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        build_profile("t", {"scorer": {}})
+    assert set(build_profiles()) == {"both", "prefill", "decode"}
+
+
+@pytest.mark.parametrize(
+    "suffix, loads, disagg, reason",
+    [
+        (1000, [0.0], False, "local_short_suffix"),
+        (5000, [0.0, 100.0], True, "disagg"),
+        (5000, [70000.0, 80000.0], False, "local_prefill_busy"),
+        (50000, [70000.0], True, "disagg"),
+        (50000, [], False, "local_no_prefill_pool"),
+    ],
+)
+def test_decider(suffix, loads, disagg, reason):
+    d = PDDecider().decide(suffix, loads)
+    assert (d.disaggregate, d.reason) == (disagg, reason)

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disagg.sim.cache import LRUTier
+from disagg.sim.cost_model import CostModel, cost_profile
+from disagg.sim.simulator import ClusterConfig, Simulator
+from disagg.sim.workload import (
+    SimRequest,
+    SynthConfig,
+    consecutive_reuse,
+    from_mooncake_records,
+    synth_sessions,
+)
+
+HAND = CostModel(prefill_base_s=0.01, prefill_per_token_s=0.001, prefill_attn_s=0.0,
+                 decode_base_s=0.02, decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0)
+
+
+def test_hand_computed_ttft_and_itl():
+    r = SimRequest("s", 0, 0, 0, 1000, 5, list(range(4)), 256)
+    res = Simulator([r], "round_robin", ClusterConfig(num_workers=1), HAND).run()
+    rec = res.records[0]
+    assert rec.ttft == pytest.approx(0.01 + 1000 * 0.001)  # a + b * n
+    assert rec.itl == pytest.approx(0.02)  # 4 more tokens, one decode step each
+    assert rec.finish == pytest.approx(1.01 + 4 * 0.02)
+
+
+def test_second_turn_resumes_from_checkpoint():
+    ids = list(range(8))
+    t0 = SimRequest("s", 0, 0, 0, 1000, 2, ids[:4], 256)  # 3 full blocks -> ckpt at 768
+    t1 = SimRequest("s", 1, 0, 0, 2048, 2, ids[:3] + [50, 51, 52, 53, 54], 256)
+    res = Simulator([t0, t1], "state_aware", ClusterConfig(num_workers=2), HAND).run()
+    second = res.records[1]
+    assert (second.cached_tokens, second.theoretical_tokens, second.cached_tier) == (768, 768, "device")
+    assert second.ttft == pytest.approx(0.01 + (2048 - 768) * 0.001)
+    assert res.router_metrics["prediction_ratio"] == 1.0
+
+
+def test_simulation_is_deterministic_for_a_seed():
+    reqs = synth_sessions(SynthConfig(num_sessions=12, turns=4), seed=7)
+    runs = [Simulator(reqs, p, ClusterConfig(num_workers=4), lanes=6, seed=1).run()
+            for p in ("state_aware", "state_aware", "power_of_two", "power_of_two")]
+    assert runs[0].summary == runs[1].summary
+    assert runs[2].summary == runs[3].summary
+    assert [r.decode_worker for r in runs[0].records] == [r.decode_worker for r in runs[1].records]
+
+
+def test_pd_cluster_transfers_state():
+    reqs = synth_sessions(SynthConfig(num_sessions=6, turns=3), seed=2)
+    res = Simulator(reqs, "state_aware", ClusterConfig(num_prefill=2, num_decode=2), lanes=6).run()
+    assert res.summary["requests"] == len(reqs)
+    assert any(r.prefill_worker != r.decode_worker for r in res.records)
+    assert all(r.decode_worker in ("w02", "w03") for r in res.records)
+
+
+def test_open_loop_and_tiers():
+    reqs = synth_sessions(SynthConfig(num_sessions=6, turns=3), seed=2)
+    cl = ClusterConfig(num_workers=4, workers_per_node=2, device_blocks=64, host_blocks=128, disk_blocks=4096)
+    res = Simulator(reqs, "state_aware", cl, mode="open").run()
+    assert res.summary["requests"] == len(reqs)
+    assert {r.cached_tier for r in res.records} - {None, "device", "host", "disk"} == set()
+
+
+def test_lru_tier_eviction_order_and_events():
+    log = []
+    t = LRUTier("device", 3, lambda op, k, d: log.append((op, d)))
+    for d in (b"a", b"b", b"c"):
+        t.put(("mla", d))
+    t.touch(("mla", b"a"))
+    assert t.put(("kda", b"k"), 2) == [("mla", b"b"), ("mla", b"c")]
+    assert log[-3:] == [("evicted", b"b"), ("evicted", b"c"), ("stored", b"k")]
+    assert t.put(("kda", b"big"), 4) == [] and t.used == 3
+
+
+def test_synthetic_sessions_reuse_and_mooncake_conversion():
+    reqs = synth_sessions(SynthConfig(num_sessions=8, turns=10), seed=0)
+    assert 0.93 <= consecutive_reuse(reqs) <= 0.99
+    assert reqs == synth_sessions(SynthConfig(num_sessions=8, turns=10), seed=0)
+    rec = {"session_id": "s7", "turn": 3, "timestamp": 41250, "delay": 8000,
+           "input_length": 1030, "output_length": 219, "hash_ids": [0, 1, 2]}
+    (r,) = from_mooncake_records([rec], block_size=512)
+    assert (r.session_id, r.turn, r.delay_ms, r.num_full_blocks, r.output_length) == ("s7", 3, 8000.0, 2, 219)
+
+
+def test_cost_model_profiles(tmp_path):
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps({"decode_base_s": 0.03, "bandwidth_gbps": {"host": 10, "disk": 1, "remote": 2}}))
+    cm = cost_profile(str(p))
+    assert cm.decode_step_time(1, 0) == pytest.approx(0.03 + 1e-4)
+    assert cm.transfer_time(10e9, "host") == pytest.approx(1.0 + 50e-6)
+    assert cost_profile("large").prefill_per_token_s > cost_profile("small").prefill_per_token_s
+    with pytest.raises(ValueError):
+        CostModel.from_dict({"nope": 1})
