@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
 
@@ -12,6 +13,13 @@ from disagg.config import AppConfig
 
 log = logging.getLogger(__name__)
 APP_NAME = "disagg"
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _init_ray() -> bool:

@@ -32,7 +32,13 @@ from typing import Any
 PRESET_DIR = Path(__file__).parent / "presets"
 PRESETS: tuple[str, ...] = ("tiny", "small", "kimi-linear-48b")
 
-_LINEAR_REQUIRED = ("kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size")
+_LINEAR_REQUIRED = (
+    "kda_layers",
+    "full_attn_layers",
+    "num_heads",
+    "head_dim",
+    "short_conv_kernel_size",
+)
 _ROUTER_FUNCS = ("sigmoid", "softmax")
 
 
@@ -87,9 +93,17 @@ class K3Config:
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys, kept (NOTE 1)
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                    "v_head_dim"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
             _positive_int(key, getattr(self, key))
         if self.q_lora_rank is not None:
             _positive_int("q_lora_rank", self.q_lora_rank)
@@ -104,7 +118,9 @@ class K3Config:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             tok = getattr(self, key)
             if tok is not None and not (isinstance(tok, int) and 0 <= tok < self.vocab_size):
-                raise ValueError(f"{key}: {tok!r} is not an id in [0, vocab_size={self.vocab_size})")
+                raise ValueError(
+                    f"{key}: {tok!r} is not an id in [0, vocab_size={self.vocab_size})"
+                )
 
     def _validate_linear_attn(self) -> None:
         la = self.linear_attn_config
@@ -117,18 +133,26 @@ class K3Config:
             _positive_int(f"linear_attn_config.{key}", la[key])
         for key in ("head_k_dim", "head_v_dim"):  # the reference keeps K == V == head_dim
             if key in la and la[key] != la["head_dim"]:
-                raise ValueError(f"linear_attn_config.{key}={la[key]} differs from head_dim={la['head_dim']}")
+                raise ValueError(
+                    f"linear_attn_config.{key}={la[key]} differs from head_dim={la['head_dim']}"
+                )
         n = self.num_hidden_layers
         kda, full = la["kda_layers"], la["full_attn_layers"]
         for key, ids in (("kda_layers", kda), ("full_attn_layers", full)):
             if not isinstance(ids, list) or len(set(ids)) != len(ids):
-                raise ValueError(f"linear_attn_config.{key} must be a list of distinct 1-based layer ids")
+                raise ValueError(
+                    f"linear_attn_config.{key} must be a list of distinct 1-based layer ids"
+                )
             for i in ids:
                 if not isinstance(i, int) or not 1 <= i <= n:
-                    raise ValueError(f"linear_attn_config.{key}: layer {i!r} outside 1..{n} (1-based)")
+                    raise ValueError(
+                        f"linear_attn_config.{key}: layer {i!r} outside 1..{n} (1-based)"
+                    )
         both = sorted(set(kda) & set(full))
         if both:
-            raise ValueError(f"linear_attn_config: layer {both[0]} (1-based) is in both kda_layers and full_attn_layers")
+            raise ValueError(
+                f"linear_attn_config: layer {both[0]} (1-based) is in both kda_layers and full_attn_layers"
+            )
         missing = sorted(set(range(1, n + 1)) - set(kda) - set(full))
         if missing:
             raise ValueError(
@@ -147,18 +171,29 @@ class K3Config:
                 f"num_experts_per_token={self.num_experts_per_token} exceeds num_experts={self.num_experts}"
             )
         if self.first_k_dense_replace < 0:
-            raise ValueError(f"first_k_dense_replace must be >= 0, got {self.first_k_dense_replace}")
+            raise ValueError(
+                f"first_k_dense_replace must be >= 0, got {self.first_k_dense_replace}"
+            )
         if self.moe_router_activation_func not in _ROUTER_FUNCS:
             raise ValueError(f"moe_router_activation_func must be one of {_ROUTER_FUNCS}")
         if self.num_shared_experts is not None and self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         _positive_int("num_expert_group", self.num_expert_group)
         if self.num_experts % self.num_expert_group:
-            raise ValueError(f"num_expert_group={self.num_expert_group} does not divide num_experts={self.num_experts}")
+            raise ValueError(
+                f"num_expert_group={self.num_expert_group} does not divide num_experts={self.num_experts}"
+            )
         if not 1 <= self.topk_group <= self.num_expert_group:
-            raise ValueError(f"topk_group={self.topk_group} must be in 1..num_expert_group={self.num_expert_group}")
-        if self.topk_group * (self.num_experts // self.num_expert_group) < self.num_experts_per_token:
-            raise ValueError("topk_group: the chosen groups hold fewer experts than num_experts_per_token")
+            raise ValueError(
+                f"topk_group={self.topk_group} must be in 1..num_expert_group={self.num_expert_group}"
+            )
+        if (
+            self.topk_group * (self.num_experts // self.num_expert_group)
+            < self.num_experts_per_token
+        ):
+            raise ValueError(
+                "topk_group: the chosen groups hold fewer experts than num_experts_per_token"
+            )
 
     # -- derived geometry ---------------------------------------------------------
     @property
@@ -214,7 +249,9 @@ class K3Config:
             if not isinstance(data, dict):
                 raise ValueError(f"{path}: the top level must be a JSON object")
         if "text_config" in data and isinstance(data["text_config"], dict):
-            raise ValueError("text_config: nested (multimodal) configs are not supported; pass the text config")
+            raise ValueError(
+                "text_config: nested (multimodal) configs are not supported; pass the text config"
+            )
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in data.items() if k in known}
         extra = {k: v for k, v in data.items() if k not in known}

@@ -41,6 +41,10 @@ NOTES
 
 from __future__ import annotations
 
+import os
+
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,8 +83,12 @@ def _decayed_dots(a, b, G, sub: int = SUB_CHUNK):
         s1 = min(c, s0 + sub)
         Gs = G[:, :, s0:s1]
         incl = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool, device=a.device).tril()
-        decay = (Gs.unsqueeze(3) - Gs.unsqueeze(2)).masked_fill(~incl[:, :, None], float("-inf")).exp()
-        out[:, :, s0:s1, s0:s1] = (a[:, :, s0:s1].unsqueeze(3) * b[:, :, s0:s1].unsqueeze(2) * decay).sum(-1)
+        decay = (
+            (Gs.unsqueeze(3) - Gs.unsqueeze(2)).masked_fill(~incl[:, :, None], float("-inf")).exp()
+        )
+        out[:, :, s0:s1, s0:s1] = (
+            a[:, :, s0:s1].unsqueeze(3) * b[:, :, s0:s1].unsqueeze(2) * decay
+        ).sum(-1)
         if s0:
             ref = G[:, :, s0 : s0 + 1]
             left = a[:, :, s0:s1] * (Gs - ref).exp()
@@ -97,7 +105,9 @@ def _intra_chunk(q, k, v, g, beta):
     A = (_decayed_dots(k, k, G) * beta.unsqueeze(-1)).masked_fill(~strict, 0.0)
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
     rhs = beta.unsqueeze(-1) * torch.cat([v, G.exp() * k], dim=-1)
-    X = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)  # forward substitution
+    X = torch.linalg.solve_triangular(
+        eye + A, rhs, upper=False, unitriangular=True
+    )  # forward substitution
     U, W = X[..., : v.shape[-1]], X[..., v.shape[-1] :]
     P = _decayed_dots(q, k, G)  # lower triangle incl. the diagonal
     Qg = G.exp() * q
@@ -113,6 +123,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     s = state.clone()
     outs = []
     if n_full:
+
         def heads_first(x):  # [n_full*C, H, D] -> [N, H, C, D]
             return x[: n_full * chunk].reshape(n_full, chunk, h, -1).permute(0, 2, 1, 3)
 
@@ -141,16 +152,21 @@ def kda_fla(q, k, v, g, beta, state, chunk_mode: bool = True):
 
     fn = chunk_kda if chunk_mode else fused_recurrent_kda
     o, s = fn(
-        q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.float().unsqueeze(0),
-        beta=beta.float().unsqueeze(0), scale=1.0, initial_state=state.float().unsqueeze(0),
-        output_final_state=True, use_qk_l2norm_in_kernel=False,
+        q=q.unsqueeze(0),
+        k=k.unsqueeze(0),
+        v=v.unsqueeze(0),
+        g=g.float().unsqueeze(0),
+        beta=beta.float().unsqueeze(0),
+        scale=1.0,
+        initial_state=state.float().unsqueeze(0),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=False,
     )
     return o[0].to(state.dtype), s[0].to(state.dtype)
 
 
-def fla_available(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda":
-        return False
+@functools.cache
+def _fla_importable() -> bool:
     try:
         import fla.ops.kda  # noqa: F401
     except Exception:
@@ -158,7 +174,19 @@ def fla_available(t: torch.Tensor) -> bool:
     return True
 
 
-def kda_mix(q, k, v, g, beta, state, start_pos: int, chunk: int = CHUNK, use_fla: bool | None = None):
+def fla_available(t: torch.Tensor) -> bool:
+    """fla kernels serve CUDA tensors below fp64 (fp64 runs are oracle runs).
+
+    ``DISAGG_KDA_BACKEND=torch`` forces the plain torch path (for A/B figures).
+    """
+    if os.environ.get("DISAGG_KDA_BACKEND", "auto") == "torch":
+        return False
+    return t.device.type == "cuda" and t.dtype != torch.float64 and _fla_importable()
+
+
+def kda_mix(
+    q, k, v, g, beta, state, start_pos: int, chunk: int = CHUNK, use_fla: bool | None = None
+):
     """KDA over new tokens at absolute positions start_pos.., chunks aligned to multiples of ``chunk``."""
     t = q.shape[0]
     if use_fla is None:
@@ -193,7 +221,9 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
 class KimiDeltaAttention(nn.Module):
     """One KDA layer; parameter names follow the HF / vLLM checkpoints."""
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_width: int, eps: float):
+    def __init__(
+        self, hidden_size: int, num_heads: int, head_dim: int, conv_width: int, eps: float
+    ):
         super().__init__()
         d = num_heads * head_dim
         self.num_heads, self.head_dim, self.conv_width = num_heads, head_dim, conv_width
@@ -223,8 +253,12 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, spans: list[TokenSpan], kda_idx: int) -> torch.Tensor:
         h, dk = self.num_heads, self.head_dim
         sd = state_dtype(x.dtype)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3D] (NOTE 1)
-        conv_w = torch.cat([m.weight[:, 0, :] for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        qkv = torch.cat(
+            [self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1
+        )  # [N, 3D] (NOTE 1)
+        conv_w = torch.cat(
+            [m.weight[:, 0, :] for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        )
         g = self.decay(x).to(sd)
         beta = torch.sigmoid(self.b_proj(x).to(sd))
         o = x.new_zeros(x.shape[0], h, dk, dtype=sd)

@@ -28,6 +28,8 @@ NOTES
    the cache dtype; attention reads the rows back in that dtype, so a token's
    row is the same whether it was computed in this step or an earlier one.
 2. History rows are read before the step's rows are appended.
+3. ``kv_a_layernorm`` uses ``rms_norm_eps`` as vLLM does (HF's remote code
+   leaves it at its 1e-6 default; the difference is below bf16 resolution).
 """
 
 from __future__ import annotations
@@ -92,7 +94,9 @@ class KimiMLAAttention(nn.Module):
             self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * self.q_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +118,9 @@ class KimiMLAAttention(nn.Module):
         cd = compute_dtype(x.dtype)
         w = self.kv_b_proj.weight.to(cd)
         out = x.new_zeros(x.shape[0], self.num_heads, self.v_dim, dtype=cd)
-        kw = dict(kv_lora_rank=self.kv_lora_rank, nope=self.nope, v_dim=self.v_dim, scale=self.scale)
+        kw = dict(
+            kv_lora_rank=self.kv_lora_rank, nope=self.nope, v_dim=self.v_dim, scale=self.scale
+        )
         for span in spans:
             hist = span.cache.mla_history(mla_idx)  # NOTE 2
             assert hist.shape[0] == span.start_pos, (

@@ -23,6 +23,11 @@ NOTES
    model runs in a half dtype (``cast_model``).
 3. ``random_init`` draws every parameter from one CPU generator in fp32, in
    sorted-name order: the same seed gives the same weights in any dtype.
+4. Exactness: chunk boundaries of KDA are absolute (multiples of 64), so a
+   prefill split there repeats the KDA arithmetic bit for bit. Dense matmuls
+   over different row counts (MoE expert batches, 1-row decode) may round
+   differently in BLAS, so split and unsplit runs agree to ~1e-7 relative in
+   fp32 (tight in fp64), not bitwise; greedy tokens agree thanks to the peaked init.
 """
 
 from __future__ import annotations
@@ -63,7 +68,9 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, h: torch.Tensor, spans: list[TokenSpan], kind_idx: int, absorbed: bool | None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, spans: list[TokenSpan], kind_idx: int, absorbed: bool | None
+    ) -> torch.Tensor:
         x = self.input_layernorm(h)
         if self.is_kda:
             h = h + self.self_attn(x, spans, kind_idx)
@@ -77,7 +84,9 @@ class K3Model(nn.Module):
     def __init__(self, config: K3Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -88,15 +97,22 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         la = config.linear_attn_config
         if la.get("use_full_rank_gate") or "gate_lower_bound" in la:
-            raise ValueError("linear_attn_config.use_full_rank_gate / gate_lower_bound (K3 KDA gate) is not supported")
+            raise ValueError(
+                "linear_attn_config.use_full_rank_gate / gate_lower_bound (K3 KDA gate) is not supported"
+            )
         if config.extra.get("mla_use_output_gate"):
-            raise ValueError("mla_use_output_gate: gated MLA is not supported by the reference model")
+            raise ValueError(
+                "mla_use_output_gate: gated MLA is not supported by the reference model"
+            )
         self.config = config
         self.model = K3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         kda_ids, mla_ids = config.kda_layer_ids, config.mla_layer_ids
-        self._kind_idx = [kda_ids.index(i) if i in kda_ids else mla_ids.index(i) for i in range(config.num_hidden_layers)]
+        self._kind_idx = [
+            kda_ids.index(i) if i in kda_ids else mla_ids.index(i)
+            for i in range(config.num_hidden_layers)
+        ]
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -129,21 +145,28 @@ class K3ForCausalLM(nn.Module):
             offset += n
         ids = torch.cat([s.input_ids.to(device=device, dtype=torch.long) for s in seqs])
         h = self.model.embed_tokens(ids)
-        for layer, kind_idx in zip(self.model.layers, self._kind_idx):
+        for layer, kind_idx in zip(self.model.layers, self._kind_idx, strict=True):
             h = layer(h, spans, kind_idx, absorbed)
-        pick = torch.cat([
-            torch.arange(sp.offset, sp.offset + sp.num_tokens) if s.all_logits
-            else torch.tensor([sp.offset + sp.num_tokens - 1])
-            for s, sp in zip(seqs, spans)
-        ]).to(device)
+        pick = torch.cat(
+            [
+                torch.arange(sp.offset, sp.offset + sp.num_tokens)
+                if s.all_logits
+                else torch.tensor([sp.offset + sp.num_tokens - 1])
+                for s, sp in zip(seqs, spans, strict=True)
+            ]
+        ).to(device)
         logits = self.lm_head(self.model.norm(h[pick])).to(state_dtype(self.dtype))
-        sizes = [sp.num_tokens if s.all_logits else 1 for s, sp in zip(seqs, spans)]
+        sizes = [sp.num_tokens if s.all_logits else 1 for s, sp in zip(seqs, spans, strict=True)]
         return list(logits.split(sizes))
 
     # -- construction ------------------------------------------------------------------
     @classmethod
     def random_init(
-        cls, config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls,
+        config: K3Config,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
     ) -> K3ForCausalLM:
         """Deterministic random weights with peaked outputs (NOTE 3)."""
         model = cls(config)  # built on CPU (a meta build costs seconds on first use)
@@ -153,20 +176,32 @@ class K3ForCausalLM(nn.Module):
                 p.copy_(_init_value(name, tuple(p.shape), config, gen))
         return cast_model(model, dtype, device).eval()
 
-    def state_layout(self, model_id: str, block_size: int, dtype: torch.dtype | None = None) -> StateLayout:
+    def state_layout(
+        self, model_id: str, block_size: int, dtype: torch.dtype | None = None
+    ) -> StateLayout:
         """Geometry of this model's per-request state (for kv_transfer and the engine cache)."""
         c = self.config
         dtype = dtype or self.dtype
         name = str(dtype).removeprefix("torch.")
         return StateLayout(
-            model_id=model_id, block_size=block_size, num_mla_layers=len(c.mla_layer_ids),
-            latent_dim=c.latent_dim, num_kda_layers=len(c.kda_layer_ids), kda_heads=c.kda_num_heads,
-            head_k=c.kda_head_dim, head_v=c.kda_head_dim, conv_width=c.conv_width,
-            cache_dtype=name, conv_dtype=name, state_dtype=str(state_dtype(dtype)).removeprefix("torch."),
+            model_id=model_id,
+            block_size=block_size,
+            num_mla_layers=len(c.mla_layer_ids),
+            latent_dim=c.latent_dim,
+            num_kda_layers=len(c.kda_layer_ids),
+            kda_heads=c.kda_num_heads,
+            head_k=c.kda_head_dim,
+            head_v=c.kda_head_dim,
+            conv_width=c.conv_width,
+            cache_dtype=name,
+            conv_dtype=name,
+            state_dtype=str(state_dtype(dtype)).removeprefix("torch."),
         )
 
 
-def cast_model(model: K3ForCausalLM, dtype: torch.dtype, device: str | torch.device = "cpu") -> K3ForCausalLM:
+def cast_model(
+    model: K3ForCausalLM, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> K3ForCausalLM:
     """Move and cast, keeping the NOTE 2 parameters in fp32 for half dtypes."""
     model.to(device=device, dtype=dtype)
     if dtype in (torch.float16, torch.bfloat16):
@@ -176,7 +211,9 @@ def cast_model(model: K3ForCausalLM, dtype: torch.dtype, device: str | torch.dev
     return model
 
 
-def _init_value(name: str, shape: tuple[int, ...], config: K3Config, gen: torch.Generator) -> torch.Tensor:
+def _init_value(
+    name: str, shape: tuple[int, ...], config: K3Config, gen: torch.Generator
+) -> torch.Tensor:
     """Initial value of one parameter (fp32, CPU)."""
     leaf = name.rsplit(".", 1)[-1]
     randn = lambda std: torch.randn(shape, generator=gen) * std

@@ -17,6 +17,8 @@ two best biased scores, the best ``topk_group`` groups stay eligible.
 NOTES
 1. Each token's expert outputs are added in ascending expert id, so a token's
    result does not depend on which other tokens share the batch.
+2. ``moe_renormalize`` also applies when top_k == 1 (weight 1 * scaling), as
+   in vLLM's fused MoE; HF's remote code skips renormalization for top-1.
 """
 
 from __future__ import annotations
@@ -111,17 +113,26 @@ class SparseMoE(nn.Module):
         self.num_expert_group = c.num_expert_group if grouped else 1
         self.topk_group = c.topk_group if grouped else 1
         self.gate = MoEGate(c.hidden_size, c.num_experts)
-        self.experts = nn.ModuleList(Expert(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts))
+        self.experts = nn.ModuleList(
+            Expert(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts)
+        )
         n_shared = c.num_shared_experts or 0
-        self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * n_shared) if n_shared else None
+        self.shared_experts = (
+            SwiGLU(c.hidden_size, c.moe_intermediate_size * n_shared) if n_shared else None
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cd = compute_dtype(x.dtype)
         logits = x.to(cd) @ self.gate.weight.to(cd).T
         return route(
-            logits, self.gate.e_score_correction_bias, top_k=self.top_k, renormalize=self.renormalize,
-            routed_scaling_factor=self.scaling, activation=self.activation,
-            num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+            logits,
+            self.gate.e_score_correction_bias,
+            top_k=self.top_k,
+            renormalize=self.renormalize,
+            routed_scaling_factor=self.scaling,
+            activation=self.activation,
+            num_expert_group=self.num_expert_group,
+            topk_group=self.topk_group,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,9 @@ def load_model(
     shard_of = _shard_map(path)
     unexpected = sorted(n for n in shard_of if n not in params and not _skippable(n, config))
     if unexpected:
-        raise ValueError(f"unexpected tensor {unexpected[0]!r} in checkpoint ({len(unexpected)} unexpected)")
+        raise ValueError(
+            f"unexpected tensor {unexpected[0]!r} in checkpoint ({len(unexpected)} unexpected)"
+        )
     missing = sorted(n for n in params if n not in shard_of)
     if missing:
         raise ValueError(f"missing tensor {missing[0]!r} in checkpoint ({len(missing)} missing)")

@@ -24,9 +24,13 @@ def setup(total: int, n: int, dtype=torch.float64, seed: int = 0):
 @pytest.mark.parametrize("total, n", [(1, 1), (50, 1), (50, 7), (9, 9)])
 def test_absorbed_equals_expanded(total, n):
     q, latent, w, kw = setup(total, n)
-    torch.testing.assert_close(mla_absorbed(q, latent, w, **kw), mla_expanded(q, latent, w, **kw), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        mla_absorbed(q, latent, w, **kw), mla_expanded(q, latent, w, **kw), rtol=1e-10, atol=1e-12
+    )
     q, latent, w = q.float(), latent.float(), w.float()
-    torch.testing.assert_close(mla_absorbed(q, latent, w, **kw), mla_expanded(q, latent, w, **kw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mla_absorbed(q, latent, w, **kw), mla_expanded(q, latent, w, **kw), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_expanded_matches_sdpa_per_head():
@@ -34,7 +38,11 @@ def test_expanded_matches_sdpa_per_head():
     kv = (latent[:, :R] @ w.T).view(20, H, DN + DV)
     k = torch.cat([kv[..., :DN], latent[:, None, R:].expand(20, H, DR)], dim=-1)
     ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), kv[..., DN:].transpose(0, 1), is_causal=True, scale=kw["scale"]
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        kv[..., DN:].transpose(0, 1),
+        is_causal=True,
+        scale=kw["scale"],
     ).transpose(0, 1)
     torch.testing.assert_close(mla_expanded(q, latent, w, **kw), ref)
 
@@ -43,19 +51,25 @@ def test_new_queries_only_see_history_and_earlier_new_tokens():
     q, latent, w, kw = setup(30, 5)
     out = mla_expanded(q, latent, w, **kw)
     for i in range(5):  # query i sits at position 25 + i
-        torch.testing.assert_close(out[i : i + 1], mla_expanded(q[i : i + 1], latent[: 26 + i], w, **kw))
+        torch.testing.assert_close(
+            out[i : i + 1], mla_expanded(q[i : i + 1], latent[: 26 + i], w, **kw)
+        )
 
 
 def test_layer_cache_rows_and_decode_modes(tiny_fp64):
     cfg = tiny_fp64.config
     layer = tiny_fp64.model.layers[cfg.mla_layer_ids[0]].self_attn
-    x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = torch.randn(
+        12, cfg.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
     cache = DenseSequenceCache.empty(cfg, torch.float64)
     full = layer(x, [TokenSpan(0, 12, 0, cache)], 0)
     rows = cache.mla_history(0)
     assert rows.shape == (12, cfg.latent_dim)
     ckv = layer.kv_a_proj_with_mqa(x)
-    torch.testing.assert_close(rows[:, : cfg.kv_lora_rank], layer.kv_a_layernorm(ckv[:, : cfg.kv_lora_rank]))
+    torch.testing.assert_close(
+        rows[:, : cfg.kv_lora_rank], layer.kv_a_layernorm(ckv[:, : cfg.kv_lora_rank])
+    )
     torch.testing.assert_close(rows[:, cfg.kv_lora_rank :], ckv[:, cfg.kv_lora_rank :])
     for absorbed in (True, False, None):
         step = DenseSequenceCache.empty(cfg, torch.float64)

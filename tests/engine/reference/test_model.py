@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from disagg.engine.reference.cache_view import DenseSequenceCache, SeqInput
-from disagg.engine.reference.config import load_preset
 from disagg.engine.reference.model import K3ForCausalLM
 from disagg.engine.reference.weights import weights_fingerprint
 
@@ -21,21 +20,41 @@ def test_parameter_names_and_shapes(tiny_fp32):
     assert p[kda + "f_a_proj.weight"].shape == (cfg.kda_head_dim, cfg.hidden_size)
     assert p[kda + "b_proj.weight"].shape == (h, cfg.hidden_size)
     assert p[kda + "o_norm.weight"].shape == (cfg.kda_head_dim,)
-    for name in ["k_proj", "v_proj", "k_conv1d", "v_conv1d", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj"]:
+    for name in [
+        "k_proj",
+        "v_proj",
+        "k_conv1d",
+        "v_conv1d",
+        "f_b_proj",
+        "g_a_proj",
+        "g_b_proj",
+        "o_proj",
+    ]:
         assert kda + name + ".weight" in p
     mla = "model.layers.3.self_attn."
     assert p[mla + "q_proj.weight"].shape == (cfg.num_attention_heads * 96, cfg.hidden_size)
     assert p[mla + "kv_a_proj_with_mqa.weight"].shape == (cfg.latent_dim, cfg.hidden_size)
     assert p[mla + "kv_a_layernorm.weight"].shape == (cfg.kv_lora_rank,)
     assert p[mla + "kv_b_proj.weight"].shape == (cfg.num_attention_heads * 128, cfg.kv_lora_rank)
-    assert "model.layers.0.mlp.gate_proj.weight" in p and "model.layers.0.block_sparse_moe.gate.weight" not in p
+    assert (
+        "model.layers.0.mlp.gate_proj.weight" in p
+        and "model.layers.0.block_sparse_moe.gate.weight" not in p
+    )
     moe = "model.layers.1.block_sparse_moe."
     assert p[moe + "gate.weight"].shape == (cfg.num_experts, cfg.hidden_size)
     assert p[moe + "gate.e_score_correction_bias"].shape == (cfg.num_experts,)
-    assert p[moe + f"experts.{cfg.num_experts - 1}.w2.weight"].shape == (cfg.hidden_size, cfg.moe_intermediate_size)
+    assert p[moe + f"experts.{cfg.num_experts - 1}.w2.weight"].shape == (
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+    )
     assert moe + "shared_experts.up_proj.weight" in p
-    for name in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-                 "model.layers.7.input_layernorm.weight", "model.layers.7.post_attention_layernorm.weight"]:
+    for name in [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.7.input_layernorm.weight",
+        "model.layers.7.post_attention_layernorm.weight",
+    ]:
         assert name in p
     assert 2_000_000 < tiny_fp32.num_parameters() < 20_000_000
 
@@ -43,8 +62,12 @@ def test_parameter_names_and_shapes(tiny_fp32):
 def test_random_init_is_deterministic_and_peaked(tiny_config, tiny_fp32, tiny_fp64, helpers):
     again = K3ForCausalLM.random_init(tiny_config, seed=0)
     assert weights_fingerprint(again) == weights_fingerprint(tiny_fp32)
-    assert weights_fingerprint(K3ForCausalLM.random_init(tiny_config, seed=1)) != weights_fingerprint(tiny_fp32)
-    assert torch.equal(tiny_fp64.lm_head.weight.float(), tiny_fp32.lm_head.weight)  # same draws in any dtype
+    assert weights_fingerprint(
+        K3ForCausalLM.random_init(tiny_config, seed=1)
+    ) != weights_fingerprint(tiny_fp32)
+    assert torch.equal(
+        tiny_fp64.lm_head.weight.float(), tiny_fp32.lm_head.weight
+    )  # same draws in any dtype
     logits = helpers.run_chunks(tiny_fp32, helpers.token_ids(120), [])
     top2 = logits.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).median() > 0.5
@@ -86,7 +109,7 @@ def test_block_aligned_split_leaves_identical_state(tiny_fp64, helpers):
     b = DenseSequenceCache.empty(tiny_fp64.config, torch.float64)
     helpers.run_chunks(tiny_fp64, ids, [], cache=a)
     helpers.run_chunks(tiny_fp64, ids, [128], cache=b)
-    for x, y in zip(a.kda_rec + a.kda_conv + a.mla, b.kda_rec + b.kda_conv + b.mla):
+    for x, y in zip(a.kda_rec + a.kda_conv + a.mla, b.kda_rec + b.kda_conv + b.mla, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
@@ -99,21 +122,33 @@ def test_batched_sequences_match_running_alone(tiny_fp32, helpers):
     ca = DenseSequenceCache.empty(cfg)
     tiny_fp32([SeqInput(long_ids[:64], 0, ca)])
     cb = DenseSequenceCache.empty(cfg)
-    out_a, out_b = tiny_fp32([SeqInput(long_ids[64:], 64, ca, all_logits=True), SeqInput(short_ids, 0, cb)])
+    out_a, out_b = tiny_fp32(
+        [SeqInput(long_ids[64:], 64, ca, all_logits=True), SeqInput(short_ids, 0, cb)]
+    )
     assert out_b.shape == (1, cfg.vocab_size)
     assert helpers.rel_err(out_a, alone_long[64:]) < 1e-5
     assert helpers.rel_err(out_b, alone_short[-1:]) < 1e-5
     assert torch.equal(out_a.argmax(-1), alone_long[64:].argmax(-1))
     assert torch.equal(out_b.argmax(-1), alone_short[-1:].argmax(-1))
+
     # greedy decode of both together equals each alone
     def greedy(seqs_ids, steps=6):
         caches = [DenseSequenceCache.empty(cfg) for _ in seqs_ids]
-        toks = [[int(l.argmax())] for l in tiny_fp32([SeqInput(i, 0, c) for i, c in zip(seqs_ids, caches)])]
+        toks = [
+            [int(row.argmax())]
+            for row in tiny_fp32([SeqInput(i, 0, c) for i, c in zip(seqs_ids, caches, strict=True)])
+        ]
         for _ in range(steps):
-            logits = tiny_fp32([SeqInput(torch.tensor([t[-1]]), c.num_tokens, c) for t, c in zip(toks, caches)])
-            for t, l in zip(toks, logits):
-                t.append(int(l.argmax()))
+            logits = tiny_fp32(
+                [
+                    SeqInput(torch.tensor([t[-1]]), c.num_tokens, c)
+                    for t, c in zip(toks, caches, strict=True)
+                ]
+            )
+            for t, row in zip(toks, logits, strict=True):
+                t.append(int(row.argmax()))
         return toks
+
     together = greedy([long_ids, short_ids])
     assert together == greedy([long_ids]) + greedy([short_ids])
 

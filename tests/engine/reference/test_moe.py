@@ -17,7 +17,7 @@ def test_bias_changes_selection_but_not_weights():
     bias = torch.tensor([0.0, 0.0, 0.0, 1.0])  # lifts expert 3 over expert 1
     ids, w = route(logits, bias, top_k=2, renormalize=False)
     assert sorted(ids[0].tolist()) == [0, 3]
-    got = dict(zip(ids[0].tolist(), w[0].tolist()))
+    got = dict(zip(ids[0].tolist(), w[0].tolist(), strict=True))
     assert got == pytest.approx({0: s[0].item(), 3: s[3].item()})  # weights ignore the bias
 
 
@@ -51,13 +51,22 @@ def test_moe_block_equals_per_token_sum(tiny_fp64):
     cfg = tiny_fp64.config
     moe = tiny_fp64.model.layers[1].block_sparse_moe
     assert isinstance(moe, SparseMoE) and len(moe.experts) == cfg.num_experts
-    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = torch.randn(
+        9, cfg.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
     logits = x @ moe.gate.weight.T
-    ids, w = route(logits, moe.gate.e_score_correction_bias, top_k=cfg.num_experts_per_token,
-                   renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor)
-    expect = torch.stack([
-        sum(w[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1])[0] for j in range(ids.shape[1]))
-        + moe.shared_experts(x[t : t + 1])[0]
-        for t in range(9)
-    ])
+    ids, w = route(
+        logits,
+        moe.gate.e_score_correction_bias,
+        top_k=cfg.num_experts_per_token,
+        renormalize=cfg.moe_renormalize,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+    expect = torch.stack(
+        [
+            sum(w[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1])[0] for j in range(ids.shape[1]))
+            + moe.shared_experts(x[t : t + 1])[0]
+            for t in range(9)
+        ]
+    )
     torch.testing.assert_close(moe(x), expect, rtol=1e-12, atol=1e-12)

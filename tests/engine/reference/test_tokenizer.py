@@ -26,7 +26,9 @@ def test_decode_is_robust_to_non_byte_ids():
 
 def test_chat_template():
     tok = ByteTokenizer()
-    text = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    )
     assert text == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
 
 
@@ -34,7 +36,10 @@ def test_fits_tiny_preset_and_matches_its_special_ids():
     cfg, tok = load_preset("tiny"), ByteTokenizer()
     assert tok.vocab_size <= cfg.vocab_size
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
-        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
 
 
 def test_load_tokenizer_falls_back_to_bytes(tmp_path):

@@ -18,7 +18,9 @@ def ckpt(tmp_path_factory, tiny_fp32):
 
 
 def logits(model, ids):
-    return model([SeqInput(ids, 0, DenseSequenceCache.empty(model.config, model.dtype), all_logits=True)])[0]
+    return model(
+        [SeqInput(ids, 0, DenseSequenceCache.empty(model.config, model.dtype), all_logits=True)]
+    )[0]
 
 
 def copy_ckpt(src, dst, edit=None, config_edit=None):
@@ -54,9 +56,13 @@ def test_sharded_checkpoint_with_index(ckpt, tmp_path, tiny_fp32):
         fname = f"model-{i + 1:05d}-of-00002.safetensors"
         save_file({n: tensors[n] for n in part}, str(tmp_path / fname))
         weight_map.update({n: fname for n in part})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     (tmp_path / "config.json").write_text((ckpt / "config.json").read_text())
-    assert weights_fingerprint(load_model(tmp_path, torch.float32)) == weights_fingerprint(tiny_fp32)
+    assert weights_fingerprint(load_model(tmp_path, torch.float32)) == weights_fingerprint(
+        tiny_fp32
+    )
 
 
 def test_conv_weights_in_linear_layout_are_accepted(ckpt, tmp_path, tiny_fp32):
@@ -64,8 +70,11 @@ def test_conv_weights_in_linear_layout_are_accepted(ckpt, tmp_path, tiny_fp32):
         for n in list(t):
             if n.endswith("conv1d.weight"):
                 t[n] = t[n][:, 0, :].contiguous()
+
     copy_ckpt(ckpt, tmp_path, flatten_conv)
-    assert weights_fingerprint(load_model(tmp_path, torch.float32)) == weights_fingerprint(tiny_fp32)
+    assert weights_fingerprint(load_model(tmp_path, torch.float32)) == weights_fingerprint(
+        tiny_fp32
+    )
 
 
 BAD_TENSOR = "model.layers.3.self_attn.kv_b_proj.weight"
@@ -75,8 +84,14 @@ BAD_TENSOR = "model.layers.3.self_attn.kv_b_proj.weight"
     "edit, needle",
     [
         (lambda t: t.pop(BAD_TENSOR), f"missing tensor '{BAD_TENSOR}'"),
-        (lambda t: t.__setitem__(BAD_TENSOR, t[BAD_TENSOR][:, :-1].contiguous()), f"tensor '{BAD_TENSOR}' has shape"),
-        (lambda t: t.__setitem__("model.layers.0.self_attn.extra.weight", torch.zeros(2)), "unexpected tensor 'model.layers.0.self_attn.extra.weight'"),
+        (
+            lambda t: t.__setitem__(BAD_TENSOR, t[BAD_TENSOR][:, :-1].contiguous()),
+            f"tensor '{BAD_TENSOR}' has shape",
+        ),
+        (
+            lambda t: t.__setitem__("model.layers.0.self_attn.extra.weight", torch.zeros(2)),
+            "unexpected tensor 'model.layers.0.self_attn.extra.weight'",
+        ),
     ],
 )
 def test_tampered_checkpoint_names_the_tensor(ckpt, tmp_path, edit, needle):
