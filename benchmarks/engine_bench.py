@@ -14,7 +14,11 @@ against recomputing the whole conversation.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import shutil
+import tempfile
 import statistics
 import time
 
@@ -37,6 +41,9 @@ def _ids(n: int, seed: int, vocab: int) -> list[int]:
 
 
 def make_engine(model, device: str, budget_mb: int, chunk: int, **kw) -> ReferenceEngine:
+    gc.collect()  # drop the previous engine's cache before sizing a new one
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     opts = EngineOptions(block_size=64, max_num_seqs=max(64, kw.pop("max_num_seqs", 64)),
                          max_num_batched_tokens=chunk, cache_budget_bytes=budget_mb << 20, **kw)
     return ReferenceEngine(model, "bench", opts)
@@ -85,7 +92,8 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
     state = src.export_state("t1")
     turn2 = first + out + _ids(followup, 8, vocab)
     res: dict[str, list[float]] = {"recompute": [], "resume_memory": [], "resume_host_tier": []}
-    store = _store(budget_mb, src.layout)
+    nbytes = sum(b.rows.nbytes for b in state.mla_blocks) + sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
+    store = _store(src.layout, nbytes + (state.tail.rows.nbytes if state.tail else 0))
     hasher = None
     if store is not None:
         from kv_transfer.keys import BlockHasher, KeyExtras
@@ -116,13 +124,16 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
             **{f"speedup_{k}": med["recompute"] / v for k, v in med.items() if k != "recompute"}}
 
 
-def _store(budget_mb: int, layout):
+def _store(layout, nbytes: int):
     try:
         from kv_transfer.store import StateStore
         from kv_transfer.tiers.host import HostTier
     except ImportError:
         return None
-    return StateStore([HostTier(max(256, budget_mb) << 20)], layout)
+    cap = max(256 << 20, 2 * nbytes)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * cap else None
+    host = HostTier(cap, arena_dir=shm or tempfile.gettempdir(), pin_memory=torch.cuda.is_available())
+    return StateStore([host], layout)
 
 
 def main() -> None:

@@ -69,6 +69,7 @@ class _ServerBase:
         deadline = time.monotonic() + self.config.deployment.graceful_shutdown_timeout_s
         while self._inflight and time.monotonic() < deadline:  # graceful drain
             await asyncio.sleep(0.05)
+        await asyncio.wait_for(self.worker.drain(), max(0.1, deadline - time.monotonic()))
         self.engine.shutdown()
 
 

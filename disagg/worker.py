@@ -25,6 +25,7 @@ NOTES
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -58,6 +59,7 @@ class StatefulWorker:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_retries = prefill_retries
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
+        self._tasks: set[asyncio.Task] = set()
         self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,
                          "load_failures": 0, "prefill_failures": 0, "published_bytes": 0}
 
@@ -134,6 +136,8 @@ class StatefulWorker:
 
     # -- generate (runs on a decode worker) -----------------------------------------------------
     async def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
+        if self._tasks:  # a turn end being published may be this request's prefix: let it land first
+            await asyncio.wait(list(self._tasks), timeout=1.0)
         tokens = list(params.prompt_token_ids)
         hasher = self.hasher.with_salt(params.cache_salt)
         sampling = params.sampling
@@ -174,14 +178,27 @@ class StatefulWorker:
                                     out.error, transfer_bytes, transfer_s, self.replica_id)
                 if out.finished:
                     finished = True
-                    if out.finish_reason != "abort":
-                        computed = await self.engine.call(self.engine.engine.computed_tokens, rid)
-                        await self._publish(rid, computed, hasher)
+                    if out.finish_reason != "abort":  # checkpoint the turn end off the response path
+                        self._spawn(self._publish_turn_end(rid, hasher))
                 yield chunk
         finally:
             if not finished:
                 await self.engine.release(rid, False)
             self.counters["decodes"] += 1
+
+    async def _publish_turn_end(self, rid: str, hasher: BlockHasher) -> None:
+        computed = await self.engine.call(self.engine.engine.computed_tokens, rid)
+        await self._publish(rid, computed, hasher)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for background publishes (graceful shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _remote_prefill(self, params: GenerateParams, prefill_fn: PrefillFn) -> PrefillHandle | None:
         for attempt in range(self.prefill_retries + 1):

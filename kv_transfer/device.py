@@ -1,9 +1,10 @@
 """Batched copies between paged device caches and a host staging buffer.
 
-One copy per layer, never one per block: per-block copies of ~20 KB run at
-~0.8 GB/s on PCIe Gen5 while one batched gather then one large copy runs near
-the link's 55 GB/s. ``index_select`` / ``index_copy_`` gather or scatter all
-requested blocks of a layer in one kernel.
+Never one copy per block: per-block copies of ~20 KB run at ~0.8 GB/s on PCIe
+Gen5 while one batched gather then one large copy runs near the link's 55
+GB/s. Per group of layers (up to ``GROUP_BYTES``), ``index_select`` gathers the
+requested pages of every layer into one device temporary, then ONE copy moves
+it to the host; scatter is the mirror (one copy up, then ``index_copy_``).
 
     cache layer l   [num_blocks, block_size, D]      (vLLM paged layout)
     block_ids       [7, 2, 9]
@@ -83,6 +84,45 @@ def _run(fn, stream: torch.cuda.Stream | None, device: torch.device) -> CopyHand
     return CopyHandle(event)
 
 
+GROUP_BYTES = 1 << 30  # device temporaries per batched copy (layers are grouped up to this size)
+
+
+def _groups(num_layers: int, layer_bytes: int, limit: int = GROUP_BYTES) -> list[range]:
+    """Consecutive layer ranges of at most ``limit`` bytes each (at least one layer)."""
+    per = max(1, limit // max(layer_bytes, 1))
+    return [range(i, min(i + per, num_layers)) for i in range(0, num_layers, per)]
+
+
+def _gather(layers: list[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out[l] = layers[l][ids] for every layer: per layer group, gather on the device, then ONE copy.
+
+    ``out`` is [layers, n, *page] (any view of that shape). A same-device ``out`` is
+    gathered into directly.
+    """
+    dev = layers[0].device
+    if out.device == dev:
+        for li, layer in enumerate(layers):
+            torch.index_select(_raw(layer), 0, ids, out=_raw(out[li]))
+        return
+    page = tuple(layers[0].shape[1:])
+    layer_bytes = ids.numel() * layers[0][0].numel() * layers[0].element_size()
+    for group in _groups(len(layers), layer_bytes):
+        tmp = torch.empty((len(group), ids.numel(), *page), dtype=layers[0].dtype, device=dev)
+        for j, li in enumerate(group):
+            torch.index_select(_raw(layers[li]), 0, ids, out=_raw(tmp[j]))
+        out[group.start : group.stop].copy_(tmp, non_blocking=True)
+
+
+def _scatter(staging: torch.Tensor, layers: list[torch.Tensor], ids: torch.Tensor) -> None:
+    """layers[l][ids] = staging[l]: per layer group, ONE copy to the device, then a device scatter."""
+    dev = layers[0].device
+    layer_bytes = staging[0].numel() * staging.element_size()
+    for group in _groups(len(layers), layer_bytes):
+        src = staging[group.start : group.stop].to(dev, non_blocking=True)
+        for j, li in enumerate(group):
+            _raw(layers[li]).index_copy_(0, ids, _raw(src[j]))
+
+
 def gather_blocks(caches: torch.Tensor | Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
                   out: torch.Tensor | None = None, stream: torch.cuda.Stream | None = None,
                   ) -> tuple[torch.Tensor, CopyHandle]:
@@ -104,19 +144,7 @@ def gather_blocks(caches: torch.Tensor | Sequence[torch.Tensor], block_ids: Sequ
         out = alloc_staging((len(layers), n * bs, dim), layers[0].dtype)
     assert out.shape == (len(layers), n * bs, dim), f"staging shape {tuple(out.shape)}"
     assert out.dtype == layers[0].dtype, "staging dtype differs from the cache"
-
-    def copy() -> None:
-        on_device = out.device == dev
-        tmp = None if on_device else torch.empty((n, bs, dim), dtype=out.dtype, device=dev)
-        for li, layer in enumerate(layers):
-            dst = out[li].view(n, bs, dim)
-            if on_device:
-                torch.index_select(_raw(layer), 0, ids, out=_raw(dst))
-            else:  # gather on the device, then one large copy to the host
-                torch.index_select(_raw(layer), 0, ids, out=_raw(tmp))
-                dst.copy_(tmp, non_blocking=True)
-
-    return out, _run(copy, stream, dev)
+    return out, _run(lambda: _gather(layers, ids, out.view(len(layers), n, bs, dim)), stream, dev)
 
 
 def scatter_blocks(staging: torch.Tensor, caches: torch.Tensor | Sequence[torch.Tensor],
@@ -129,13 +157,7 @@ def scatter_blocks(staging: torch.Tensor, caches: torch.Tensor | Sequence[torch.
     ids = _ids(block_ids, dev)
     n = ids.numel()
     assert staging.shape == (len(layers), n * bs, dim), f"staging shape {tuple(staging.shape)}"
-
-    def copy() -> None:
-        for li, layer in enumerate(layers):
-            src = staging[li].view(n, bs, dim).to(dev, non_blocking=True)
-            _raw(layer).index_copy_(0, ids, _raw(src))
-
-    return _run(copy, stream, dev)
+    return _run(lambda: _scatter(staging.view(len(layers), n, bs, dim), layers, ids), stream, dev)
 
 
 def gather_slots(pools: torch.Tensor | Sequence[torch.Tensor], slot_ids: Sequence[int] | torch.Tensor,
@@ -149,15 +171,7 @@ def gather_slots(pools: torch.Tensor | Sequence[torch.Tensor], slot_ids: Sequenc
     if out is None:
         out = alloc_staging(shape, layers[0].dtype)
     assert tuple(out.shape) == shape, f"staging shape {tuple(out.shape)} != {shape}"
-
-    def copy() -> None:
-        for li, layer in enumerate(layers):
-            if out.device == dev:
-                torch.index_select(_raw(layer), 0, ids, out=_raw(out[li]))
-            else:
-                out[li].copy_(layer.index_select(0, ids), non_blocking=True)
-
-    return out, _run(copy, stream, dev)
+    return out, _run(lambda: _gather(layers, ids, out), stream, dev)
 
 
 def scatter_slots(staging: torch.Tensor, pools: torch.Tensor | Sequence[torch.Tensor],
@@ -168,9 +182,4 @@ def scatter_slots(staging: torch.Tensor, pools: torch.Tensor | Sequence[torch.Te
     dev = layers[0].device
     ids = _ids(slot_ids, dev)
     assert staging.shape[:2] == (len(layers), ids.numel()), "staging does not match the slots"
-
-    def copy() -> None:
-        for li, layer in enumerate(layers):
-            _raw(layer).index_copy_(0, ids, _raw(staging[li].to(dev, non_blocking=True)))
-
-    return _run(copy, stream, dev)
+    return _run(lambda: _scatter(staging, layers, ids), stream, dev)

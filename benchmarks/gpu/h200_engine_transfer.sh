@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.l
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/card.txt"
 python3 -c "import fla; print('fla-core', fla.__version__)" >> "$out/card.txt" 2>&1
 python3 benchmarks/gpu_transfer_bench.py --json "$out/transfer.json" 2>&1 | tail -4 | tee "$out/transfer.log"
-common=(--device cuda --preset small --dtype bfloat16 --budget-mb 60000 --chunk 8192
+common=(--device cuda --preset small --dtype bfloat16 --budget-mb 16000 --chunk 8192
         --prefill-lens 8192,32768 --decode-batches 1,16,64 --decode-context 2048
         --context 8192,32768 --followup 256 --reps 2)
 python3 benchmarks/engine_bench.py "${common[@]}" --json "$out/engine_fla.json" > "$out/engine_fla.log" 2>&1

@@ -86,15 +86,16 @@ class SharedArena:
             err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
             if int(getattr(err, "value", err)) == 0:
                 self.pinned, self._pinned_ptr = True, ptr
+                # unregister before the mapping goes away even without close(): a stale
+                # registration makes the next mapping at that address fail to pin
+                self._unpin = weakref.finalize(self, _unregister_quietly, ptr)
         except (ImportError, RuntimeError, AttributeError):
             self.pinned = False
 
     def close(self) -> None:
         """Unmap (if no view is still exported) and, for the owner, unlink."""
         if self.pinned:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
+            self._unpin()
             self.pinned = False
         try:
             self.view.release()
@@ -103,3 +104,12 @@ class SharedArena:
             pass  # a reader still holds a view: the mapping lives until it is dropped
         if self._unlink is not None:
             self._unlink()
+
+
+def _unregister_quietly(ptr: int) -> None:
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown or no CUDA: nothing left to undo
+        pass

@@ -85,3 +85,12 @@ def test_event_log_is_bounded_thread_safe_and_drains() -> None:
     first = log.take(10)
     assert len(first) == 10 and len(log.take()) == 990 and log.take() == []
     assert "stored" in repr(first[0])
+
+
+def test_layer_groups_cover_every_layer_once_within_the_byte_limit():
+    from kv_transfer.device import _groups
+
+    for layers, layer_bytes, limit in [(24, 38 << 20, 1 << 30), (69, 9 << 20, 1 << 30), (5, 3 << 30, 1 << 30)]:
+        groups = _groups(layers, layer_bytes, limit)
+        assert [i for g in groups for i in g] == list(range(layers))
+        assert all(len(g) == 1 or len(g) * layer_bytes <= limit for g in groups)

@@ -36,6 +36,7 @@ from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
 from disagg.engine.reference.cache_view import SeqInput
 from disagg.engine.reference.paged_cache import PagedSeqCache, PagedStateCache, size_cache
 from disagg.engine.reference.sampling import sample
+from kv_transfer.device import alloc_staging, gather_blocks, scatter_blocks
 from kv_transfer.objects import KDACheckpoint, MLABlock, ResumeState
 
 
@@ -246,9 +247,13 @@ class ReferenceEngine:
         if not self._ensure_blocks(req, state.position):
             return False
         bs = self.block_size
-        for i, blk in enumerate(state.mla_blocks):
-            for layer in range(self.layout.num_mla_layers):
-                self.cache.mla[layer][req.block_table[i]].copy_(blk.rows[layer])
+        n = len(state.mla_blocks)
+        if n:  # one batched scatter per layer group through (pinned) staging, never a copy per block
+            first = state.mla_blocks[0].rows
+            staging = alloc_staging((first.shape[0], n * bs, first.shape[2]), first.dtype,
+                                    pin=self.device.type == "cuda")
+            torch.cat([b.rows for b in state.mla_blocks], dim=1, out=staging)
+            scatter_blocks(staging, self.cache.mla, req.block_table[:n]).wait()
         if state.tail is not None:
             start = (state.position // bs) * bs
             for layer in range(self.layout.num_mla_layers):
@@ -274,11 +279,11 @@ class ReferenceEngine:
         bs = self.block_size
         n_full = position // bs
         blocks = []
-        if n_full > first_block:
-            ids = torch.as_tensor(req.block_table[first_block:n_full], device=self.device)
-            stacked = torch.stack([layer.index_select(0, ids) for layer in self.cache.mla])  # [L, nb, bs, D]
-            stacked = stacked.cpu()
-            blocks = [MLABlock(stacked[:, i], (first_block + i) * bs, bs) for i in range(stacked.shape[1])]
+        if n_full > first_block:  # one batched gather into (pinned) host staging
+            staging, done = gather_blocks(self.cache.mla, req.block_table[first_block:n_full])
+            done.wait()
+            blocks = [MLABlock(staging[:, i * bs : (i + 1) * bs], (first_block + i) * bs, bs)
+                      for i in range(n_full - first_block)]
         tail = None
         if position % bs:
             start = n_full * bs
