@@ -1,6 +1,7 @@
 """End-to-end agentic benchmark: disaggregated (host tier) vs aggregated, one Ray cluster.
 
     python benchmarks/e2e_pareto.py --out results/e2e [--concurrency 1,2,4,8] [--requests 40]
+    python benchmarks/e2e_pareto.py --out results/e2e --plot-only --targets 15,20   (redraw)
 
 Starts the embedded default (``deployments/configs/local-cpu.yaml``: the tiny
 reference model on CPU, one prefill + one decode replica sharing the node's
@@ -37,8 +38,8 @@ from pathlib import Path
 import httpx
 
 from disagg.bench.plots import plot_compare, plot_latency_cdfs, plot_pareto
-from disagg.bench.report import latency_lists, sweep_points
-from disagg.bench.sweep import BenchParams, run_bench_sync
+from disagg.bench.report import latency_lists, load_sweep, sweep_points
+from disagg.bench.sweep import BenchParams, run_bench_sync, write_plots
 from disagg.bench.synth import SynthConfig, synthesize
 from disagg.bench.trace import TraceRecord, save_trace
 from disagg.config import AppConfig, load_config
@@ -60,7 +61,7 @@ def cpu_trace(
     out_max: int = 24,
     turn_scale: float = 0.25,
 ) -> list[TraceRecord]:
-    """The synthetic agentic trace at CPU scale: prompts ~750-1500 tokens, outputs 8-24.
+    """The synthetic agentic trace at CPU scale: prompts ~700-1500 tokens, outputs 8-24.
 
     Scale 0.04 of the full-scale shape (576-token shared prefix, first turn
     ~950 tokens growing each turn, compaction at ``max_input``), 64-token
@@ -132,6 +133,7 @@ def bench_params(url: str, trace: Path, out: Path, num_gpus: int, args) -> Bench
         warmup_requests=args.warmup_requests,
         think_cap_ms=args.think_cap_ms,
         think_scale=args.think_scale,
+        sample_start_turn=not args.no_sample_start,
         salt=args.salt,
         seed=args.seed,
         num_gpus=num_gpus,
@@ -250,8 +252,10 @@ def format_table(rows: list[dict]) -> str:
 def ratio_lines(docs: dict[str, dict]) -> str:
     """disaggregated / aggregated at each concurrency (same run, same machine)."""
     by = {s: {e["label"]: e["summary"] for e in docs[s]["runs"]} for s in STACKS}
-    lines = ["| run | TTFT P50 D/A | TTFT P90 D/A | P90 interactivity D/A | tok/s/GPU D/A |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| run | TTFT P50 D/A | TTFT P90 D/A | P90 interactivity D/A | tok/s/GPU D/A |",
+        "|---|---|---|---|---|",
+    ]
     for label, d in by["disaggregated"].items():
         a = by["aggregated"].get(label)
         if a is None:
@@ -272,13 +276,31 @@ def ratio_lines(docs: dict[str, dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results/e2e")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
+    p.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8]
+    )
     p.add_argument("--requests", type=int, default=40, help="measured requests per sweep point")
-    p.add_argument("--warmup-requests", type=int, default=2, help="per sweep point, not measured")
+    p.add_argument("--warmup-requests", type=int, default=0, help="per sweep point, not measured")
+    p.add_argument(
+        "--no-sample-start",
+        action="store_true",
+        help="lanes start at turn 0 (default: each lane's first session starts at a random "
+        "turn and that first request is warm-up)",
+    )
     p.add_argument("--sessions", type=int, default=24, help="top-level sessions in the trace")
     p.add_argument("--think-cap-ms", type=float, default=2000.0)
     p.add_argument("--think-scale", type=float, default=0.05, help="closed-loop think time factor")
-    p.add_argument("--targets", type=lambda s: [float(x) for x in s.split(",")], default=[30.0, 50.0])
+    p.add_argument(
+        "--targets",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[10.0, 15.0, 20.0, 30.0],
+        help="interactivities (tok/s/user) to read the fronts at",
+    )
+    p.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="no serving: redraw the figures and the table from an existing --out",
+    )
     p.add_argument("--salt", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
@@ -290,7 +312,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
-    docs = run_ab(args)
+    if args.plot_only:
+        docs = {s: load_sweep(Path(args.out) / s) for s in STACKS}
+        for doc in docs.values():
+            write_plots(doc, args.targets)
+        write_figures(Path(args.out), docs, args.targets)
+    else:
+        docs = run_ab(args)
     rows = figures_rows(docs)
     table = format_table(rows)
     ratios = ratio_lines(docs)
@@ -301,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in compare
     )
     elapsed = time.monotonic() - t0
+    if args.plot_only and (Path(args.out) / "results.json").exists():
+        elapsed = json.loads((Path(args.out) / "results.json").read_text())["elapsed_s"]
     text = (
         f"{table}\n\nratios, disaggregated / aggregated:\n\n{ratios}\n\n"
         f"Pareto fronts at target interactivities (tok/s/GPU):\n{at}\n\n"
@@ -309,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = Path(args.out)
     (out / "table.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "compare": compare,
-                                                  "elapsed_s": round(elapsed, 1)}, indent=2))
+    (out / "results.json").write_text(
+        json.dumps({"rows": rows, "compare": compare, "elapsed_s": round(elapsed, 1)}, indent=2)
+    )
     invalid = [f"{r['stack']}/{r['run']}" for r in rows if r["requests"] == 0 or r["failed"] > 0]
     if invalid:
         print(f"runs with failures: {invalid}", file=sys.stderr)

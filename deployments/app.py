@@ -19,7 +19,23 @@ from deployments.ingress import Ingress
 from deployments.servers import DecodeServer, PrefillServer
 from disagg.config import AppConfig, ReplicaConfig, load_config
 
-ROUTER_CLASS = "deployments.request_router:AffinityRequestRouter"
+# router.policy -> the Serve request router class
+ROUTERS = {
+    "state_aware": "deployments.request_router:StateAwareRequestRouter",
+    "affinity": "deployments.request_router:AffinityRequestRouter",
+    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+}
+
+
+def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
+    if cfg.router.policy not in ROUTERS:
+        raise ValueError(f"unknown router.policy {cfg.router.policy!r}; choose one of {sorted(ROUTERS)}")
+    kwargs = {}
+    if cfg.router.policy == "state_aware":
+        kwargs["policy"] = {"profiles": {"both": {"filters": ["healthy", "role", "load_guard"],
+                                                  "scorers": dict(cfg.router.weights)}}}
+    return RequestRouterConfig(request_router_class=ROUTERS[cfg.router.policy], request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=cfg.router.stats_period_s)
 
 
 def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True) -> dict[str, Any]:
@@ -50,7 +66,7 @@ def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True) -
     else:
         opts["num_replicas"] = rc.num_replicas
     if routed:
-        opts["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
+        opts["request_router_config"] = request_router_config(cfg)
     return opts
 
 

@@ -1,20 +1,101 @@
-"""Serve request router: session and prefix affinity with load fallback.
+"""Serve request routers: the state-aware policy core behind Ray Serve's hook.
 
-Placeholder policy until the state-aware policy core is wired in: rank the
-replicas by rendezvous (highest-random-weight) hashing of the request's
-affinity key (session id, else the digest of the prompt's first block), so the
-turns of a session land where its state is; the other replicas follow, least
-loaded first, so Serve falls back to them when the first is full or dead.
-Requests without ``GenerateParams`` (stats, health) go anywhere.
+``StateAwareRequestRouter`` is a thin adapter: it turns the pending request's
+``GenerateParams`` into a ``RouteRequest`` (chained block digests of the prompt
+under the tenant's salt: digests, never tokens), the candidate replicas'
+``routing_stats`` into ``WorkerState``s and the prefix index's device tier,
+then asks ``disagg.router.StateAwareRouter`` (the same code the simulator
+runs) and returns Serve's ranked tiers: the pick first, then the rest by
+score, so Serve falls back down the list when the pick is full or gone.
+
+What each replica reports (``record_routing_stats``, every
+``request_routing_stats_period_s``): role, node, load figures, and a snapshot
+of its device-resident sessions as block digests (the newest snapshot
+replaces the previous one in the index). A resident session resumes at its
+turn end; the index is told about its last full block, a conservative
+approximation of where it resumes.
+
+``AffinityRequestRouter`` is the simple baseline (rendezvous hashing of the
+session id, load-ordered fallback). Requests that carry no ``GenerateParams``
+(stats, health) go anywhere.
+
+Config (``router:`` in the app YAML; ``weights`` become the profile's scorer weights)::
+
+    router: {policy: state_aware, weights: {prefix: 2.0, load: 1.0, affinity: 0.5}}
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from disagg.messages import GenerateParams
+from disagg.router.index import IndexUpdate, PrefixIndex
+from disagg.router.router import RouterConfig, StateAwareRouter
+from disagg.router.types import RouteRequest, WorkerState
+from kv_transfer.keys import BlockHasher, KeyExtras
+
+
+def _params(pending_request) -> GenerateParams | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    p = pending_request.args[0]
+    return p if isinstance(p, GenerateParams) else None
+
+
+class StateAwareRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, policy: dict | None = None, **_):
+        self._hasher: BlockHasher | None = None  # built from the first replica's model id and block size
+        self._index = PrefixIndex()
+        self._policy = StateAwareRouter(self._index, RouterConfig.from_dict(policy or {}))
+        self._versions: dict[str, int] = {}
+
+    def _sync(self, replica) -> WorkerState:
+        rid = replica.replica_id.unique_id
+        stats = replica.routing_stats or {}
+        if self._hasher is None and stats.get("model_id"):
+            self._hasher = BlockHasher(stats["block_size"], KeyExtras(stats["model_id"]))
+        if rid not in self._versions:
+            self._index.add_worker(rid, stats.get("node_id") or rid)
+            self._versions[rid] = -1
+        version = stats.get("device_version", -1)
+        if version != self._versions[rid]:
+            self._index.remove_worker_objects(rid)
+            for blocks in stats.get("device_sessions", []):
+                for hexd in blocks:
+                    self._index.apply_update(IndexUpdate("stored", "mla", bytes.fromhex(hexd), "device", rid))
+                if blocks:
+                    self._index.apply_update(IndexUpdate("stored", "kda", bytes.fromhex(blocks[-1]), "device", rid))
+            self._versions[rid] = version
+        load = stats.get("load", {})
+        return WorkerState(rid, "both", stats.get("node_id") or rid,
+                           queued_prefill_tokens=load.get("queued_prefill_tokens", 0),
+                           queued_prefill_requests=load.get("queued_prefill_requests", 0),
+                           running_decode_tokens=load.get("running_decode_tokens", 0),
+                           running_decode_requests=load.get("running_decode_requests", 0),
+                           cache_utilization=min(1.0, max(0.0, load.get("cache_utilization", 0.0))),
+                           updated_at=stats.get("time", time.time()))
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        params = _params(pending_request)
+        if params is None or len(candidate_replicas) <= 1:
+            return [candidate_replicas]
+        workers = [self._sync(r) for r in candidate_replicas]
+        if self._hasher is None:  # no replica has reported yet: spread by load alone
+            return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
+        hasher = self._hasher.with_salt(params.cache_salt)
+        req = RouteRequest(params.request_id, params.session_id or "", hasher.block_hashes(params.prompt_token_ids),
+                           len(params.prompt_token_ids), hasher.block_size, cache_salt=params.cache_salt,
+                           output_len_hint=params.sampling.max_tokens)
+        decision = self._policy.route(req, workers)
+        self._policy.on_routed(req, decision)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pick = by_id[decision.decode_worker]
+        rest = sorted((r for r in candidate_replicas if r is not pick),
+                      key=lambda r: -decision.scores.get(r.replica_id.unique_id, 0.0))
+        return [[pick], rest]
 
 
 def affinity_key(params: GenerateParams, block_size: int = 64) -> str:
@@ -30,10 +111,8 @@ def _weight(key: str, replica_id: str) -> int:
 
 class AffinityRequestRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        params = None
-        if pending_request is not None and pending_request.args:
-            params = pending_request.args[0]
-        if not isinstance(params, GenerateParams) or len(candidate_replicas) <= 1:
+        params = _params(pending_request)
+        if params is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]
         key = affinity_key(params)
         ranked = sorted(candidate_replicas, key=lambda r: _weight(key, r.replica_id.unique_id), reverse=True)

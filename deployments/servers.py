@@ -47,16 +47,26 @@ class _ServerBase:
                                      self.config.router.local_prefill_max_tokens)
         self._draining = False
         self._inflight = 0
+        self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)
+        self._snapshot_version = -1
 
     async def check_health(self) -> None:
         if not self.engine._thread.is_alive():
             raise RuntimeError("engine step thread died")
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
+        """Load and device-tier content for the request routers (see deployments.request_router)."""
         eng = self.engine.engine
-        return {"role": self.role, "node_id": self.node_id, "inflight": self._inflight,
-                "free_blocks": eng.cache.blocks.num_free, "num_blocks": eng.geometry.num_blocks,
-                "waiting": len(eng._waiting), "running": len(eng._running)}
+        version, sessions, load = await self.engine.call(
+            lambda: (eng.resident_version, eng.resident_contents() if eng.resident_version != self._snapshot_version
+                     else None, eng.load()))
+        if sessions is not None:
+            self._snapshot = [[d.hex() for d in self.worker.hasher.with_salt(salt).block_hashes(tokens)]
+                              for salt, tokens in sessions]
+            self._snapshot_version = version
+        return {"role": self.role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
+                "model_id": eng.model_id, "block_size": eng.block_size, "load": load,
+                "device_version": self._snapshot_version, "device_sessions": self._snapshot}
 
     async def stats(self) -> dict:
         out = self.worker.stats()

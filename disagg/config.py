@@ -91,9 +91,10 @@ class TransferConfig(_Strict):
 
 
 class RouterConfig(_Strict):
-    policy: str = "state_aware"  # state_aware | round_robin | power_of_two | prefix_tree | dynamo_cost
+    policy: Literal["state_aware", "affinity", "power_of_two"] = "state_aware"  # Serve request router
     weights: dict[str, float] = Field(default_factory=lambda: {"prefix": 2.0, "load": 1.0, "affinity": 0.5})
     local_prefill_max_tokens: int = 512  # uncached suffix at or under this is prefilled on the decode replica
+    stats_period_s: float = 1.0  # how often replicas report load and device-tier content to routers
 
 
 class ReplicaConfig(_Strict):

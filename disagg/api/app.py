@@ -235,8 +235,11 @@ class _Run:
     async def whole(self) -> dict:
         async for _ in self._pieces():
             pass
-        return {"id": self.params.request_id, "object": self.kind, "created": self.created, "model": self.model,
+        body = {"id": self.params.request_id, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": [self._choice(self.text, self.finish_reason, delta=False)], "usage": self._usage()}
+        if self.last is not None:  # extension: where the request ran and where its prompt state came from
+            body["disagg"] = {"replica": self.last.replica_id, "cached_source": self.last.cached_source}
+        return body
 
     async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"

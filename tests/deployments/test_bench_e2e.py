@@ -32,8 +32,16 @@ def _trace():
     """Prompts ~400-1000 tokens (64-token blocks, 384-token shared prefix), outputs 8-24."""
     from disagg.bench.synth import SynthConfig, synthesize
 
-    records = synthesize(6, 0, block_size=64, scale=0.025, turn_scale=0.25, max_input=1000,
-                         subagents=False, config=SynthConfig(output_median=560.0, output_p90=880.0))
+    records = synthesize(
+        6,
+        0,
+        block_size=64,
+        scale=0.025,
+        turn_scale=0.25,
+        max_input=1000,
+        subagents=False,
+        config=SynthConfig(output_median=560.0, output_p90=880.0),
+    )
     return [dataclasses.replace(r, output_length=min(24, max(8, r.output_length))) for r in records]
 
 
@@ -75,16 +83,30 @@ def sweeps(tmp_path_factory):
         for name, base in urls.items():
             _wait(base + "/health")
             params = BenchParams(
-                url=base, trace=str(trace), out=str(out / name), concurrency=CONCURRENCY,
-                max_requests=REQUESTS, warmup_requests=WARMUP, think_cap_ms=1000, think_scale=0.02,
-                salt=1 if name == "disagg" else 101, num_gpus=2 if name == "disagg" else 1,
-                targets=TARGETS, vocab_size=259, first_token_id=3, default_block_size=64,
-                progress=False, quiet=True,
+                url=base,
+                trace=str(trace),
+                out=str(out / name),
+                concurrency=CONCURRENCY,
+                max_requests=REQUESTS,
+                warmup_requests=WARMUP,
+                think_cap_ms=1000,
+                think_scale=0.02,
+                salt=1 if name == "disagg" else 101,
+                num_gpus=2 if name == "disagg" else 1,
+                targets=TARGETS,
+                vocab_size=259,
+                first_token_id=3,
+                default_block_size=64,
+                progress=False,
+                quiet=True,
             )
             docs[name] = run_bench_sync(params, records)
-    compare, rows = plot_compare(("aggregated", *sweep_points(docs["agg"])),
-                                 ("disaggregated", *sweep_points(docs["disagg"])),
-                                 out / "compare.png", TARGETS)
+    compare, rows = plot_compare(
+        ("aggregated", *sweep_points(docs["agg"])),
+        ("disaggregated", *sweep_points(docs["disagg"])),
+        out / "compare.png",
+        TARGETS,
+    )
     return {"out": out, "docs": docs, "records": records, "compare": compare, "rows": rows}
 
 
@@ -116,7 +138,9 @@ def test_sweep_summary_is_sane(sweeps, stack, gpus):
         assert len(rows) >= REQUESTS + WARMUP
         for r in rows:
             assert r["error"] is None, r
-            assert (r["prompt_tokens"], r["output_tokens"]) == lengths[(r["session_id"], r["turn"])], r
+            assert (r["prompt_tokens"], r["output_tokens"]) == lengths[
+                (r["session_id"], r["turn"])
+            ], r
             assert 0 <= r["cached_tokens"] < r["prompt_tokens"]
 
 

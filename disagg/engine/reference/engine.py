@@ -115,6 +115,7 @@ class ReferenceEngine:
         self._residents: OrderedDict[int, _Resident] = OrderedDict()
         self._next_resident = 0
         self.last_logits: dict[str, torch.Tensor] = {}
+        self.resident_version = 0  # bumped whenever the set of resident sessions changes
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "device_hit_tokens": 0,
                          "resident_evictions": 0, "preemptions": 0}
 
@@ -191,6 +192,7 @@ class ReferenceEngine:
     def _evict_resident(self) -> None:
         _, res = self._residents.popitem(last=False)
         self.cache.blocks.free(res.block_table)
+        self.resident_version += 1
         self.counters["resident_evictions"] += 1
 
     def _free(self, req: _Request, keep: bool) -> None:
@@ -221,6 +223,7 @@ class ReferenceEngine:
         conv, rec = req.checkpoints[end]
         self._residents[self._next_resident] = _Resident(req.cache_salt, req.token_ids[:end], req.block_table, conv, rec)
         self._next_resident += 1
+        self.resident_version += 1
         req.block_table = []
 
     def resident_match(self, tokens: list[int], cache_salt: str = "") -> tuple[int | None, int]:
@@ -237,6 +240,7 @@ class ReferenceEngine:
         if best is None:
             return
         res = self._residents.pop(best)
+        self.resident_version += 1
         req.block_table = res.block_table
         self._load_slot(req.slot, res.conv, res.rec)
         req.num_computed = req.num_cached = best_len
@@ -435,6 +439,21 @@ class ReferenceEngine:
                 return tokens, last
             if not self.has_work():
                 raise RuntimeError("engine stalled")
+
+    def resident_contents(self) -> list[tuple[str, list[int]]]:
+        """(cache salt, computed tokens) of every resident session (the device tier's content)."""
+        return [(r.cache_salt, r.tokens) for r in self._residents.values()]
+
+    def load(self) -> dict:
+        """Queue and cache figures a router weighs."""
+        queued = sum(len(r.token_ids) - r.num_computed for r in self._waiting)
+        queued += sum(len(r.token_ids) - r.num_computed for r in self._running if len(r.token_ids) - r.num_computed > 1)
+        decodes = [r for r in self._running if len(r.token_ids) - r.num_computed == 1]
+        return {"queued_prefill_tokens": queued,
+                "queued_prefill_requests": len(self._waiting) + len(self._running) - len(decodes),
+                "running_decode_requests": len(decodes),
+                "running_decode_tokens": sum(len(r.token_ids) for r in decodes),
+                "cache_utilization": 1.0 - self.cache.blocks.num_free / self.geometry.num_blocks}
 
     def stats(self) -> dict:
         return dict(self.counters, free_blocks=self.cache.blocks.num_free, num_blocks=self.geometry.num_blocks,
