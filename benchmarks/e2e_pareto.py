@@ -184,7 +184,7 @@ def write_figures(out: Path, docs: dict[str, dict], targets: list[float]) -> dic
     series = {s: (s, *sweep_points(docs[s])) for s in STACKS}
     paths = {
         "pareto": plot_pareto(
-            [series["disaggregated"], series["aggregated"]],
+            [series["aggregated"], series["disaggregated"]],
             out / "pareto.png",
             targets,
             title="disaggregated (host tier) vs aggregated: tok/s/GPU vs P90 interactivity",

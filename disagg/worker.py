@@ -88,16 +88,19 @@ class StatefulWorker:
         nbytes += sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
         return _Resume(state, position, "host", nbytes, time.perf_counter() - t0)
 
-    async def _publish(self, request_id: str, tokens: list[int], hasher: BlockHasher) -> tuple[int, float]:
-        """Publish a held request's state at its current position; release it to the device tier."""
+    async def _publish(self, request_id: str, tokens: list[int], hasher: BlockHasher,
+                       also_at: tuple[int, ...] = ()) -> tuple[int, float]:
+        """Publish a held request's state at its current position (and at the earlier checkpoints
+        ``also_at``, e.g. the prompt end), then release it to the device tier."""
         t0 = time.perf_counter()
         nbytes = 0
         try:
             if self.store is not None:
-                present = self._present_blocks(tokens, hasher)
-                state = await self.engine.export_state(request_id, len(tokens), present)
-                result = await self.engine.call(self.store.put_state, tokens, state, hasher)
-                nbytes = result.bytes_stored
+                for pos in (len(tokens), *also_at):  # the longest first: later ones share its blocks
+                    present = self._present_blocks(tokens[:pos], hasher)
+                    state = await self.engine.export_state(request_id, pos, present)
+                    result = await self.engine.call(self.store.put_state, tokens[:pos], state, hasher)
+                    nbytes += result.bytes_stored
                 self.counters["published_bytes"] += nbytes
         except Exception:
             log.exception("publishing state failed; the next turn will recompute")
@@ -187,8 +190,10 @@ class StatefulWorker:
             self.counters["decodes"] += 1
 
     async def _publish_turn_end(self, rid: str, hasher: BlockHasher) -> None:
-        computed = await self.engine.call(self.engine.engine.computed_tokens, rid)
-        await self._publish(rid, computed, hasher)
+        eng = self.engine.engine
+        computed, positions = await self.engine.call(lambda: (eng.computed_tokens(rid), eng.checkpoint_positions(rid)))
+        earlier = tuple(sorted((p for p in positions if p < len(computed)), reverse=True))
+        await self._publish(rid, computed, hasher, earlier)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

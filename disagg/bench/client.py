@@ -209,8 +209,11 @@ class OpenAIClient:
             resp.raise_for_status()
             return await resp.text()
 
-    def build_body(self, prompt: np.ndarray | list[int] | str, max_tokens: int) -> bytes:
-        """Encode one request body (call off the event loop for huge prompts)."""
+    def build_body(self, prompt: np.ndarray | list[int] | str, max_tokens: int, session_id: str | None = None) -> bytes:
+        """Encode one request body (call off the event loop for huge prompts).
+
+        ``session_id`` (an extension some servers use for routing affinity) is sent when given.
+        """
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": int(max_tokens),
@@ -223,6 +226,8 @@ class OpenAIClient:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+        if session_id:
+            body["session_id"] = session_id
         body.update(self.extra_body)
         return _dumps(body)
 

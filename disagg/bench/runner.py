@@ -147,7 +147,7 @@ class Replayer:
                 prompt = self.tokens.prompt_text(rec, salt)
             else:
                 prompt = self.tokens.prompt_ids(rec, salt)
-            return self.client.build_body(prompt, rec.output_length)
+            return self.client.build_body(prompt, rec.output_length, f"{rec.session_id}#{salt}")
 
         if rec.input_length > _INLINE_TOKENS:
             return await asyncio.to_thread(build)

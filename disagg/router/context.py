@@ -28,6 +28,8 @@ class EffectiveLoad:
     decode_requests: float = 0.0  # running decode requests
     cache_utilization: float = 0.0  # device cache fill, 0..1
     active_sessions: float = 0.0  # sessions whose last turn ran here within the TTL
+    session_tokens: float = 0.0  # context tokens of those sessions
+    queue_ewma: float = 0.0  # time-smoothed prefill_tokens
 
 
 @dataclass(slots=True)

@@ -28,6 +28,8 @@ from disagg.router.profile import SchedulingProfile
 from disagg.router.scorers.affinity import AffinityScorer
 from disagg.router.scorers.load import LoadScorer
 from disagg.router.scorers.prefix import PrefixScorer
+from disagg.router.scorers.ttft import TTFTScorer
+from disagg.router.scorers.wait import WaitScorer
 
 FILTERS: dict[str, Callable[..., Any]] = {
     "healthy": HealthyFilter,
@@ -38,6 +40,8 @@ SCORERS: dict[str, Callable[..., Any]] = {
     "prefix": PrefixScorer,
     "load": LoadScorer,
     "affinity": AffinityScorer,
+    "ttft": TTFTScorer,
+    "wait": WaitScorer,
 }
 PICKERS: dict[str, Callable[..., Any]] = {"max_score": MaxScorePicker}
 PLUGINS: dict[str, dict[str, Callable[..., Any]]] = {

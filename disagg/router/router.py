@@ -53,6 +53,7 @@ class RouterConfig:
     common_min_workers: int = 2  # ... but never fewer workers than this
     prediction_tau_s: float = 5.0  # decay of in-flight predictions
     session_ttl_s: float = 120.0  # a session counts as active this long after its last turn
+    queue_ewma_tau_s: float = 30.0  # smoothing of the queued-prefill average
 
     def __post_init__(self) -> None:
         if not 0.0 < self.common_fraction <= 1.0:
@@ -96,6 +97,8 @@ class StateAwareRouter:
         self._decode_pending: dict[str, list[tuple[float, int]]] = {}
         self._sessions: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # sid -> (worker, node, t)
         self._session_count: dict[str, int] = {}
+        self._session_tok: dict[str, float] = {}
+        self._ewma: dict[str, tuple[float, float, float]] = {}  # worker -> (avg, last q, t)
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (predicted, prompt_len)
 
     # ---- effective state ---------------------------------------------------
@@ -110,24 +113,32 @@ class StateAwareRouter:
     def _expire_sessions(self, now: float) -> None:
         ttl = self.config.session_ttl_s
         while self._sessions:
-            sid, (wid, _, t) = next(iter(self._sessions.items()))
+            sid, (wid, _n, t, _) = next(iter(self._sessions.items()))
             if now - t <= ttl:
                 break
             self._sessions.popitem(last=False)
             self._session_count[wid] -= 1
+            self._session_tok[wid] -= _
 
     def effective_loads(self, workers: list[WorkerState], now: float) -> dict[str, EffectiveLoad]:
         self._expire_sessions(now)
-        return {
-            w.worker_id: EffectiveLoad(
-                w.queued_prefill_tokens + self._pending(self._prefill_pending, w, now),
+        out = {}
+        tau = self.config.queue_ewma_tau_s
+        for w in workers:
+            q = w.queued_prefill_tokens + self._pending(self._prefill_pending, w, now)
+            avg, last, t = self._ewma.get(w.worker_id, (0.0, 0.0, now))
+            avg += (1 - math.exp(-(now - t) / tau)) * (last - avg)
+            self._ewma[w.worker_id] = (avg, q, now)
+            out[w.worker_id] = EffectiveLoad(
+                q,
                 w.running_decode_tokens + self._pending(self._decode_pending, w, now),
                 w.running_decode_requests,
                 w.cache_utilization,
                 self._session_count.get(w.worker_id, 0),
+                self._session_tok.get(w.worker_id, 0),
+                avg,
             )
-            for w in workers
-        }
+        return out
 
     # ---- decision ------------------------------------------------------------
     def route(self, request: RouteRequest, workers: list[WorkerState]) -> RouteDecision:
@@ -206,9 +217,12 @@ class StateAwareRouter:
             old = self._sessions.pop(request.session_id, None)
             if old is not None:
                 self._session_count[old[0]] -= 1
+                self._session_tok[old[0]] -= old[3]
             node = self.index.node_of(decision.decode_worker)
-            self._sessions[request.session_id] = (decision.decode_worker, node, now)
-            self._session_count[decision.decode_worker] = self._session_count.get(decision.decode_worker, 0) + 1
+            wid = decision.decode_worker
+            self._sessions[request.session_id] = (wid, node, now, request.prompt_len)
+            self._session_count[wid] = self._session_count.get(wid, 0) + 1
+            self._session_tok[wid] = self._session_tok.get(wid, 0) + request.prompt_len
         self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len)
         self.metrics.record_decision(decision.reason, decision.source_tier)
 

@@ -51,6 +51,7 @@ class EngineOptions:
     checkpoint_interval: int = 0  # keep KDA checkpoints every N tokens (multiple of block_size; 0 = off)
     resident_sessions: bool = True  # keep finished sessions' state on the device (NOTE 2)
     capture_logits: bool = False  # keep each request's latest sampling logits in ``last_logits`` (tests)
+    prompt_checkpoints: bool = True  # keep the KDA state at each prompt's end (resume point of a re-sent prompt)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 64:
@@ -88,10 +89,9 @@ class _Request:
 @dataclass(slots=True, repr=False)
 class _Resident:
     cache_salt: str  # tenant the state belongs to
-    tokens: list[int]  # tokens whose state is held (computed tokens)
-    block_table: list[int]
-    conv: list[torch.Tensor]
-    rec: list[torch.Tensor]
+    tokens: list[int]  # tokens whose MLA rows are held (computed tokens)
+    block_table: list[int]  # pages holding those rows
+    checkpoints: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]  # position -> KDA (conv, rec)
 
 
 class ReferenceEngine:
@@ -220,19 +220,26 @@ class ReferenceEngine:
             self.cache.blocks.free(req.block_table)
             req.block_table = []
             return
-        conv, rec = req.checkpoints[end]
-        self._residents[self._next_resident] = _Resident(req.cache_salt, req.token_ids[:end], req.block_table, conv, rec)
+        kept = {p: c for p, c in req.checkpoints.items() if p <= end}
+        self._residents[self._next_resident] = _Resident(req.cache_salt, req.token_ids[:end], req.block_table, kept)
         self._next_resident += 1
         self.resident_version += 1
         req.block_table = []
 
     def resident_match(self, tokens: list[int], cache_salt: str = "") -> tuple[int | None, int]:
-        """(resident id, tokens) of the longest resident session that ``tokens`` extends."""
+        """(resident id, position) of the furthest resident checkpoint that ``tokens`` extends.
+
+        A session is resumable at any of its checkpoints (prompt end, turn end, periodic)
+        whose prefix ``tokens`` repeats, strictly inside ``tokens``.
+        """
         best, best_len = None, 0
         for rid, res in self._residents.items():
-            n = len(res.tokens)
-            if res.cache_salt == cache_salt and best_len < n < len(tokens) and tokens[:n] == res.tokens:
-                best, best_len = rid, n
+            if res.cache_salt != cache_salt:
+                continue
+            common = _common_prefix(res.tokens, tokens)
+            p = max((q for q in res.checkpoints if best_len < q <= common and q < len(tokens)), default=0)
+            if p > best_len:
+                best, best_len = rid, p
         return best, best_len
 
     def _adopt_resident(self, req: _Request) -> None:
@@ -241,8 +248,11 @@ class ReferenceEngine:
             return
         res = self._residents.pop(best)
         self.resident_version += 1
-        req.block_table = res.block_table
-        self._load_slot(req.slot, res.conv, res.rec)
+        keep = -(-best_len // self.block_size)  # pages past the resume point go back to the pool
+        self.cache.blocks.free(res.block_table[keep:])
+        req.block_table = res.block_table[:keep]
+        conv, rec = res.checkpoints[best_len]
+        self._load_slot(req.slot, conv, rec)
         req.num_computed = req.num_cached = best_len
         req.cached_source = "device"
         self.counters["device_hit_tokens"] += best_len
@@ -296,6 +306,10 @@ class ReferenceEngine:
             tail = MLABlock(rows, start, position - start)
         kda = KDACheckpoint(torch.stack(conv).cpu(), torch.stack(rec).cpu(), position)
         return ResumeState(self.layout, position, blocks, first_block, tail, [kda])
+
+    def checkpoint_positions(self, request_id: str) -> list[int]:
+        """Positions where a held request has a KDA checkpoint (prompt end, turn end, periodic)."""
+        return sorted(self._held[request_id].checkpoints)
 
     def computed_tokens(self, request_id: str) -> list[int]:
         req = self._held[request_id]
@@ -352,6 +366,8 @@ class ReferenceEngine:
             if req.num_computed < len(req.token_ids):
                 self._maybe_checkpoint(req)
                 continue
+            if req.num_computed == req.num_prompt and self.options.prompt_checkpoints:
+                req.checkpoints[req.num_computed] = self._copy_slot(req.slot)  # where a replayed prompt resumes
             if self.options.capture_logits:
                 self.last_logits[req.request_id] = lg[-1].detach().clone()
             token = sample(lg[-1], req.sampling, req.first_output_index + req.num_output)
@@ -460,3 +476,11 @@ class ReferenceEngine:
                     block_bytes=self.geometry.block_bytes,
                     resident_sessions=len(self._residents), running=len(self._running),
                     waiting=len(self._waiting), held=len(self._held), time=time.time())
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -34,9 +34,13 @@ class LoadScorerConfig:
     prefill_floor_tokens: float = 16384.0  # q_floor
     decode_floor_tokens: float = 262144.0  # d_floor
     session_floor: float = 4.0  # s_floor
+    session_tokens_weight: float = 0.0
+    session_tokens_floor: float = 65536.0
+    ewma_weight: float = 0.0
+    ewma_floor: float = 1024.0
 
     def __post_init__(self) -> None:
-        ws = (self.prefill_weight, self.decode_weight, self.cache_weight, self.session_weight)
+        ws = (self.prefill_weight, self.decode_weight, self.cache_weight, self.session_weight, self.session_tokens_weight, self.ewma_weight)
         if min(ws) < 0 or sum(ws) <= 0:
             raise ValueError("load weights must be >= 0 and not all zero")
         if min(self.prefill_floor_tokens, self.decode_floor_tokens, self.session_floor) <= 0:
@@ -55,7 +59,9 @@ class LoadScorer:
         q_max = max([cfg.prefill_floor_tokens] + [x.prefill_tokens for x in loads.values()])
         d_max = max([cfg.decode_floor_tokens] + [x.decode_tokens for x in loads.values()])
         s_max = max([cfg.session_floor] + [x.active_sessions for x in loads.values()])
-        total = cfg.prefill_weight + cfg.decode_weight + cfg.cache_weight + cfg.session_weight
+        t_max = max([cfg.session_tokens_floor] + [x.session_tokens for x in loads.values()])
+        e_max = max([cfg.ewma_floor] + [x.queue_ewma for x in loads.values()])
+        total = cfg.prefill_weight + cfg.decode_weight + cfg.cache_weight + cfg.session_weight + cfg.session_tokens_weight + cfg.ewma_weight
         out: dict[str, float] = {}
         for wid, x in loads.items():
             pressure = (
@@ -63,6 +69,8 @@ class LoadScorer:
                 + cfg.decode_weight * x.decode_tokens / d_max
                 + cfg.cache_weight * min(max(x.cache_utilization, 0.0), 1.0)
                 + cfg.session_weight * x.active_sessions / s_max
+                + cfg.session_tokens_weight * x.session_tokens / t_max
+                + cfg.ewma_weight * x.queue_ewma / e_max
             ) / total
             out[wid] = min(max(1.0 - pressure, 0.0), 1.0)
         return out

@@ -180,3 +180,19 @@ def test_stop_token_and_max_tokens(model):
     stop = out[2]
     out2, last2 = eng.generate(EngineRequest("b", prompt(50), SamplingParams(max_tokens=5, stop_token_ids=(stop,))))
     assert out2[-1] == stop and last2.finish_reason == "stop" and len(out2) <= 3
+
+
+def test_replayed_turn_resumes_at_the_prompt_end_checkpoint(model):
+    """A trace replay sends the recorded reply, not the generated one: the prompt-end checkpoint still hits."""
+    eng = make_engine(model)
+    p1 = prompt(200)
+    out1, _, _ = run(eng, "s1", p1, 6)
+    recorded_reply = [t + 1 for t in out1]  # differs from what the engine generated
+    p2 = p1 + recorded_reply + prompt(30, seed=3)
+    tokens, last, logits = run(eng, "s2", p2, 6)
+    assert last.cached_source == "device" and last.num_cached_tokens == len(p1)
+    ref, _, ref_logits = run(make_engine(model, resident_sessions=False), "ref", p2, 6)
+    assert tokens == ref
+    assert_close(logits, ref_logits)
+    assert eng.cache.blocks.num_free + sum(len(r.block_table) for r in eng._residents.values()) == \
+        eng.geometry.num_blocks, "pages past the resume point went back to the pool"
