@@ -78,8 +78,9 @@ def mla(args) -> dict:
 
 def kda(args) -> dict:
     h, d = args.kda_heads, 128
-    rec = [torch.randn(args.pool_slots, h, d, d, device="cuda") for _ in range(args.kda_layers)]
-    conv = [torch.randn(args.pool_slots, 3, 3 * h * d, device="cuda").to(torch.bfloat16) for _ in range(args.kda_layers)]
+    # slot pools stacked over layers ([layers, slots, ...]): one gather kernel per layer group
+    rec = torch.randn(args.kda_layers, args.pool_slots, h, d, d, device="cuda")
+    conv = torch.randn(args.kda_layers, args.pool_slots, 3, 3 * h * d, device="cuda").to(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     ids = torch.randperm(args.pool_slots, generator=g)[: args.slots].tolist()
     st_rec = alloc_staging((args.kda_layers, args.slots, h, d, d), torch.float32)

@@ -93,12 +93,16 @@ def _groups(num_layers: int, layer_bytes: int, limit: int = GROUP_BYTES) -> list
     return [range(i, min(i + per, num_layers)) for i in range(0, num_layers, per)]
 
 
-def _gather(layers: list[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> None:
-    """out[l] = layers[l][ids] for every layer: per layer group, gather on the device, then ONE copy.
+def _gather(caches: torch.Tensor | Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out[l] = caches[l][ids] for every layer: per layer group, gather on the device, then ONE copy.
 
-    ``out`` is [layers, n, *page] (any view of that shape). A same-device ``out`` is
-    gathered into directly.
+    ``out`` is [layers, n, *page] (any view of that shape); a same-device ``out`` is
+    gathered into directly. A stacked cache tensor [layers, pages, *page] is gathered
+    with one kernel per group instead of one per layer (it matters for many small
+    layers, e.g. 69 KDA layers of state slots).
     """
+    stacked = caches if isinstance(caches, torch.Tensor) else None
+    layers = _layers(caches)
     dev = layers[0].device
     if out.device == dev:
         for li, layer in enumerate(layers):
@@ -108,19 +112,28 @@ def _gather(layers: list[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) ->
     layer_bytes = ids.numel() * layers[0][0].numel() * layers[0].element_size()
     for group in _groups(len(layers), layer_bytes):
         tmp = torch.empty((len(group), ids.numel(), *page), dtype=layers[0].dtype, device=dev)
-        for j, li in enumerate(group):
-            torch.index_select(_raw(layers[li]), 0, ids, out=_raw(tmp[j]))
+        if stacked is not None:
+            torch.index_select(_raw(stacked[group.start : group.stop]), 1, ids, out=_raw(tmp))
+        else:
+            for j, li in enumerate(group):
+                torch.index_select(_raw(layers[li]), 0, ids, out=_raw(tmp[j]))
         out[group.start : group.stop].copy_(tmp, non_blocking=True)
 
 
-def _scatter(staging: torch.Tensor, layers: list[torch.Tensor], ids: torch.Tensor) -> None:
-    """layers[l][ids] = staging[l]: per layer group, ONE copy to the device, then a device scatter."""
+def _scatter(staging: torch.Tensor, caches: torch.Tensor | Sequence[torch.Tensor], ids: torch.Tensor) -> None:
+    """caches[l][ids] = staging[l]: per layer group, ONE copy to the device, then a device scatter
+    (one kernel per group for a stacked cache tensor)."""
+    stacked = caches if isinstance(caches, torch.Tensor) else None
+    layers = _layers(caches)
     dev = layers[0].device
     layer_bytes = staging[0].numel() * staging.element_size()
     for group in _groups(len(layers), layer_bytes):
         src = staging[group.start : group.stop].to(dev, non_blocking=True)
-        for j, li in enumerate(group):
-            _raw(layers[li]).index_copy_(0, ids, _raw(src[j]))
+        if stacked is not None:
+            _raw(stacked[group.start : group.stop]).index_copy_(1, ids, _raw(src))
+        else:
+            for j, li in enumerate(group):
+                _raw(layers[li]).index_copy_(0, ids, _raw(src[j]))
 
 
 def gather_blocks(caches: torch.Tensor | Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
@@ -144,7 +157,7 @@ def gather_blocks(caches: torch.Tensor | Sequence[torch.Tensor], block_ids: Sequ
         out = alloc_staging((len(layers), n * bs, dim), layers[0].dtype)
     assert out.shape == (len(layers), n * bs, dim), f"staging shape {tuple(out.shape)}"
     assert out.dtype == layers[0].dtype, "staging dtype differs from the cache"
-    return out, _run(lambda: _gather(layers, ids, out.view(len(layers), n, bs, dim)), stream, dev)
+    return out, _run(lambda: _gather(caches, ids, out.view(len(layers), n, bs, dim)), stream, dev)
 
 
 def scatter_blocks(staging: torch.Tensor, caches: torch.Tensor | Sequence[torch.Tensor],
@@ -157,7 +170,7 @@ def scatter_blocks(staging: torch.Tensor, caches: torch.Tensor | Sequence[torch.
     ids = _ids(block_ids, dev)
     n = ids.numel()
     assert staging.shape == (len(layers), n * bs, dim), f"staging shape {tuple(staging.shape)}"
-    return _run(lambda: _scatter(staging.view(len(layers), n, bs, dim), layers, ids), stream, dev)
+    return _run(lambda: _scatter(staging.view(len(layers), n, bs, dim), caches, ids), stream, dev)
 
 
 def gather_slots(pools: torch.Tensor | Sequence[torch.Tensor], slot_ids: Sequence[int] | torch.Tensor,
@@ -171,7 +184,7 @@ def gather_slots(pools: torch.Tensor | Sequence[torch.Tensor], slot_ids: Sequenc
     if out is None:
         out = alloc_staging(shape, layers[0].dtype)
     assert tuple(out.shape) == shape, f"staging shape {tuple(out.shape)} != {shape}"
-    return out, _run(lambda: _gather(layers, ids, out), stream, dev)
+    return out, _run(lambda: _gather(pools, ids, out), stream, dev)
 
 
 def scatter_slots(staging: torch.Tensor, pools: torch.Tensor | Sequence[torch.Tensor],
@@ -182,4 +195,4 @@ def scatter_slots(staging: torch.Tensor, pools: torch.Tensor | Sequence[torch.Te
     dev = layers[0].device
     ids = _ids(slot_ids, dev)
     assert staging.shape[:2] == (len(layers), ids.numel()), "staging does not match the slots"
-    return _run(lambda: _scatter(staging, layers, ids), stream, dev)
+    return _run(lambda: _scatter(staging, pools, ids), stream, dev)

@@ -224,6 +224,9 @@ class StateAwareRouter:
             self._session_count[wid] = self._session_count.get(wid, 0) + 1
             self._session_tok[wid] = self._session_tok.get(wid, 0) + request.prompt_len
         self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len)
+        e = self._ewma.get(decision.prefill_target)
+        if e is not None:
+            self._ewma[decision.prefill_target] = (e[0], e[1] + uncached, e[2])
         self.metrics.record_decision(decision.reason, decision.source_tier)
 
     def on_finished(self, request_id: str, realized_cached_tokens: int) -> None:

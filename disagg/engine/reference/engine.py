@@ -267,7 +267,7 @@ class ReferenceEngine:
             staging = alloc_staging((first.shape[0], n * bs, first.shape[2]), first.dtype,
                                     pin=self.device.type == "cuda")
             torch.cat([b.rows for b in state.mla_blocks], dim=1, out=staging)
-            scatter_blocks(staging, self.cache.mla, req.block_table[:n]).wait()
+            scatter_blocks(staging, self.cache.mla_all, req.block_table[:n]).wait()
         if state.tail is not None:
             start = (state.position // bs) * bs
             for layer in range(self.layout.num_mla_layers):
@@ -294,7 +294,7 @@ class ReferenceEngine:
         n_full = position // bs
         blocks = []
         if n_full > first_block:  # one batched gather into (pinned) host staging
-            staging, done = gather_blocks(self.cache.mla, req.block_table[first_block:n_full])
+            staging, done = gather_blocks(self.cache.mla_all, req.block_table[first_block:n_full])
             done.wait()
             blocks = [MLABlock(staging[:, i * bs : (i + 1) * bs], (first_block + i) * bs, bs)
                       for i in range(n_full - first_block)]

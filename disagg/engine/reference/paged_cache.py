@@ -88,18 +88,17 @@ class PagedStateCache:
         self.geometry = geometry
         bs, d = layout.block_size, layout.latent_dim
         cdt = getattr(torch, layout.cache_dtype)
-        self.mla = [
-            torch.zeros(geometry.num_blocks, bs, d, dtype=cdt, device=device) for _ in range(layout.num_mla_layers)
-        ]
         h, k, v, w = layout.kda_heads, layout.head_k, layout.head_v, layout.conv_width
-        self.conv = [
-            torch.zeros(geometry.num_slots, w - 1, 3 * h * k, dtype=getattr(torch, layout.conv_dtype), device=device)
-            for _ in range(layout.num_kda_layers)
-        ]
-        self.rec = [
-            torch.zeros(geometry.num_slots, h, k, v, dtype=getattr(torch, layout.state_dtype), device=device)
-            for _ in range(layout.num_kda_layers)
-        ]
+        # one tensor per kind, stacked over layers (batched copies gather all layers in one kernel);
+        # the per-layer lists are views of it
+        self.mla_all = torch.zeros(layout.num_mla_layers, geometry.num_blocks, bs, d, dtype=cdt, device=device)
+        self.conv_all = torch.zeros(layout.num_kda_layers, geometry.num_slots, w - 1, 3 * h * k,
+                                    dtype=getattr(torch, layout.conv_dtype), device=device)
+        self.rec_all = torch.zeros(layout.num_kda_layers, geometry.num_slots, h, k, v,
+                                   dtype=getattr(torch, layout.state_dtype), device=device)
+        self.mla = list(self.mla_all.unbind(0))
+        self.conv = list(self.conv_all.unbind(0))
+        self.rec = list(self.rec_all.unbind(0))
         self.blocks = BlockAllocator(geometry.num_blocks)
         self._free_slots = list(range(geometry.num_slots - 1, -1, -1))
 
