@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from disagg.api.app import create_app
+from deployments.request_router import report_finished, router_stats
 from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig, load_config
 from disagg.engine.factory import build_tokenizer, engine_limits
@@ -39,6 +40,8 @@ class ServeBackend:
         try:
             async for chunk in gen:
                 done = chunk.finished
+                if done:
+                    report_finished(params.request_id, chunk.num_cached_tokens)
                 yield chunk
         finally:
             if not done:
@@ -49,7 +52,7 @@ class ServeBackend:
         if self.prefill is not None:
             calls.append(self.prefill.stats.remote())
         results = await asyncio.gather(*calls, return_exceptions=True)
-        return merge_replica_stats([r for r in results if isinstance(r, dict)])
+        return {**merge_replica_stats([r for r in results if isinstance(r, dict)]), **router_stats()}
 
 
 @serve.ingress()

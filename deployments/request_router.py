@@ -31,11 +31,32 @@ import time
 
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
+import disagg.router.metrics as router_metrics
 from disagg.messages import GenerateParams
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.router import RouterConfig, StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
 from kv_transfer.keys import BlockHasher, KeyExtras
+
+
+def report_finished(request_id: str, realized_cached_tokens: int) -> None:
+    """Tell this process's policies how many cached tokens a routed request really reused."""
+    for policy in list(router_metrics.LIVE_POLICIES.values()):
+        policy.on_finished(request_id, realized_cached_tokens)
+
+
+def router_stats() -> dict:
+    """Decisions by reason and predicted vs realized cached tokens, summed over this process's policies."""
+    reasons: dict[str, int] = {}
+    predicted = realized = 0
+    for policy in list(router_metrics.LIVE_POLICIES.values()):
+        snap = policy.metrics.snapshot()
+        for reason, n in snap["decisions"].items():
+            reasons[reason] = reasons.get(reason, 0) + n
+        predicted += snap["predicted_cached_tokens"]
+        realized += snap["realized_cached_tokens"]
+    return {"route_decisions": reasons, "route_predicted_cached_tokens": predicted,
+            "route_realized_cached_tokens": realized}
 
 
 def _params(pending_request) -> GenerateParams | None:
@@ -51,6 +72,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._index = PrefixIndex()
         self._policy = StateAwareRouter(self._index, RouterConfig.from_dict(policy or {}))
         self._versions: dict[str, int] = {}
+        # Serve may ship this class by value: register in a module imported by reference
+        router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
 
     def _sync(self, replica) -> WorkerState:
         rid = replica.replica_id.unique_id

@@ -32,6 +32,9 @@ class ServingMetrics:
         self.evictions = Gauge("disagg_tier_evictions", "Evictions per tier (cumulative)", ["tier"], registry=r)
         self.checksum_failures = Gauge("disagg_checksum_failures", "Objects dropped on checksum failure (cumulative)",
                                        registry=r)
+        self.route_cached = Gauge("disagg_route_cached_tokens", "Cached tokens the router predicted vs the "
+                                  "engines realized, over finished routed requests (cumulative)", ["kind"],
+                                  registry=r)
         self.engine_requests = Gauge("disagg_engine_requests", "Requests in the engines by role and state",
                                      ["role", "state"], registry=r)
         self.route_decisions = Gauge("disagg_route_decisions", "Router decisions by reason (cumulative)",
@@ -69,6 +72,9 @@ class ServingMetrics:
                 self.engine_requests.labels(role=role, state=state).set(e.get(state, 0))
         for reason, n in (stats.get("route_decisions") or {}).items():
             self.route_decisions.labels(reason=reason).set(n)
+        for kind in ("predicted", "realized"):
+            if f"route_{kind}_cached_tokens" in stats:
+                self.route_cached.labels(kind=kind).set(stats[f"route_{kind}_cached_tokens"])
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

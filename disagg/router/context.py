@@ -7,11 +7,22 @@ placement, and which phase is being placed.
 
     effective_prefill(w) = queued_prefill_tokens(w)
                          + sum_{routed r to w after w.updated_at} uncached(r) * exp(-(now - t_r) / tau)
+
+Plugins that work on all candidates at once ask for ``ctx.view(workers)``:
+numpy columns aligned with ``workers`` (row i = workers[i]), built once per
+candidate list and shared by the scorers of a profile:
+
+    view.loads                  effective loads, one row per EffectiveLoad field (LOAD_ROW)
+    view.prefill, view.decode, view.cache, view.sessions, ...   named rows of view.loads
+    view.resumable, view.tier   index walk (tier -1: none)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from itertools import repeat
+
+import numpy as np
 
 from disagg.router.index import MatchResult, PrefixMatch
 from disagg.router.types import RouteRequest, WorkerState
@@ -28,8 +39,60 @@ class EffectiveLoad:
     decode_requests: float = 0.0  # running decode requests
     cache_utilization: float = 0.0  # device cache fill, 0..1
     active_sessions: float = 0.0  # sessions whose last turn ran here within the TTL
-    session_tokens: float = 0.0  # context tokens of those sessions
-    queue_ewma: float = 0.0  # time-smoothed prefill_tokens
+    session_tokens: float = 0.0  # context tokens of those sessions (their last prompt)
+    queue_avg: float = 0.0  # time-average of prefill_tokens (see disagg.router.loads)
+
+
+LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EffectiveLoad))
+LOAD_ROW: dict[str, int] = {name: i for i, name in enumerate(LOAD_FIELDS)}
+
+
+@dataclass(slots=True)
+class LoadColumns:
+    """Effective loads of a worker list: ``data[LOAD_ROW[field], i]`` is worker_ids[i]'s value."""
+
+    worker_ids: list[str]  # column order
+    data: np.ndarray  # float64, shape (len(LOAD_FIELDS), len(worker_ids))
+
+    def __post_init__(self) -> None:
+        assert self.data.shape == (len(LOAD_FIELDS), len(self.worker_ids)), "load matrix shape"
+
+    def row(self, i: int) -> EffectiveLoad:
+        return EffectiveLoad(*self.data[:, i].tolist())
+
+
+@dataclass(slots=True)
+class CandidateView:
+    """Columns for one candidate list, aligned with it (see module docstring)."""
+
+    worker_ids: list[str]  # candidates, in the order the plugin received them
+    loads: np.ndarray  # (len(LOAD_FIELDS), n) effective loads, rows in LOAD_FIELDS order
+    resumable: np.ndarray  # resumable tokens (float64)
+    tier: np.ndarray  # slowest tier index of the resume, -1 = none (int64)
+
+    @property
+    def prefill(self) -> np.ndarray:  # effective queued prefill tokens
+        return self.loads[0]
+
+    @property
+    def decode(self) -> np.ndarray:  # effective running decode tokens
+        return self.loads[1]
+
+    @property
+    def cache(self) -> np.ndarray:  # device cache utilization, 0..1
+        return self.loads[3]
+
+    @property
+    def sessions(self) -> np.ndarray:  # active sessions
+        return self.loads[4]
+
+    @property
+    def session_tokens(self) -> np.ndarray:  # context tokens of the active sessions
+        return self.loads[5]
+
+    @property
+    def queue_avg(self) -> np.ndarray:  # time-averaged queued prefill tokens
+        return self.loads[6]
 
 
 @dataclass(slots=True)
@@ -38,18 +101,21 @@ class RoutingContext:
 
     request: RouteRequest  # the request being placed
     match: MatchResult  # prefix-index walk over all known candidates
-    loads: dict[str, EffectiveLoad]  # per worker
+    loads: dict[str, EffectiveLoad] | LoadColumns  # per worker (dict) or as columns (router)
     phase: str = "both"  # "prefill" | "decode" | "both"
     session_worker: str | None = None  # worker of the session's previous turn
     session_node: str | None = None  # node of that worker
     now: float = 0.0  # router clock
     extra: dict[str, object] = field(default_factory=dict)  # plugin scratch space
+    _views: dict[tuple[str, ...], CandidateView] = field(default_factory=dict)  # cache of view()
+    _load_rows: dict[str, int] | None = None  # worker id -> column of loads (columns form)
+    _match_rows: dict[str, int] | None = None  # worker id -> row of match
 
     def __post_init__(self) -> None:
         assert self.phase in PHASES, f"unknown phase {self.phase!r}"
 
     def prefix(self, worker_id: str) -> PrefixMatch:
-        return self.match.matches.get(worker_id) or PrefixMatch()
+        return self.match.get(worker_id)
 
     def common_tokens(self) -> int:
         """Tokens of the leading blocks most candidates hold (hot shared prefix)."""
@@ -57,6 +123,48 @@ class RoutingContext:
         return min(self.match.common_blocks * r.block_size, r.prompt_len)
 
     def load(self, w: WorkerState) -> EffectiveLoad:
-        return self.loads.get(w.worker_id) or EffectiveLoad(
-            w.queued_prefill_tokens, w.running_decode_tokens, w.running_decode_requests, w.cache_utilization, 0.0
+        if isinstance(self.loads, LoadColumns):
+            if self._load_rows is None:
+                self._load_rows = {wid: i for i, wid in enumerate(self.loads.worker_ids)}
+            i = self._load_rows.get(w.worker_id)
+            if i is not None:
+                return self.loads.row(i)
+        elif w.worker_id in self.loads:
+            return self.loads[w.worker_id]
+        return EffectiveLoad(
+            w.queued_prefill_tokens, w.running_decode_tokens, w.running_decode_requests, w.cache_utilization
         )
+
+    def view(self, workers: list[WorkerState]) -> CandidateView:
+        """Numpy columns for ``workers`` (cached per candidate list)."""
+        ids = [w.worker_id for w in workers]
+        key = tuple(ids)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = CandidateView(ids, self._load_matrix(workers, ids), *self._match_columns(ids))
+        return v
+
+    def _match_columns(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        m = self.match
+        if ids == m.worker_ids:
+            return np.asarray(m.resumable, np.float64), np.asarray(m.tiers, np.int64)
+        if self._match_rows is None:
+            self._match_rows = {wid: i for i, wid in enumerate(m.worker_ids)}
+        n = len(ids)
+        rows = np.fromiter(map(self._match_rows.get, ids, repeat(-1, n)), np.intp, n)
+        res = np.append(np.asarray(m.resumable, np.float64), 0.0)[rows]  # row -1: the appended "no match"
+        tier = np.append(np.asarray(m.tiers, np.int64), -1)[rows]
+        return res, tier
+
+    def _load_matrix(self, workers: list[WorkerState], ids: list[str]) -> np.ndarray:
+        cols = self.loads
+        if isinstance(cols, LoadColumns):
+            if ids == cols.worker_ids:
+                return cols.data
+            if self._load_rows is None:
+                self._load_rows = {wid: i for i, wid in enumerate(cols.worker_ids)}
+            rows = [self._load_rows.get(wid, -1) for wid in ids]
+            if -1 not in rows:
+                return cols.data[:, rows]
+        per = [self.load(w) for w in workers]
+        return np.array([[getattr(x, f) for x in per] for f in LOAD_FIELDS], np.float64).reshape(len(LOAD_FIELDS), -1)

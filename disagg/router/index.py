@@ -19,15 +19,24 @@ the *slowest* one the resume reads, since that transfer bounds the load time.
 
 Data layout (sized for 64 workers x 1M blocks, p99 < 1 ms per decision):
 
-    _mla[digest]  = (device_mask, host_mask, disk_mask, remote_mask)
+    _mla[digest]  = (dev, host, disk, remote,  le_host, le_disk, le_any)
     _kda[digest]  = same, for KDA checkpoints keyed by prefix digest
     _tail[digest] = same, for MLA tails keyed by tail digest
 
 Each mask is a Python int with bit b set when worker b can read the object
 from that tier (node-shared tiers set the bits of every worker of the node,
-the remote tier sets all bits: -1). Entries are tuples of ints, which the
-garbage collector stops tracking, so a million entries add no GC pauses. A walk ANDs the union masks block by
-block, so its cost is O(prompt blocks) independent of the number of workers.
+the remote tier sets all bits: -1). ``le_t`` is the union of the tiers up
+to t ("readable no slower than t"), so the walk needs no per-block Python:
+
+    alive(k)   = cand & AND_{i<k} le_any(h_i)      workers reading blocks 0..k-1
+    le_t(k)    = AND_{i<k} le_t(h_i)               ... all of them no slower than t
+    tier(w, p) = min t with w in le_t(p / bs) & le_t(checkpoint) [& le_t(tail)]
+
+Each AND is an ``itertools.accumulate`` over a ``map`` (C loops), so a walk
+costs a handful of C-speed passes over the prompt's blocks plus Python work
+per checkpoint and per worker, independent of the index size. Entries are
+tuples of ints, which the garbage collector stops tracking, so a million
+entries add no GC pauses.
 
 NOTES
 1. Resumable length never exceeds the newest KDA checkpoint a worker holds
@@ -35,20 +44,40 @@ NOTES
 2. A KDA checkpoint counts as present when its first head shard (tp0) is
    reported; writers publish and evict a checkpoint's shards together.
 3. Register workers (``add_worker``) before their events arrive; a worker
-   seen first in an event is registered as alone on its own node.
+   seen first in an event is registered as alone on its own node. An event
+   reported by a node id (a node-shared tier) applies to the node's workers.
+4. ``entry[4 + t - 1] == entry[0] | ... | entry[t]`` for every entry (the
+   cumulative masks are rebuilt on every change, see ``_entry``).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import accumulate, compress, islice, repeat, takewhile
+from operator import and_, itemgetter, neg
 from typing import Any
 
 from disagg.router.types import TIER_INDEX, TIERS, RouteRequest
 
 SCOPES = ("worker", "node", "global")
-_EMPTY = (0, 0, 0, 0)
 DEFAULT_SCOPES = {"device": "worker", "host": "node", "disk": "node", "remote": "global"}
+OBJECT_KINDS = ("mla", "tail", "kda")
+Entry = tuple[int, int, int, int, int, int, int]
+_LE = (0, 4, 5, 6)  # entry column of "readable no slower than tier t"
+_ANY = itemgetter(6)
+_LE_COL = tuple(itemgetter(c) for c in _LE)
+_NO_TIER = -1
+
+
+def _entry(d: int, ho: int, di: int, re: int) -> Entry | None:
+    """Entry with its cumulative masks (NOTE 4); None when no tier holds the object."""
+    le1 = d | ho if ho else d
+    le2 = le1 | di if di else le1
+    le3 = le2 | re if re else le2
+    return (d, ho, di, re, le1, le2, le3) if le3 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,24 +88,39 @@ class IndexUpdate:
     object_kind: str  # "mla" | "tail" | "kda"
     digest: bytes  # block digest (mla) or prefix digest (tail, kda)
     tier: str  # tier the event is about (destination for "moved")
-    worker_id: str  # worker that reported the event
-    from_tier: str | None = None  # source tier of a "moved" event
+    worker_id: str  # worker (or node, for node-shared tiers) that reported the event
+    from_tier: str | None = None  # source tier of a "moved" event (None: not reported)
+
+
+def tier_of(tier_name: str) -> str | None:
+    """Index tier of a kv_transfer tier name ("host", "disk", "remote:<peer>", ...)."""
+    base = tier_name.split(":", 1)[0]
+    return base if base in TIER_INDEX else None
 
 
 def update_from_event(event: Any) -> IndexUpdate | None:
-    """Adapter from a kv_transfer ``StoreEvent`` (or anything shaped like it).
+    """Adapter from a kv_transfer ``StoreEvent``: the one place that knows its fields.
 
-    The one place that knows the event's field names. Returns None for events
-    the index ignores (non-zero shards of a sharded object).
+    Reads ``kind``, ``key`` (``str(ObjectKey)``), ``object_kind``, ``tier`` and
+    ``worker_id``; a producer that knows the source tier of a ``moved`` event
+    may also set ``from_tier`` (``StoreEvent`` does not carry one). Returns
+    None for events the index ignores: non-zero shards of a sharded object,
+    keys that are not object keys, tiers it does not know, and events
+    without a reporter.
     """
     key: str = event.key
     parts = key.split(":")
-    kind = parts[0]
-    shard = parts[2] if len(parts) > 2 else ""
-    if shard and not (shard.startswith("tp0of") or shard.startswith("dcp0of")):
+    kind = event.object_kind or parts[0]
+    if kind not in OBJECT_KINDS or len(parts) not in (2, 3) or not event.worker_id:
         return None
-    from_tier = getattr(event, "from_tier", None) or getattr(event, "src_tier", None)
-    return IndexUpdate(event.kind, kind, bytes.fromhex(parts[1]), event.tier, event.worker_id, from_tier)
+    if len(parts) == 3 and not (parts[2].startswith("tp0of") or parts[2].startswith("dcp0of")):
+        return None
+    tier = tier_of(event.tier)
+    if tier is None:
+        return None
+    src = getattr(event, "from_tier", None)
+    return IndexUpdate(event.kind, kind, bytes.fromhex(parts[1]), tier, event.worker_id,
+                       tier_of(src) if src else None)
 
 
 @dataclass(slots=True)
@@ -88,21 +132,64 @@ class PrefixMatch:
     mla_blocks: int = 0  # consecutive MLA blocks readable from the start (any tier)
 
 
-@dataclass(slots=True)
 class MatchResult:
-    """Walk result for one request over a set of candidate workers."""
+    """Walk result for one request over a set of candidate workers.
 
-    matches: dict[str, PrefixMatch]  # per candidate worker
-    common_blocks: int  # leading blocks readable by >= common_min candidates
+    Column form (what the walk produces and vectorized plugins read), row i
+    for ``worker_ids[i]``; ``matches`` is the per-worker dict view, built on
+    first use. Either form may be given to the constructor.
+    """
+
+    __slots__ = ("worker_ids", "resumable", "tiers", "mla_blocks", "common_blocks", "_matches")
+
+    def __init__(
+        self,
+        matches: dict[str, PrefixMatch] | None = None,
+        common_blocks: int = 0,
+        *,
+        worker_ids: list[str] | None = None,
+        resumable: list[int] | None = None,
+        tiers: list[int] | None = None,
+        mla_blocks: list[int] | None = None,
+    ):
+        self.common_blocks = common_blocks  # leading blocks readable by >= common_min candidates
+        self._matches = matches
+        if matches is not None:
+            worker_ids = list(matches)
+            vals = list(matches.values())
+            resumable = [m.resumable_tokens for m in vals]
+            tiers = [_NO_TIER if m.tier is None else TIER_INDEX[m.tier] for m in vals]
+            mla_blocks = [m.mla_blocks for m in vals]
+        self.worker_ids: list[str] = worker_ids or []  # candidates, row order
+        self.resumable: list[int] = resumable or []  # resumable tokens per row
+        self.tiers: list[int] = tiers or []  # slowest tier index per row (-1: no resume)
+        self.mla_blocks: list[int] = mla_blocks or []  # readable leading blocks per row
+        assert len(self.worker_ids) == len(self.resumable) == len(self.tiers) == len(self.mla_blocks)
+
+    @property
+    def matches(self) -> dict[str, PrefixMatch]:
+        if self._matches is None:
+            self._matches = {
+                w: PrefixMatch(p, TIERS[t] if t >= 0 else None, m)
+                for w, p, t, m in zip(self.worker_ids, self.resumable, self.tiers, self.mla_blocks, strict=True)
+            }
+        return self._matches
+
+    def get(self, worker_id: str) -> PrefixMatch:
+        if self._matches is not None:
+            return self._matches.get(worker_id) or PrefixMatch()
+        try:
+            i = self.worker_ids.index(worker_id)
+        except ValueError:
+            return PrefixMatch()
+        t = self.tiers[i]
+        return PrefixMatch(self.resumable[i], TIERS[t] if t >= 0 else None, self.mla_blocks[i])
 
 
-def _bits(mask: int, limit: int) -> Iterable[int]:
+def _bits(mask: int) -> Iterable[int]:
     while mask:
         low = mask & -mask
-        b = low.bit_length() - 1
-        if b >= limit:
-            return
-        yield b
+        yield low.bit_length() - 1
         mask ^= low
 
 
@@ -127,10 +214,13 @@ class PrefixIndex:
         self._workers: list[str] = []  # bit -> worker id
         self._node_of: dict[str, str] = {}  # worker id -> node id
         self._node_mask: dict[str, int] = {}  # node id -> bits of its workers
-        self._mla: dict[bytes, tuple[int, int, int, int]] = {}
-        self._kda: dict[bytes, tuple[int, int, int, int]] = {}
-        self._tail: dict[bytes, tuple[int, int, int, int]] = {}
+        self._mla: dict[bytes, Entry] = {}
+        self._kda: dict[bytes, Entry] = {}
+        self._tail: dict[bytes, Entry] = {}
+        self._tables = {"mla": self._mla, "kda": self._kda, "tail": self._tail}
+        self._cand: tuple[tuple[str, ...], list[int], int] | None = None  # last candidate set
         self.num_events = 0  # events applied
+        self.num_ignored = 0  # events the adapter dropped (see update_from_event)
 
     # ---- membership -------------------------------------------------------
     def add_worker(self, worker_id: str, node_id: str | None = None) -> int:
@@ -157,50 +247,52 @@ class PrefixIndex:
         return {"mla": len(self._mla), "kda": len(self._kda), "tail": len(self._tail)}
 
     # ---- updates ------------------------------------------------------------
-    def _scope_mask(self, tier: str, worker_id: str) -> int:
-        bit = self.add_worker(worker_id)
+    def _scope_mask(self, tier: str, reporter: str) -> int:
         scope = self.scopes.get(tier, "worker")
-        if scope == "worker":
-            return 1 << bit
-        if scope == "node":
-            return self._node_mask[self._node_of[worker_id]]
-        return -1
+        if scope == "global":
+            return -1
+        if reporter not in self._bit and reporter in self._node_mask:  # a node reports its tier
+            return self._node_mask[reporter] if scope == "node" else 0
+        bit = self.add_worker(reporter)
+        return 1 << bit if scope == "worker" else self._node_mask[self._node_of[reporter]]
 
-    def _table(self, object_kind: str) -> dict[bytes, tuple[int, int, int, int]]:
-        if object_kind == "mla":
-            return self._mla
-        if object_kind == "kda":
-            return self._kda
-        assert object_kind == "tail", f"unknown object kind {object_kind!r}"
-        return self._tail
-
-    def _set(self, table: dict[bytes, tuple[int, int, int, int]], digest: bytes, tier: str, mask: int) -> None:
-        e = table.get(digest, _EMPTY)
-        t = TIER_INDEX[tier]
-        table[digest] = e[:t] + (e[t] | mask,) + e[t + 1 :]
-
-    def _clear(self, table: dict[bytes, tuple[int, int, int, int]], digest: bytes, tier: str, mask: int) -> None:
+    @staticmethod
+    def _change(table: dict[bytes, Entry], digest: bytes, tier: int, set_mask: int, clear_mask: int) -> None:
         e = table.get(digest)
-        if e is None:
-            return
-        t = TIER_INDEX[tier]
-        e = e[:t] + (e[t] & ~mask,) + e[t + 1 :]
-        if e[0] | e[1] | e[2] | e[3]:
-            table[digest] = e
+        raw = [0, 0, 0, 0] if e is None else list(e[:4])
+        raw[tier] = (raw[tier] & ~clear_mask) | set_mask
+        new = _entry(*raw)
+        if new is None:
+            table.pop(digest, None)
         else:
-            del table[digest]
+            table[digest] = new
 
     def apply_update(self, u: IndexUpdate) -> None:
-        table = self._table(u.object_kind)
+        """Apply one update.
+
+        A ``moved`` update without ``from_tier`` (kv_transfer's ``StoreEvent``
+        names only the destination) is read the way ``StateStore`` emits it: a
+        move down (host -> disk / remote) is a demotion, the object left the
+        node-level tiers faster than the destination; a move up (promotion to
+        host) is a copy, the slower copy stays.
+        """
+        table = self._tables.get(u.object_kind)
+        if table is None:
+            raise ValueError(f"unknown object kind {u.object_kind!r}")
+        t = TIER_INDEX[u.tier]
         mask = self._scope_mask(u.tier, u.worker_id)
         if u.op == "stored":
-            self._set(table, u.digest, u.tier, mask)
+            self._change(table, u.digest, t, mask, 0)
         elif u.op == "evicted":
-            self._clear(table, u.digest, u.tier, mask)
+            self._change(table, u.digest, t, 0, mask)
         elif u.op == "moved":
             if u.from_tier is not None:
-                self._clear(table, u.digest, u.from_tier, self._scope_mask(u.from_tier, u.worker_id))
-            self._set(table, u.digest, u.tier, mask)
+                src = [u.from_tier]
+            else:
+                src = [TIERS[s] for s in range(1, t)]  # demotion: out of host (and disk) above t
+            for name in src:
+                self._change(table, u.digest, TIER_INDEX[name], 0, self._scope_mask(name, u.worker_id))
+            self._change(table, u.digest, t, mask, 0)
         else:
             raise ValueError(f"unknown event kind {u.op!r}")
         self.num_events += 1
@@ -208,7 +300,9 @@ class PrefixIndex:
     def apply(self, event: Any) -> None:
         """Apply one kv_transfer store event."""
         u = update_from_event(event)
-        if u is not None:
+        if u is None:
+            self.num_ignored += 1
+        else:
             self.apply_update(u)
 
     def apply_many(self, events: Iterable[Any]) -> None:
@@ -222,17 +316,26 @@ class PrefixIndex:
             return
         for table in (self._mla, self._kda, self._tail):
             for digest in [d for d, e in table.items() if e[0] >> bit & 1]:
-                self._clear(table, digest, "device", 1 << bit)
+                self._change(table, digest, 0, 0, 1 << bit)
 
     # ---- queries -------------------------------------------------------------
     def resumable(self, request: RouteRequest, worker_id: str) -> tuple[int, str | None]:
         """(resumable tokens, slowest tier) for one worker."""
-        m = self.match(request, [worker_id]).matches[worker_id]
+        m = self.match(request, [worker_id]).get(worker_id)
         return m.resumable_tokens, m.tier
 
-    def match(
-        self, request: RouteRequest, worker_ids: list[str], common_min: int | None = None
-    ) -> MatchResult:
+    def _candidates(self, worker_ids: list[str]) -> tuple[list[int], int]:
+        key = tuple(worker_ids)
+        if self._cand is not None and self._cand[0] == key:
+            return self._cand[1], self._cand[2]
+        bits = [self.add_worker(w) for w in worker_ids]
+        cand = 0
+        for b in bits:
+            cand |= 1 << b
+        self._cand = (key, bits, cand)
+        return bits, cand
+
+    def match(self, request: RouteRequest, worker_ids: list[str], common_min: int | None = None) -> MatchResult:
         """Walk the request's blocks once for all ``worker_ids``.
 
         Args:
@@ -241,101 +344,108 @@ class PrefixIndex:
             common_min: a leading block is "common" when at least this many
                 candidates can read it (None: no common-prefix count).
         """
-        cand = 0
-        for w in worker_ids:
-            cand |= 1 << self.add_worker(w)
-        bs = request.block_size
-        plen = request.prompt_len
-        tails: dict[int, list] = {}
-        for probe in request.tail_probes:
-            if 0 < probe.position < plen and probe.position % bs:
-                tails.setdefault(probe.position // bs, []).append(probe)
-        mla_get, kda_get = self._mla.get, self._kda.get
-        alive = cand
-        ge1 = ge2 = ge3 = 0  # workers whose slowest tier so far is >= host / disk / remote
-        snaps: list[tuple[int, int, int, int, int]] = []  # (p, mask, ge1, ge2, ge3)
-        mla_len: dict[int, int] = {}  # bit -> consecutive blocks, for workers that dropped out
+        bits, cand = self._candidates(worker_ids)
+        bs, plen = request.block_size, request.prompt_len
+        es = list(map(self._mla.get, request.block_hashes))
+        if None in es:
+            del es[es.index(None):]
+        # alive[k]: candidates that read blocks 0..k-1 (any tier); non-increasing ints >= 0
+        alive = list(accumulate(map(_ANY, es), and_, initial=cand))
+        if not alive[-1]:
+            n = alive.index(0) - 1 if cand else 0
+            del alive[n + 1:], es[n:]
+        n = len(es)
         common = 0
-        common_open = common_min is not None
-        hybrid = self.hybrid
-        n_blocks = len(request.block_hashes)
-        i = 0
-        if 0 in tails:
-            self._probe_tails(tails[0], alive, ge1, ge2, ge3, snaps)
-        for i, h in enumerate(request.block_hashes):
-            e = mla_get(h)
-            if e is None:
-                break
-            d, ho, di, re = e
-            u = d | ho | di | re
-            if common_open:
-                if ((u & cand).bit_count() if u >= 0 else cand.bit_count()) >= common_min:
-                    common += 1
-                else:
-                    common_open = False
-            nxt = alive & u
-            if nxt != alive:
-                for b in _bits(alive & ~nxt, len(self._workers)):
-                    mla_len[b] = i
-                alive = nxt
-                if not alive:
+        if common_min is not None:
+            for e in es:
+                if (e[6] & cand).bit_count() < common_min:
                     break
-            nd = alive & ~d
-            if nd:
-                ge1 |= nd
-                x = nd & ~ho
-                if x:
-                    ge2 |= x
-                    ge3 |= x & ~di
-            p = (i + 1) * bs
-            if p >= plen:
-                continue
-            if hybrid:
-                k = kda_get(h)
-                if k is not None:
-                    km = alive & (k[0] | k[1] | k[2] | k[3])
-                    if km:
-                        snaps.append(_snap(p, km, ge1, ge2, ge3, k))
-            else:
-                snaps.append((p, alive, ge1, ge2, ge3))
-            if i + 1 in tails:
-                self._probe_tails(tails[i + 1], alive, ge1, ge2, ge3, snaps)
+                common += 1
+        # leading readable blocks per worker: alive shrinks at a few change points
+        mla_len: dict[int, int] = {}
+        groups = list(dict.fromkeys(alive))
+        for prev, cur in zip(groups, groups[1:]):
+            k = bisect_left(alive, -cur, key=neg)
+            for b in _bits(prev & ~cur):
+                mla_len[b] = k - 1
+        for b in _bits(alive[-1]):
+            mla_len[b] = n
+        snaps = self._resume_points(request, es, alive, mla_len, bs, plen)
+        tok, tier = self._resolve(snaps, es)
+        n_w = len(bits)
+        return MatchResult(
+            None,
+            common,
+            worker_ids=list(worker_ids),
+            resumable=list(map(tok.get, bits, repeat(0, n_w))),
+            tiers=list(map(tier.get, bits, repeat(_NO_TIER, n_w))),
+            mla_blocks=list(map(mla_len.get, bits, repeat(0, n_w))),
+        )
+
+    def _resume_points(self, request: RouteRequest, es: list[Entry], alive: list[int], mla_len: dict[int, int],
+                       bs: int, plen: int) -> list[tuple[int, int, int, tuple[Entry, ...]]]:
+        """Candidate resume points: (position, blocks read, workers, extra objects read)."""
+        n = len(es)
+        limit = min(n, (plen - 1) // bs)  # aligned points p = k * bs < plen
+        snaps: list[tuple[int, int, int, tuple[Entry, ...]]] = []
+        if self.hybrid:
+            ks = list(map(self._kda.get, request.block_hashes[:limit]))
+            for i in compress(range(limit), ks):
+                k = ks[i]
+                km = alive[i + 1] & k[6]
+                if km:
+                    snaps.append(((i + 1) * bs, i + 1, km, (k,)))
         else:
-            i = n_blocks
-        for b in _bits(alive, len(self._workers)):
-            mla_len.setdefault(b, i)
-        return MatchResult(self._resolve(worker_ids, snaps, mla_len), common)
-
-    def _probe_tails(self, probes: list, alive: int, ge1: int, ge2: int, ge3: int, snaps: list) -> None:
-        for probe in sorted(probes, key=lambda t: t.position):
-            t = self._tail.get(probe.digest)
-            k = self._kda.get(probe.digest) if self.hybrid else (-1, 0, 0, 0)
-            if t is None or k is None:
+            by_len: dict[int, int] = {}
+            for b, m in mla_len.items():
+                nb = min(m, limit)
+                if nb:
+                    by_len[nb] = by_len.get(nb, 0) | (1 << b)
+            snaps.extend((nb * bs, nb, mask, ()) for nb, mask in by_len.items())
+        for probe in request.tail_probes:
+            p = probe.position
+            k = p // bs
+            if not 0 < p < plen or not p % bs or k > n:
                 continue
-            tm = alive & (t[0] | t[1] | t[2] | t[3])
-            km = tm & (k[0] | k[1] | k[2] | k[3])
+            t = self._tail.get(probe.digest)
+            if t is None:
+                continue
+            objs: tuple[Entry, ...] = (t,)
+            km = alive[k] & t[6]
+            if self.hybrid:
+                c = self._kda.get(probe.digest)
+                if c is None:
+                    continue
+                objs, km = (t, c), km & c[6]
             if km:
-                p, m, g1, g2, g3 = _snap(probe.position, km, ge1, ge2, ge3, t)
-                snaps.append(_snap(p, m, g1, g2, g3, k))
+                snaps.append((p, k, km, objs))
+        return snaps
 
-    def _resolve(self, worker_ids: list[str], snaps: list, mla_len: dict[int, int]) -> dict[str, PrefixMatch]:
-        out = {w: PrefixMatch(0, None, mla_len.get(self._bit[w], 0)) for w in worker_ids}
+    @staticmethod
+    def _resolve(snaps: list, es: list[Entry]) -> tuple[dict[int, int], dict[int, int]]:
+        """Furthest resume point and its slowest tier, per worker bit."""
+        tok: dict[int, int] = {}
+        tier: dict[int, int] = {}
         resolved = 0
-        for p, mask, g1, g2, g3 in reversed(snaps):
-            new = mask & ~resolved
+        for p, nb, km, objs in sorted(snaps, key=itemgetter(0), reverse=True):
+            new = km & ~resolved
             if not new:
                 continue
             resolved |= new
-            for b in _bits(new, len(self._workers)):
-                w = self._workers[b]
-                m = out.get(w)
-                if m is None:
-                    continue
-                bit = 1 << b
-                tier = 3 if g3 & bit else 2 if g2 & bit else 1 if g1 & bit else 0
-                m.resumable_tokens = p
-                m.tier = TIERS[tier]
-        return out
+            rest = new
+            for t in range(3):
+                m = rest
+                for o in objs:
+                    m &= o[_LE[t]]
+                m = _and_prefix(es, t, nb, m)
+                for b in _bits(m):
+                    tok[b], tier[b] = p, t
+                rest &= ~m
+                if not rest:
+                    break
+            for b in _bits(rest):
+                tok[b], tier[b] = p, 3
+        return tok, tier
 
     def block_overlap(self, request: RouteRequest, worker_ids: list[str]) -> dict[str, list[int]]:
         """Per worker, consecutive leading blocks counted by their fastest tier.
@@ -353,8 +463,8 @@ class PrefixIndex:
             e = self._mla.get(h)
             if e is None:
                 break
-            d, ho, di, re = e
-            alive &= d | ho | di | re
+            d, ho, di, _re = e[:4]
+            alive &= e[6]
             if not alive:
                 break
             k = (alive & d, alive & ~d & ho, alive & ~d & ~ho & di, alive & ~d & ~ho & ~di)
@@ -366,18 +476,21 @@ class PrefixIndex:
         return {w: counts[b] for w, b in bits.items()}
 
 
-def _snap(p: int, km: int, ge1: int, ge2: int, ge3: int, k: tuple[int, ...]) -> tuple[int, int, int, int, int]:
-    """Fold the fastest tier of an object (per worker) into the slowest-tier masks."""
-    nd = km & ~k[0]
-    x = nd & ~k[1]
-    return (p, km, ge1 | nd, ge2 | x, ge3 | (x & ~k[2]))
+def _and_prefix(es: list[Entry], t: int, nb: int, mask: int) -> int:
+    """mask & AND_{i < nb} le_t(es[i]), stopping as soon as it reaches 0 (C loops only)."""
+    if not mask:
+        return 0
+    steps = enumerate(takewhile(bool, accumulate(map(_LE_COL[t], islice(es, nb)), and_, initial=mask)))
+    last = deque(steps, maxlen=1)
+    i, value = last[0]
+    return value if i == nb else 0
 
 
 def _flush(counts: dict[int, list[int]], key: tuple[int, ...] | None, run: int) -> None:
     if key is None or run == 0:
         return
-    for tier, mask in enumerate(key):
-        for b in _bits(mask, 1 << 30):
+    for tier, mask in enumerate(key):  # masks are >= 0: each is ANDed with the candidates
+        for b in _bits(mask):
             c = counts.get(b)
             if c is not None:
                 c[tier] += run

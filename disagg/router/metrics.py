@@ -54,3 +54,8 @@ class RouterMetrics:
             "prediction_ratio": round(self.prediction_ratio, 4),
             "overpredicted": self.overpredicted,
         }
+
+
+# Policies alive in this process, by name (set by serving adapters), so the process can
+# report finished requests to them and export their counters.
+LIVE_POLICIES: dict[str, object] = {}

@@ -17,6 +17,9 @@ Config example (YAML)::
 from __future__ import annotations
 
 import random
+from itertools import repeat
+
+import numpy as np
 
 
 class MaxScorePicker:
@@ -30,13 +33,23 @@ class MaxScorePicker:
 
     def rank(self, scores: dict[str, float], order: list[str]) -> list[str]:
         """Candidates best first; ``order`` breaks ties."""
-        pos = {w: i for i, w in enumerate(order)}
-        return sorted(order, key=lambda w: (-scores.get(w, 0.0), pos[w]))
+        vals = np.fromiter(map(scores.get, order, repeat(0.0)), np.float64, len(order))
+        return [order[i] for i in np.argsort(-vals, kind="stable").tolist()]
 
     def pick(self, scores: dict[str, float], order: list[str]) -> list[str]:
         """The ranking with the chosen worker first."""
         assert order, "picker needs at least one candidate"
-        ranked = self.rank(scores, order)
+        return self._choose(self.rank(scores, order), scores)
+
+    def rank_array(self, totals: np.ndarray, order: list[str]) -> list[str]:
+        """``pick`` for totals given as an array aligned with ``order``."""
+        assert order, "picker needs at least one candidate"
+        ranked = [order[i] for i in np.argsort(-totals, kind="stable").tolist()]
+        if self.epsilon > 0 and len(ranked) > 1:
+            return self._choose(ranked, dict(zip(order, totals.tolist())))
+        return ranked
+
+    def _choose(self, ranked: list[str], scores: dict[str, float]) -> list[str]:
         if self.epsilon > 0 and len(ranked) > 1:
             top = scores.get(ranked[0], 0.0)
             near = [w for w in ranked if scores.get(w, 0.0) >= top - self.epsilon]

@@ -12,6 +12,9 @@ table that names them), never imported here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+
+import numpy as np
 
 from disagg.router.context import RoutingContext
 from disagg.router.filters.base import BaseFilter
@@ -26,7 +29,7 @@ class ProfileResult:
 
     ranked: list[str]  # candidates best first (ranked[0] is the pick)
     totals: dict[str, float]  # weighted total per candidate
-    per_scorer: dict[str, dict[str, float]] = field(default_factory=dict)  # scorer -> worker -> [0,1]
+    per_scorer: dict[str, np.ndarray] = field(default_factory=dict)  # scorer -> [0, 1] per ranked-input candidate
     filtered_out: list[str] = field(default_factory=list)  # dropped by filters
 
     @property
@@ -55,19 +58,32 @@ class SchedulingProfile:
             kept = f.filter(ctx, cands)
             assert len(kept) <= len(cands), f"filter {f.name} invented candidates"
             cands = kept
-        kept_ids = {c.worker_id for c in cands}
-        removed = [w.worker_id for w in workers if w.worker_id not in kept_ids]
+        if len(cands) < len(workers):
+            kept_ids = {c.worker_id for c in cands}
+            removed = [w.worker_id for w in workers if w.worker_id not in kept_ids]
+        else:
+            removed = []
         if not cands:
             return ProfileResult([], {}, {}, removed)
         ids = [w.worker_id for w in cands]
-        totals = dict.fromkeys(ids, 0.0)
+        n = len(ids)
+        totals = np.zeros(n)
         per: dict[str, dict[str, float]] = {}
         weight_sum = sum(w for _, w in self.scorers) or 1.0
         for scorer, weight in self.scorers:
-            s = scorer.score(ctx, cands)
-            for wid in ids:
-                v = s.get(wid, 0.0)
-                assert 0.0 <= v <= 1.0, f"scorer {scorer.name} returned {v} for {wid}"
-                totals[wid] += weight * v / weight_sum
-            per[scorer.name] = s
-        return ProfileResult(self.picker.pick(totals, ids), totals, per, removed)
+            fast = getattr(scorer, "score_array", None)
+            if fast is not None:
+                vals = fast(ctx, cands)
+                assert vals.shape == (n,), f"scorer {scorer.name} returned shape {vals.shape} for {n} workers"
+            else:
+                s = scorer.score(ctx, cands)
+                vals = np.fromiter(map(s.get, ids, repeat(0.0)), np.float64, n)
+            if not (vals.min() >= 0.0 and vals.max() <= 1.0):
+                bad = next(i for i, v in enumerate(vals.tolist()) if not 0.0 <= v <= 1.0)
+                raise AssertionError(f"scorer {scorer.name} returned {vals[bad]} for {ids[bad]}")
+            totals += (weight / weight_sum) * vals
+            per[scorer.name] = vals
+        total = dict(zip(ids, totals.tolist()))
+        rank_array = getattr(self.picker, "rank_array", None)
+        ranked = rank_array(totals, ids) if rank_array is not None else self.picker.pick(total, ids)
+        return ProfileResult(ranked, total, per, removed)

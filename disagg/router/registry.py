@@ -28,7 +28,6 @@ from disagg.router.profile import SchedulingProfile
 from disagg.router.scorers.affinity import AffinityScorer
 from disagg.router.scorers.load import LoadScorer
 from disagg.router.scorers.prefix import PrefixScorer
-from disagg.router.scorers.ttft import TTFTScorer
 from disagg.router.scorers.wait import WaitScorer
 
 FILTERS: dict[str, Callable[..., Any]] = {
@@ -40,7 +39,6 @@ SCORERS: dict[str, Callable[..., Any]] = {
     "prefix": PrefixScorer,
     "load": LoadScorer,
     "affinity": AffinityScorer,
-    "ttft": TTFTScorer,
     "wait": WaitScorer,
 }
 PICKERS: dict[str, Callable[..., Any]] = {"max_score": MaxScorePicker}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import httpx
@@ -84,6 +85,11 @@ def test_turns_follow_their_state_and_survive_losing_it():
             placed[s] = r2
             sessions[s] = sessions[s] + r2["choices"][0]["token_ids"] + _ids(40, 50 + salt[s])
         assert len({r["disagg"]["replica"] for r in placed.values()}) == 2, "sessions spread over both replicas"
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        decisions = sum(float(v) for v in re.findall(r'^disagg_route_decisions\{reason="[^"]+"\} (\S+)$', metrics, re.M))
+        assert decisions >= 8, "router decisions are exported"
+        realized = float(re.search(r'disagg_route_cached_tokens\{kind="realized"\} (\S+)', metrics).group(1))
+        assert realized >= sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in placed.values())
 
         victim = placed["s0"]["disagg"]["replica"]
         _kill_replica(victim)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from disagg.router.context import RoutingContext
 from disagg.router.types import WorkerState
 
@@ -52,18 +54,17 @@ class LoadGuardFilter:
         if len(workers) <= 1:
             return list(workers)
         cfg = self.config
-        loads = [ctx.load(w) for w in workers]
-        mean_q = sum(x.prefill_tokens for x in loads) / len(loads)
-        q_cap = cfg.prefill_ratio * mean_q + cfg.prefill_slack_tokens
-        new_session = ctx.session_worker is None
-        mean_s = sum(x.active_sessions for x in loads) / len(loads)
-        s_cap = cfg.session_ratio * mean_s + cfg.session_slack
-        kept = [
-            w
-            for w, x in zip(workers, loads, strict=True)
-            if x.prefill_tokens <= q_cap and (not new_session or x.active_sessions <= s_cap)
-        ]
-        if kept:
-            return kept
-        least = min(range(len(workers)), key=lambda i: (loads[i].prefill_tokens, workers[i].worker_id))
+        v = ctx.view(workers)
+        n = len(workers)
+        q = v.prefill
+        ok = q <= cfg.prefill_ratio * float(q.sum()) / n + cfg.prefill_slack_tokens
+        if ctx.session_worker is None:  # a new session: also the session guard
+            s = v.sessions
+            ok &= s <= cfg.session_ratio * float(s.sum()) / n + cfg.session_slack
+        kept = ok.tolist()
+        if all(kept):
+            return list(workers)
+        if any(kept):
+            return [w for w, keep in zip(workers, kept, strict=True) if keep]
+        least = min(range(len(workers)), key=lambda i: (q[i], workers[i].worker_id))
         return [workers[least]]

@@ -37,14 +37,8 @@ class AffinityScorer:
         self.config = config or AffinityScorerConfig(**params)  # type: ignore[arg-type]
 
     def score(self, ctx: RoutingContext, workers: list[WorkerState]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for w in workers:
-            if ctx.session_worker is None:
-                out[w.worker_id] = 0.0
-            elif w.worker_id == ctx.session_worker:
-                out[w.worker_id] = 1.0
-            elif ctx.session_node is not None and w.node_id == ctx.session_node:
-                out[w.worker_id] = self.config.node_score
-            else:
-                out[w.worker_id] = 0.0
-        return out
+        sw, sn = ctx.session_worker, ctx.session_node
+        if sw is None:
+            return dict.fromkeys((w.worker_id for w in workers), 0.0)
+        mate = self.config.node_score if sn is not None else 0.0
+        return {w.worker_id: 1.0 if w.worker_id == sw else mate if w.node_id == sn else 0.0 for w in workers}

@@ -1,27 +1,35 @@
-"""Load scorer: prefer workers with less queued prefill, decode and cache fill.
+"""Load scorer: prefer workers with less queued prefill, decode, cache fill and sessions.
 
-    q_n = q_w / max(max_v q_v, q_floor)          queued prefill tokens (effective)
-    d_n = d_w / max(max_v d_v, d_floor)          running decode context tokens
-    s_n = s_w / max(max_v s_v, s_floor)          active sessions placed here
-    score_w = 1 - (a * q_n + b * d_n + c * util_w + e * s_n) / (a + b + c + e)   in [0, 1]
+    q_n  = q_w / max(max_v q_v, q_floor)          queued prefill tokens (effective)
+    d_n  = d_w / max(max_v d_v, d_floor)          running decode context tokens
+    s_n  = s_w / max(max_v s_v, s_floor)          active sessions placed here
+    k_n  = k_w / max(max_v k_v, k_floor)          context tokens of those sessions
+    a_n  = a_w / max(max_v a_v, a_floor)          time-averaged queued prefill
+    score_w = 1 - (a * q_n + b * d_n + c * util_w + e * s_n + f * k_n + g * a_n) / (a + ... + g)   in [0, 1]
 
 The floors keep tiny absolute differences (a few hundred tokens) from
 looking like a 100% imbalance when the cluster is idle. The loads are the
-router's *effective* loads: live stats plus its own in-flight predictions
-(see ``RoutingContext``), so the scorer reacts to a burst before the next
-stats report.
+router's *effective* loads (``disagg.router.loads``): live stats plus its own
+in-flight predictions, so the scorer reacts to a burst before the next
+stats report. The time-averaged queue (g) separates workers that are all
+idle right now by how much prefill they have carried lately.
 
 Config example (YAML)::
 
     load: {prefill_weight: 1.0, decode_weight: 0.5, cache_weight: 0.2, session_weight: 0.5,
-           prefill_floor_tokens: 16384, decode_floor_tokens: 262144, session_floor: 4}
+           session_tokens_weight: 0.0, queue_avg_weight: 1.0,
+           prefill_floor_tokens: 16384, decode_floor_tokens: 262144, session_floor: 4,
+           session_tokens_floor: 65536, queue_avg_floor_tokens: 1024}
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.router.context import RoutingContext
+import numpy as np
+
+from disagg.router.context import LOAD_ROW, RoutingContext
+from disagg.router.scorers.base import ArrayScorer
 from disagg.router.types import WorkerState
 
 
@@ -31,46 +39,51 @@ class LoadScorerConfig:
     decode_weight: float = 0.5  # b: running decode tokens
     cache_weight: float = 0.2  # c: device cache utilization
     session_weight: float = 0.5  # e: active sessions
+    session_tokens_weight: float = 0.0  # f: context tokens of active sessions
+    queue_avg_weight: float = 0.0  # g: time-averaged queued prefill tokens
     prefill_floor_tokens: float = 16384.0  # q_floor
     decode_floor_tokens: float = 262144.0  # d_floor
     session_floor: float = 4.0  # s_floor
-    session_tokens_weight: float = 0.0
-    session_tokens_floor: float = 65536.0
-    ewma_weight: float = 0.0
-    ewma_floor: float = 1024.0
+    session_tokens_floor: float = 65536.0  # k_floor
+    queue_avg_floor_tokens: float = 1024.0  # a_floor
 
     def __post_init__(self) -> None:
-        ws = (self.prefill_weight, self.decode_weight, self.cache_weight, self.session_weight, self.session_tokens_weight, self.ewma_weight)
+        ws = self.weights()
         if min(ws) < 0 or sum(ws) <= 0:
             raise ValueError("load weights must be >= 0 and not all zero")
-        if min(self.prefill_floor_tokens, self.decode_floor_tokens, self.session_floor) <= 0:
+        floors = (self.prefill_floor_tokens, self.decode_floor_tokens, self.session_floor,
+                  self.session_tokens_floor, self.queue_avg_floor_tokens)
+        if min(floors) <= 0:
             raise ValueError("load floors must be positive")
 
+    def weights(self) -> tuple[float, ...]:
+        return (self.prefill_weight, self.decode_weight, self.cache_weight, self.session_weight,
+                self.session_tokens_weight, self.queue_avg_weight)
 
-class LoadScorer:
+
+class LoadScorer(ArrayScorer):
     name = "load"
 
     def __init__(self, config: LoadScorerConfig | None = None, **params: object):
-        self.config = config or LoadScorerConfig(**params)  # type: ignore[arg-type]
+        self.config = cfg = config or LoadScorerConfig(**params)  # type: ignore[arg-type]
+        terms = [  # (load row, weight, floor) of the max-normalized terms with a weight
+            (LOAD_ROW["prefill_tokens"], cfg.prefill_weight, cfg.prefill_floor_tokens),
+            (LOAD_ROW["decode_tokens"], cfg.decode_weight, cfg.decode_floor_tokens),
+            (LOAD_ROW["active_sessions"], cfg.session_weight, cfg.session_floor),
+            (LOAD_ROW["session_tokens"], cfg.session_tokens_weight, cfg.session_tokens_floor),
+            (LOAD_ROW["queue_avg"], cfg.queue_avg_weight, cfg.queue_avg_floor_tokens),
+        ]
+        terms = [t for t in terms if t[1] > 0]
+        total = sum(cfg.weights())
+        self._rows = [t[0] for t in terms]
+        self._weights = np.array([t[1] for t in terms]) / total
+        self._floors = np.array([t[2] for t in terms])
+        self._cache_weight = cfg.cache_weight / total
 
-    def score(self, ctx: RoutingContext, workers: list[WorkerState]) -> dict[str, float]:
-        cfg = self.config
-        loads = {w.worker_id: ctx.load(w) for w in workers}
-        q_max = max([cfg.prefill_floor_tokens] + [x.prefill_tokens for x in loads.values()])
-        d_max = max([cfg.decode_floor_tokens] + [x.decode_tokens for x in loads.values()])
-        s_max = max([cfg.session_floor] + [x.active_sessions for x in loads.values()])
-        t_max = max([cfg.session_tokens_floor] + [x.session_tokens for x in loads.values()])
-        e_max = max([cfg.ewma_floor] + [x.queue_ewma for x in loads.values()])
-        total = cfg.prefill_weight + cfg.decode_weight + cfg.cache_weight + cfg.session_weight + cfg.session_tokens_weight + cfg.ewma_weight
-        out: dict[str, float] = {}
-        for wid, x in loads.items():
-            pressure = (
-                cfg.prefill_weight * x.prefill_tokens / q_max
-                + cfg.decode_weight * x.decode_tokens / d_max
-                + cfg.cache_weight * min(max(x.cache_utilization, 0.0), 1.0)
-                + cfg.session_weight * x.active_sessions / s_max
-                + cfg.session_tokens_weight * x.session_tokens / t_max
-                + cfg.ewma_weight * x.queue_ewma / e_max
-            ) / total
-            out[wid] = min(max(1.0 - pressure, 0.0), 1.0)
-        return out
+    def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
+        x = ctx.view(workers).loads
+        terms = x[self._rows]
+        pressure = (self._weights / np.maximum(terms.max(axis=1), self._floors)) @ terms
+        if self._cache_weight:
+            pressure += self._cache_weight * np.clip(x[LOAD_ROW["cache_utilization"]], 0.0, 1.0)
+        return np.clip(1.0 - pressure, 0.0, 1.0)

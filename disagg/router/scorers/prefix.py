@@ -27,8 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from disagg.router.context import RoutingContext
-from disagg.router.types import TIER_INDEX, WorkerState
+from disagg.router.scorers.base import ArrayScorer
+from disagg.router.types import TIER_INDEX, TIERS, WorkerState
 
 
 def _default_weights() -> dict[str, float]:
@@ -64,13 +67,20 @@ class PrefixScorerConfig:
             raise ValueError("prefill_tokens_per_s must be positive")
 
 
-class PrefixScorer:
+class PrefixScorer(ArrayScorer):
     """Scores the fraction of the (non-common) prompt a worker can skip."""
 
     name = "prefix"
 
     def __init__(self, config: PrefixScorerConfig | None = None, **params: object):
-        self.config = config or PrefixScorerConfig(**params)  # type: ignore[arg-type]
+        self.config = cfg = config or PrefixScorerConfig(**params)  # type: ignore[arg-type]
+        # per tier index (row 4 = "no resume", what tier -1 selects); device reads cost nothing
+        self._weight = np.array([cfg.tier_weights.get(t, 0.0) for t in TIERS] + [0.0])
+        inv_bw = [0.0 if t == "device" or t not in cfg.bandwidth_gbps else 1.0 / (cfg.bandwidth_gbps[t] * 1e9)
+                  for t in TIERS]
+        self._inv_bw = np.array(inv_bw + [0.0])
+        self._lat = np.array([0.0 if t == "device" or t not in cfg.bandwidth_gbps else cfg.latency_s.get(t, 0.0)
+                              for t in TIERS] + [0.0])
 
     def tier_factor(self, tier: str | None, cached_tokens: int) -> float:
         """tier_weight * max(1 - transfer_time / saved_compute_time, 0)."""
@@ -95,16 +105,14 @@ class PrefixScorer:
         useful = max(m.resumable_tokens - common, 0)
         return useful * self.tier_factor(m.tier, m.resumable_tokens)
 
-    def score(self, ctx: RoutingContext, workers: list[WorkerState]) -> dict[str, float]:
-        common = ctx.common_tokens() if self.config.discount_common else 0
+    def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
+        cfg = self.config
+        common = ctx.common_tokens() if cfg.discount_common else 0
         denom = max(ctx.request.prompt_len - common, 1)
-        matches = ctx.match.matches
-        out: dict[str, float] = {}
-        for w in workers:
-            m = matches.get(w.worker_id)
-            if m is None or m.resumable_tokens <= common:
-                out[w.worker_id] = 0.0
-                continue
-            credit = (m.resumable_tokens - common) * self.tier_factor(m.tier, m.resumable_tokens)
-            out[w.worker_id] = min(credit / denom, 1.0)
-        return out
+        v = ctx.view(workers)
+        c, t = v.resumable, v.tier
+        xfer = (c * cfg.bytes_per_token + cfg.checkpoint_bytes) * self._inv_bw[t] + self._lat[t]
+        saved = np.maximum(c, 1.0) / cfg.prefill_tokens_per_s
+        factor = self._weight[t] * np.maximum(1.0 - xfer / saved, 0.0)
+        credit = np.where(c > common, (c - common) * factor, 0.0)
+        return np.minimum(credit / denom, 1.0)

@@ -1,0 +1,187 @@
+"""Effective loads: live stats plus what the router itself knows and stats lag.
+
+Per worker w, at decision time ``now`` (one numpy column each, see
+``disagg.router.context.LoadColumns``):
+
+    pending(w)   = sum_{r routed to w, t_r > w.updated_at} n_r * exp(-(now - t_r) / prediction_tau_s)
+    prefill(w)   = queued_prefill_tokens(w) + pending_prefill(w)          n_r = uncached tokens of r
+    decode(w)    = running_decode_tokens(w) + pending_decode(w)           n_r = prompt tokens of r
+    sessions(w)  = sessions whose last turn went to w within session_ttl_s
+    s_tokens(w)  = sum of those sessions' last prompt lengths
+    queue_avg(w) = exponential time-average of prefill(w), time constant queue_avg_tau_s:
+
+        prefill(w) is held piecewise constant between observations (each decision
+        observes it; routing a request to w adds its uncached tokens at once), and
+        queue_avg <- queue_avg + (1 - exp(-dt / tau)) * (held - queue_avg)
+
+Predictions at or before the worker's stats timestamp are dropped (the stats
+include them), so the router reacts to a burst before stats arrive and stops
+double counting once they do. ``queue_avg`` is the smoothed load that breaks
+ties between idle workers: most of the time every queue is empty, and the
+worker that has carried the least queued prefill lately is the one to give
+the next large prompt to.
+
+NOTES
+1. Per-worker state lives in arrays indexed by a stable slot per worker id
+   (slots are never reused), so a decision's update is a few numpy ops.
+2. ``_session_count[s] >= 0`` and ``_session_tokens[s] >= 0`` for every slot:
+   a session is counted on exactly one worker (its latest turn's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
+
+from disagg.router.context import LOAD_FIELDS, LoadColumns
+from disagg.router.types import WorkerState
+
+_Q = attrgetter("queued_prefill_tokens")
+_D = attrgetter("running_decode_tokens")
+_DR = attrgetter("running_decode_requests")
+_U = attrgetter("cache_utilization")
+_T = attrgetter("updated_at")
+
+
+@dataclass(slots=True)
+class SessionPlacement:
+    """Where a session's latest turn went."""
+
+    worker_id: str  # decode worker of the latest turn
+    node_id: str  # its node
+    routed_at: float  # router clock at routing
+    prompt_len: int  # prompt tokens of that turn (the session's context)
+
+
+class LoadTracker:
+    """Pending predictions, active sessions and smoothed queues per worker."""
+
+    def __init__(self, prediction_tau_s: float = 5.0, session_ttl_s: float = 120.0, queue_avg_tau_s: float = 60.0):
+        if min(prediction_tau_s, session_ttl_s, queue_avg_tau_s) <= 0:
+            raise ValueError("time constants must be positive")
+        self.prediction_tau_s = prediction_tau_s
+        self.session_ttl_s = session_ttl_s
+        self.queue_avg_tau_s = queue_avg_tau_s
+        self._slot: dict[str, int] = {}  # worker id -> slot (NOTE 1)
+        self._last_ids: list[str] = []  # worker list of the last columns() call ...
+        self._last_slots = np.zeros(0, np.intp)  # ... and its slots
+        self._prefill_pending: dict[str, list[tuple[float, int]]] = {}  # worker -> [(t, tokens)]
+        self._decode_pending: dict[str, list[tuple[float, int]]] = {}
+        self._sessions: OrderedDict[str, SessionPlacement] = OrderedDict()  # oldest first
+        self._session_count = np.zeros(0)
+        self._session_tokens = np.zeros(0)
+        self._avg = np.zeros(0)  # queue_avg per slot
+        self._held = np.zeros(0)  # observed prefill load, held until the next observation
+        self._held_t = np.zeros(0)  # time of that observation (nan: never observed)
+
+    # ---- slots ---------------------------------------------------------------
+    def _slots(self, ids: list[str]) -> np.ndarray:
+        if ids == self._last_ids:
+            return self._last_slots
+        get = self._slot.get
+        out = [get(w) for w in ids]
+        if None in out:
+            for i, w in enumerate(ids):
+                if out[i] is None:
+                    out[i] = self._slot[w] = len(self._slot)
+            self._grow(len(self._slot))
+        slots = np.asarray(out, np.intp)
+        if len(ids) > 2:
+            self._last_ids, self._last_slots = ids, slots
+        return slots
+
+    def _grow(self, n: int) -> None:
+        old = len(self._avg)
+        if n <= old:
+            return
+        size = max(n, 2 * old, 16)
+        pad = size - old
+        self._session_count = np.concatenate([self._session_count, np.zeros(pad)])
+        self._session_tokens = np.concatenate([self._session_tokens, np.zeros(pad)])
+        self._avg = np.concatenate([self._avg, np.zeros(pad)])
+        self._held = np.concatenate([self._held, np.zeros(pad)])
+        self._held_t = np.concatenate([self._held_t, np.full(pad, np.nan)])
+
+    # ---- queries -------------------------------------------------------------
+    def session(self, session_id: str) -> SessionPlacement | None:
+        return self._sessions.get(session_id) if session_id else None
+
+    def _pending(self, book: dict[str, list[tuple[float, int]]], pos: dict[str, int], updated: np.ndarray,
+                 now: float, out: np.ndarray) -> None:
+        tau = self.prediction_tau_s
+        horizon = 10 * tau
+        for wid in list(book):
+            i = pos.get(wid)
+            if i is None:
+                continue
+            t_stats = updated[i]
+            items = [(t, n) for t, n in book[wid] if t > t_stats and now - t < horizon]
+            if items:
+                book[wid] = items
+                out[i] += sum(n * math.exp(-(now - t) / tau) for t, n in items)
+            else:
+                del book[wid]
+
+    def _expire_sessions(self, now: float) -> None:
+        ttl = self.session_ttl_s
+        while self._sessions:
+            sid, s = next(iter(self._sessions.items()))
+            if now - s.routed_at <= ttl:
+                break
+            self._sessions.popitem(last=False)
+            self._forget(s)
+
+    def _forget(self, s: SessionPlacement) -> None:
+        slot = self._slot[s.worker_id]
+        self._session_count[slot] -= 1
+        self._session_tokens[slot] -= s.prompt_len
+        assert self._session_count[slot] >= 0 and self._session_tokens[slot] >= 0, "session books went negative"
+
+    def columns(self, workers: list[WorkerState], now: float) -> LoadColumns:
+        """Effective loads of ``workers`` at ``now``; also observes their queues for queue_avg."""
+        self._expire_sessions(now)
+        ids = [w.worker_id for w in workers]
+        n = len(ids)
+        slots = self._slots(ids)
+        prefill = np.fromiter(map(_Q, workers), np.float64, n)
+        decode = np.fromiter(map(_D, workers), np.float64, n)
+        if self._prefill_pending or self._decode_pending:
+            pos = dict(zip(ids, range(n)))
+            updated = np.fromiter(map(_T, workers), np.float64, n)
+            self._pending(self._prefill_pending, pos, updated, now, prefill)
+            self._pending(self._decode_pending, pos, updated, now, decode)
+        held, t0 = self._held[slots], self._held_t[slots]
+        avg = self._avg[slots]
+        seen = ~np.isnan(t0)
+        dt = np.where(seen, now - np.where(seen, t0, now), 0.0)
+        avg = avg + (1.0 - np.exp(-np.maximum(dt, 0.0) / self.queue_avg_tau_s)) * (held - avg)
+        self._avg[slots] = avg
+        self._held[slots] = prefill
+        self._held_t[slots] = now
+        data = np.empty((len(LOAD_FIELDS), n))
+        data[0], data[1], data[6] = prefill, decode, avg
+        data[2] = np.fromiter(map(_DR, workers), np.float64, n)
+        data[3] = np.fromiter(map(_U, workers), np.float64, n)
+        data[4] = self._session_count[slots]
+        data[5] = self._session_tokens[slots]
+        return LoadColumns(ids, data)
+
+    # ---- feedback ------------------------------------------------------------
+    def on_routed(self, session_id: str, prompt_len: int, uncached: int, prefill_worker: str,
+                  decode_worker: str, decode_node: str, now: float) -> None:
+        """A request was dispatched: book its predicted load and its session."""
+        self._prefill_pending.setdefault(prefill_worker, []).append((now, uncached))
+        self._decode_pending.setdefault(decode_worker, []).append((now, prompt_len))
+        p_slot, d_slot = self._slots([prefill_worker, decode_worker])
+        self._held[p_slot] += uncached
+        if session_id:
+            old = self._sessions.pop(session_id, None)
+            if old is not None:
+                self._forget(old)
+            self._sessions[session_id] = SessionPlacement(decode_worker, decode_node, now, prompt_len)
+            self._session_count[d_slot] += 1
+            self._session_tokens[d_slot] += prompt_len
