@@ -18,8 +18,8 @@ import gc
 import json
 import os
 import shutil
-import tempfile
 import statistics
+import tempfile
 import time
 
 import torch

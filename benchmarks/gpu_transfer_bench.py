@@ -19,7 +19,13 @@ import time
 
 import torch
 
-from kv_transfer.device import alloc_staging, gather_blocks, gather_slots, scatter_blocks, scatter_slots
+from kv_transfer.device import (
+    alloc_staging,
+    gather_blocks,
+    gather_slots,
+    scatter_blocks,
+    scatter_slots,
+)
 
 
 def _time(fn, reps: int) -> float:
@@ -40,7 +46,6 @@ def _ceiling(nbytes: int, reps: int) -> tuple[float, float]:
     host = alloc_staging((nbytes,), torch.uint8)
     d2h = _time(lambda: host.copy_(dev, non_blocking=True), reps)
     h2d = _time(lambda: dev.copy_(host, non_blocking=True), reps)
-    del dev
     return nbytes / d2h / 1e9, nbytes / h2d / 1e9
 
 

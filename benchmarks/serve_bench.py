@@ -55,7 +55,7 @@ async def _direct(engine: AsyncEngine, prompt: list[int], n: int, rid: str) -> t
     async for out in engine.generate(EngineRequest(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True))):
         if out.new_token_ids:
             stamps.append(time.perf_counter())
-    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def _http(url: str, prompt: list[int], n: int, salt: str = "", session: str | None = None):
@@ -76,7 +76,7 @@ def _http(url: str, prompt: list[int], n: int, salt: str = "", session: str | No
                     ids.extend(ch["token_ids"])
             if ev.get("usage"):
                 cached = ev["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], ids, cached
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], ids, cached
 
 
 def _wait(url: str) -> None:

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from disagg.api.app import create_app
 from deployments.request_router import report_finished, router_stats
+from disagg.api.app import create_app
 from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig, load_config
 from disagg.engine.factory import build_tokenizer, engine_limits

@@ -209,9 +209,9 @@ class ReferenceEngine:
         return [c[slot].clone() for c in self.cache.conv], [r[slot].clone() for r in self.cache.rec]
 
     def _load_slot(self, slot: int, conv: list[torch.Tensor], rec: list[torch.Tensor]) -> None:
-        for dst, src in zip(self.cache.conv, conv):
+        for dst, src in zip(self.cache.conv, conv, strict=True):
             dst[slot].copy_(src)
-        for dst, src in zip(self.cache.rec, rec):
+        for dst, src in zip(self.cache.rec, rec, strict=True):
             dst[slot].copy_(src)
 
     def _make_resident(self, req: _Request) -> None:
@@ -357,7 +357,7 @@ class ReferenceEngine:
         with torch.inference_mode():
             logits = self.model.forward(seqs)
         self.counters["steps"] += 1
-        for (req, n), lg in zip(plan, logits):
+        for (req, n), lg in zip(plan, logits, strict=True):
             req.num_computed += n
             if n == 1 and req.num_output > 0:
                 self.counters["decode_tokens"] += 1

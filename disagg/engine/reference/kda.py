@@ -41,9 +41,8 @@ NOTES
 
 from __future__ import annotations
 
-import os
-
 import functools
+import os
 
 import torch
 import torch.nn.functional as F

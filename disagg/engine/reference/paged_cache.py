@@ -110,7 +110,7 @@ class PagedStateCache:
     def allocate_slot(self) -> int:
         assert self._free_slots, "no free KDA slot"
         slot = self._free_slots.pop()
-        for c, r in zip(self.conv, self.rec):
+        for c, r in zip(self.conv, self.rec, strict=True):
             c[slot].zero_()
             r[slot].zero_()
         return slot
