@@ -59,7 +59,8 @@ class StatefulWorker:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_retries = prefill_retries
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # background publishes
+        self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight
         self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,
                          "load_failures": 0, "prefill_failures": 0, "published_bytes": 0}
 
@@ -67,7 +68,7 @@ class StatefulWorker:
     async def _plan_resume(self, tokens: list[int], hasher: BlockHasher, cache_salt: str) -> _Resume:
         _, device_len = await self.engine.call(self.engine.engine.resident_match, tokens, cache_salt)
         if self.store is not None:
-            point = self.store.resumable_length(tokens, hasher, max_position=len(tokens) - 1)
+            point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, len(tokens) - 1)
             if point.position > device_len:
                 loaded = await self._load(tokens, point.position, hasher)
                 if loaded is not None:
@@ -77,7 +78,8 @@ class StatefulWorker:
     async def _load(self, tokens: list[int], position: int, hasher: BlockHasher) -> _Resume | None:
         t0 = time.perf_counter()
         try:
-            state = await self.engine.call(self.store.load_state, tokens, position, hasher, self.engine.layout)
+            # the store is thread-safe: no engine lock (steps go on while state loads)
+            state = await asyncio.to_thread(self.store.load_state, tokens, position, hasher, self.engine.layout)
         except Exception:  # a tier that fails is a miss (NOTE 3)
             log.exception("state load failed; recomputing")
             state = None
@@ -97,9 +99,9 @@ class StatefulWorker:
         try:
             if self.store is not None:
                 for pos in (len(tokens), *also_at):  # the longest first: later ones share its blocks
-                    present = self._present_blocks(tokens[:pos], hasher)
+                    present = await asyncio.to_thread(self._present_blocks, tokens[:pos], hasher)
                     state = await self.engine.export_state(request_id, pos, present)
-                    result = await self.engine.call(self.store.put_state, tokens[:pos], state, hasher)
+                    result = await asyncio.to_thread(self.store.put_state, tokens[:pos], state, hasher)
                     nbytes += result.bytes_stored
                 self.counters["published_bytes"] += nbytes
         except Exception:
@@ -139,8 +141,9 @@ class StatefulWorker:
 
     # -- generate (runs on a decode worker) -----------------------------------------------------
     async def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
-        if self._tasks:  # a turn end being published may be this request's prefix: let it land first
-            await asyncio.wait(list(self._tasks), timeout=1.0)
+        pending = self._publishing.get(_session_key(params))
+        if pending:  # this session's previous turn end is being published: let it land first
+            await asyncio.wait(list(pending), timeout=1.0)
         tokens = list(params.prompt_token_ids)
         hasher = self.hasher.with_salt(params.cache_salt)
         sampling = params.sampling
@@ -182,7 +185,7 @@ class StatefulWorker:
                 if out.finished:
                     finished = True
                     if out.finish_reason != "abort":  # checkpoint the turn end off the response path
-                        self._spawn(self._publish_turn_end(rid, hasher))
+                        self._spawn(self._publish_turn_end(rid, hasher), _session_key(params))
                 yield chunk
         finally:
             if not finished:
@@ -195,10 +198,20 @@ class StatefulWorker:
         earlier = tuple(sorted((p for p in positions if p < len(computed)), reverse=True))
         await self._publish(rid, computed, hasher, earlier)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro, session: str | None) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if session is not None:
+            group = self._publishing.setdefault(session, set())
+            group.add(task)
+
+            def done(t, key=session):
+                group.discard(t)
+                if not group:
+                    self._publishing.pop(key, None)
+
+            task.add_done_callback(done)
 
     async def drain(self) -> None:
         """Wait for background publishes (graceful shutdown, tests)."""
@@ -219,6 +232,10 @@ class StatefulWorker:
         if self.store is not None:
             out["store"] = self.store.stats()
         return out
+
+
+def _session_key(params: GenerateParams) -> str | None:
+    return f"{params.cache_salt}|{params.session_id}" if params.session_id else None
 
 
 def _source(tier: str | None) -> str:
