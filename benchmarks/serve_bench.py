@@ -91,29 +91,28 @@ def _wait(url: str) -> None:
 
 
 def overhead(reps: int, prompt_len: int, out_len: int) -> dict:
+    """Direct engine calls and HTTP requests interleaved prompt by prompt (noise hits both alike)."""
     cfg = _cfg("aggregated", resident=False, port=free_port())
     torch.set_num_threads(cfg.engine.num_threads or torch.get_num_threads())
     prompts = [_ids(prompt_len, 1000 + i) for i in range(reps)]
-    engine = AsyncEngine(build_reference_engine(cfg))
-    d_ttft, d_itl = [], []
-
-    async def run_direct():
-        await _direct(engine, _ids(64, 1), 4, "warm")
-        for i, p in enumerate(prompts):
-            t, itl = await _direct(engine, p, out_len, f"d{i}")
-            d_ttft.append(t)
-            d_itl.extend(itl)
-
-    asyncio.run(run_direct())
-    engine.shutdown()
-    h_ttft, h_itl = [], []
+    d_ttft, d_itl, h_ttft, h_itl = [], [], [], []
     with local_app(cfg) as url:
         _wait(url)
-        _http(url, _ids(64, 1), 4)
-        for p in prompts:
-            t, itl, _, _ = _http(url, p, out_len)
-            h_ttft.append(t)
-            h_itl.extend(itl)
+        engine = AsyncEngine(build_reference_engine(cfg))
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(_direct(engine, _ids(64, 1), 4, "warm"))
+            _http(url, _ids(64, 1), 4)
+            for i, p in enumerate(prompts):
+                t, itl = loop.run_until_complete(_direct(engine, p, out_len, f"d{i}"))
+                d_ttft.append(t)
+                d_itl.extend(itl)
+                t, itl, _, _ = _http(url, p, out_len)
+                h_ttft.append(t)
+                h_itl.extend(itl)
+        finally:
+            engine.shutdown()
+            loop.close()
     return {"prompt_tokens": prompt_len, "output_tokens": out_len, "reps": reps,
             "direct_ttft_p50_ms": _p50(d_ttft), "http_ttft_p50_ms": _p50(h_ttft),
             "added_ttft_p50_ms": _p50(h_ttft) - _p50(d_ttft),
@@ -152,7 +151,8 @@ def main() -> None:
     args = ap.parse_args()
     figures = {"overhead": overhead(args.reps, args.prompt_len, args.out_len)}
     print(json.dumps(figures["overhead"], indent=2), flush=True)
-    figures["resume"] = resume_vs_recompute([int(c) for c in args.contexts.split(",")], args.followup)
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    figures["resume"] = resume_vs_recompute(contexts, args.followup) if contexts else []
     print("\n| context | turn-2 TTFT resumed (ms) | recompute (ms) | speedup | cached tokens |")
     print("|---|---|---|---|---|")
     for r in figures["resume"]:

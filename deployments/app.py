@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from deployments.ingress import Ingress
 from deployments.servers import DecodeServer, PrefillServer
 from disagg.config import AppConfig, ReplicaConfig, load_config
+from disagg.local import SERVE_ENV
 
 # router.policy -> the Serve request router class
 ROUTERS = {
@@ -40,7 +41,7 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
 
 def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True) -> dict[str, Any]:
     """Serve deployment options for one role."""
-    actor: dict[str, Any] = {"num_cpus": rc.num_cpus}
+    actor: dict[str, Any] = {"num_cpus": rc.num_cpus, "runtime_env": {"env_vars": dict(SERVE_ENV)}}
     if rc.num_gpus:
         actor["num_gpus"] = rc.num_gpus
     if rc.accelerator_type:

@@ -22,9 +22,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ray Serve's latency-oriented settings: user code and handle routing on the replica's own event
+# loop (no cross-thread hop per streamed token), gRPC between deployments, no per-request logs
+# on stderr. Measured on the CPU machine: per-token overhead 5.6 ms -> 0.4 ms (benchmarks/serve_bench.py).
+SERVE_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+}
+
+
 def _init_ray() -> bool:
     import ray
 
+    for key, value in SERVE_ENV.items():  # the local cluster's processes inherit these
+        os.environ.setdefault(key, value)
     if ray.is_initialized():
         return False
     # logical CPUs: the embedded default packs ingress + prefill + decode onto small machines

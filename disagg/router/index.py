@@ -19,9 +19,14 @@ the *slowest* one the resume reads, since that transfer bounds the load time.
 
 Data layout (sized for 64 workers x 1M blocks, p99 < 1 ms per decision):
 
-    _mla[digest]  = (dev, host, disk, remote,  le_host, le_disk, le_any)
-    _kda[digest]  = same, for KDA checkpoints keyed by prefix digest
+    _mla[digest]  = (dev, host, disk, remote,  le_host, le_disk, le_any,  ckpt)
+    _kda[digest]  = (dev, host, disk, remote,  le_host, le_disk, le_any,  None)
+                    KDA checkpoints keyed by prefix digest
     _tail[digest] = same, for MLA tails keyed by tail digest
+
+``ckpt`` is the ``_kda`` entry at the same digest (the aligned checkpoint at
+the end of that block) or None, so the walk finds checkpoints without a
+second lookup per block.
 
 Each mask is a Python int with bit b set when worker b can read the object
 from that tier (node-shared tiers set the bits of every worker of the node,
@@ -48,15 +53,17 @@ NOTES
    reported by a node id (a node-shared tier) applies to the node's workers.
 4. ``entry[4 + t - 1] == entry[0] | ... | entry[t]`` for every entry (the
    cumulative masks are rebuilt on every change, see ``_entry``).
+5. ``_mla[h][7] is _kda.get(h)`` for every MLA entry: a KDA change re-links
+   the MLA entry at its digest, a new MLA entry links the current KDA entry.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import accumulate, compress, islice, repeat, takewhile
+from functools import reduce
+from itertools import accumulate, compress, islice, repeat
 from operator import and_, itemgetter, neg
 from typing import Any
 
@@ -65,19 +72,20 @@ from disagg.router.types import TIER_INDEX, TIERS, RouteRequest
 SCOPES = ("worker", "node", "global")
 DEFAULT_SCOPES = {"device": "worker", "host": "node", "disk": "node", "remote": "global"}
 OBJECT_KINDS = ("mla", "tail", "kda")
-Entry = tuple[int, int, int, int, int, int, int]
+Entry = tuple  # (dev, host, disk, remote, le_host, le_disk, le_any, ckpt entry | None)
 _LE = (0, 4, 5, 6)  # entry column of "readable no slower than tier t"
 _ANY = itemgetter(6)
+_CKPT = itemgetter(7)
 _LE_COL = tuple(itemgetter(c) for c in _LE)
 _NO_TIER = -1
 
 
-def _entry(d: int, ho: int, di: int, re: int) -> Entry | None:
+def _entry(d: int, ho: int, di: int, re: int, ckpt: Entry | None = None) -> Entry | None:
     """Entry with its cumulative masks (NOTE 4); None when no tier holds the object."""
     le1 = d | ho if ho else d
     le2 = le1 | di if di else le1
     le3 = le2 | re if re else le2
-    return (d, ho, di, re, le1, le2, le3) if le3 else None
+    return (d, ho, di, re, le1, le2, le3, ckpt) if le3 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +171,7 @@ class MatchResult:
         self.worker_ids: list[str] = worker_ids or []  # candidates, row order
         self.resumable: list[int] = resumable or []  # resumable tokens per row
         self.tiers: list[int] = tiers or []  # slowest tier index per row (-1: no resume)
-        self.mla_blocks: list[int] = mla_blocks or []  # readable leading blocks per row
+        self.mla_blocks: list[int] = mla_blocks if mla_blocks is not None else []  # readable leading blocks per row
         assert len(self.worker_ids) == len(self.resumable) == len(self.tiers) == len(self.mla_blocks)
 
     @property
@@ -184,6 +192,36 @@ class MatchResult:
             return PrefixMatch()
         t = self.tiers[i]
         return PrefixMatch(self.resumable[i], TIERS[t] if t >= 0 else None, self.mla_blocks[i])
+
+
+class _Lengths:
+    """Leading readable blocks per candidate, expanded from the walk's steps on first use."""
+
+    __slots__ = ("_bits", "_steps", "_list")
+
+    def __init__(self, bits: list[int], steps: list[tuple[int, int]]):
+        self._bits, self._steps, self._list = bits, steps, None
+
+    def _expand(self) -> list[int]:
+        if self._list is None:
+            by_bit = {b: m for mask, m in self._steps for b in _bits(mask)}
+            self._list = [by_bit.get(b, 0) for b in self._bits]
+        return self._list
+
+    def __len__(self) -> int:
+        return len(self._bits)
+
+    def __getitem__(self, i: int) -> int:
+        if self._list is not None:
+            return self._list[i]
+        b = self._bits[i]
+        return next((m for mask, m in self._steps if mask >> b & 1), 0)
+
+    def __iter__(self):
+        return iter(self._expand())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other)  # type: ignore[call-overload]
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -256,16 +294,23 @@ class PrefixIndex:
         bit = self.add_worker(reporter)
         return 1 << bit if scope == "worker" else self._node_mask[self._node_of[reporter]]
 
-    @staticmethod
-    def _change(table: dict[bytes, Entry], digest: bytes, tier: int, set_mask: int, clear_mask: int) -> None:
+    def _change(self, kind: str, digest: bytes, tier: int, set_mask: int, clear_mask: int) -> None:
+        table = self._tables[kind]
         e = table.get(digest)
         raw = [0, 0, 0, 0] if e is None else list(e[:4])
         raw[tier] = (raw[tier] & ~clear_mask) | set_mask
-        new = _entry(*raw)
+        if kind == "mla":
+            new = _entry(*raw, self._kda.get(digest))
+        else:
+            new = _entry(*raw)
         if new is None:
             table.pop(digest, None)
         else:
             table[digest] = new
+        if kind == "kda":  # NOTE 5
+            m = self._mla.get(digest)
+            if m is not None:
+                self._mla[digest] = m[:7] + (new,)
 
     def apply_update(self, u: IndexUpdate) -> None:
         """Apply one update.
@@ -276,23 +321,23 @@ class PrefixIndex:
         node-level tiers faster than the destination; a move up (promotion to
         host) is a copy, the slower copy stays.
         """
-        table = self._tables.get(u.object_kind)
-        if table is None:
-            raise ValueError(f"unknown object kind {u.object_kind!r}")
+        kind = u.object_kind
+        if kind not in self._tables:
+            raise ValueError(f"unknown object kind {kind!r}")
         t = TIER_INDEX[u.tier]
         mask = self._scope_mask(u.tier, u.worker_id)
         if u.op == "stored":
-            self._change(table, u.digest, t, mask, 0)
+            self._change(kind, u.digest, t, mask, 0)
         elif u.op == "evicted":
-            self._change(table, u.digest, t, 0, mask)
+            self._change(kind, u.digest, t, 0, mask)
         elif u.op == "moved":
             if u.from_tier is not None:
                 src = [u.from_tier]
             else:
                 src = [TIERS[s] for s in range(1, t)]  # demotion: out of host (and disk) above t
             for name in src:
-                self._change(table, u.digest, TIER_INDEX[name], 0, self._scope_mask(name, u.worker_id))
-            self._change(table, u.digest, t, mask, 0)
+                self._change(kind, u.digest, TIER_INDEX[name], 0, self._scope_mask(name, u.worker_id))
+            self._change(kind, u.digest, t, mask, 0)
         else:
             raise ValueError(f"unknown event kind {u.op!r}")
         self.num_events += 1
@@ -314,9 +359,9 @@ class PrefixIndex:
         bit = self._bit.get(worker_id)
         if bit is None:
             return
-        for table in (self._mla, self._kda, self._tail):
+        for kind, table in self._tables.items():
             for digest in [d for d, e in table.items() if e[0] >> bit & 1]:
-                self._change(table, digest, 0, 0, 1 << bit)
+                self._change(kind, digest, 0, 0, 1 << bit)
 
     # ---- queries -------------------------------------------------------------
     def resumable(self, request: RouteRequest, worker_id: str) -> tuple[int, str | None]:
@@ -347,30 +392,32 @@ class PrefixIndex:
         bits, cand = self._candidates(worker_ids)
         bs, plen = request.block_size, request.prompt_len
         es = list(map(self._mla.get, request.block_hashes))
-        if None in es:
-            del es[es.index(None):]
-        # alive[k]: candidates that read blocks 0..k-1 (any tier); non-increasing ints >= 0
-        alive = list(accumulate(map(_ANY, es), and_, initial=cand))
-        if not alive[-1]:
-            n = alive.index(0) - 1 if cand else 0
-            del alive[n + 1:], es[n:]
-        n = len(es)
+        try:
+            del es[es.index(None):]  # the walk ends at the first block no tier holds
+        except ValueError:
+            pass
         common = 0
         if common_min is not None:
             for e in es:
                 if (e[6] & cand).bit_count() < common_min:
                     break
                 common += 1
-        # leading readable blocks per worker: alive shrinks at a few change points
-        mla_len: dict[int, int] = {}
-        groups = list(dict.fromkeys(alive))
-        for prev, cur in zip(groups, groups[1:]):
-            k = bisect_left(alive, -cur, key=neg)
-            for b in _bits(prev & ~cur):
-                mla_len[b] = k - 1
-        for b in _bits(alive[-1]):
-            mla_len[b] = n
-        snaps = self._resume_points(request, es, alive, mla_len, bs, plen)
+        # alive[k]: candidates that read blocks 0..k-1 (any tier); non-increasing ints >= 0
+        alive = list(accumulate(map(_ANY, es), and_, initial=cand))
+        if not alive[-1]:
+            n = alive.index(0) - 1 if cand else 0
+            del alive[n + 1:], es[n:]
+        n = len(es)
+        # alive shrinks at a few change points: (workers still reading, blocks read) per step
+        steps: list[tuple[int, int]] = []
+        v = alive[0]
+        while v:
+            k = bisect_left(alive, -(v - 1), key=neg)  # first position reading fewer workers
+            steps.append((v & ~alive[k] if k <= n else v, k - 1))
+            if k > n:
+                break
+            v = alive[k]
+        snaps = self._resume_points(request, es, alive, steps, bs, plen)
         tok, tier = self._resolve(snaps, es)
         n_w = len(bits)
         return MatchResult(
@@ -379,29 +426,27 @@ class PrefixIndex:
             worker_ids=list(worker_ids),
             resumable=list(map(tok.get, bits, repeat(0, n_w))),
             tiers=list(map(tier.get, bits, repeat(_NO_TIER, n_w))),
-            mla_blocks=list(map(mla_len.get, bits, repeat(0, n_w))),
+            mla_blocks=_Lengths(bits, steps),
         )
 
-    def _resume_points(self, request: RouteRequest, es: list[Entry], alive: list[int], mla_len: dict[int, int],
+    def _resume_points(self, request: RouteRequest, es: list[Entry], alive: list[int], steps: list[tuple[int, int]],
                        bs: int, plen: int) -> list[tuple[int, int, int, tuple[Entry, ...]]]:
         """Candidate resume points: (position, blocks read, workers, extra objects read)."""
         n = len(es)
         limit = min(n, (plen - 1) // bs)  # aligned points p = k * bs < plen
         snaps: list[tuple[int, int, int, tuple[Entry, ...]]] = []
         if self.hybrid:
-            ks = list(map(self._kda.get, request.block_hashes[:limit]))
+            ks = list(map(_CKPT, islice(es, limit)))
             for i in compress(range(limit), ks):
                 k = ks[i]
                 km = alive[i + 1] & k[6]
                 if km:
                     snaps.append(((i + 1) * bs, i + 1, km, (k,)))
         else:
-            by_len: dict[int, int] = {}
-            for b, m in mla_len.items():
+            for mask, m in steps:
                 nb = min(m, limit)
                 if nb:
-                    by_len[nb] = by_len.get(nb, 0) | (1 << b)
-            snaps.extend((nb * bs, nb, mask, ()) for nb, mask in by_len.items())
+                    snaps.append((nb * bs, nb, mask, ()))
         for probe in request.tail_probes:
             p = probe.position
             k = p // bs
@@ -437,7 +482,8 @@ class PrefixIndex:
                 m = rest
                 for o in objs:
                     m &= o[_LE[t]]
-                m = _and_prefix(es, t, nb, m)
+                if m:
+                    m = reduce(and_, set(map(_LE_COL[t], islice(es, nb))), m)
                 for b in _bits(m):
                     tok[b], tier[b] = p, t
                 rest &= ~m
@@ -474,16 +520,6 @@ class PrefixIndex:
             run += 1
         _flush(counts, key, run)
         return {w: counts[b] for w, b in bits.items()}
-
-
-def _and_prefix(es: list[Entry], t: int, nb: int, mask: int) -> int:
-    """mask & AND_{i < nb} le_t(es[i]), stopping as soon as it reaches 0 (C loops only)."""
-    if not mask:
-        return 0
-    steps = enumerate(takewhile(bool, accumulate(map(_LE_COL[t], islice(es, nb)), and_, initial=mask)))
-    last = deque(steps, maxlen=1)
-    i, value = last[0]
-    return value if i == nb else 0
 
 
 def _flush(counts: dict[int, list[int]], key: tuple[int, ...] | None, run: int) -> None:

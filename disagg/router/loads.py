@@ -14,9 +14,10 @@ Per worker w, at decision time ``now`` (one numpy column each, see
         observes it; routing a request to w adds its uncached tokens at once), and
         queue_avg <- queue_avg + (1 - exp(-dt / tau)) * (held - queue_avg)
 
-Predictions at or before the worker's stats timestamp are dropped (the stats
-include them), so the router reacts to a burst before stats arrive and stops
-double counting once they do. ``queue_avg`` is the smoothed load that breaks
+Predictions made before the worker's stats timestamp are dropped (the stats
+include them; one made at the very instant of the stats is kept, so a burst
+routed in one instant is spread), so the router reacts to a burst before
+stats arrive and stops double counting once they do. ``queue_avg`` is the smoothed load that breaks
 ties between idle workers: most of the time every queue is empty, and the
 worker that has carried the least queued prefill lately is the one to give
 the next large prompt to.
@@ -24,14 +25,18 @@ the next large prompt to.
 NOTES
 1. Per-worker state lives in arrays indexed by a stable slot per worker id
    (slots are never reused), so a decision's update is a few numpy ops.
-2. ``_session_count[s] >= 0`` and ``_session_tokens[s] >= 0`` for every slot:
-   a session is counted on exactly one worker (its latest turn's).
+2. ``_state[0, s] >= 0`` (sessions) and ``_state[1, s] >= 0`` (their tokens)
+   for every slot s: a session is counted on exactly one worker (its latest
+   turn's).
+3. A slot never observed holds queue 0 since time 0, so its first
+   observation leaves queue_avg at 0.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from itertools import chain
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -40,10 +45,7 @@ import numpy as np
 from disagg.router.context import LOAD_FIELDS, LoadColumns
 from disagg.router.types import WorkerState
 
-_Q = attrgetter("queued_prefill_tokens")
-_D = attrgetter("running_decode_tokens")
-_DR = attrgetter("running_decode_requests")
-_U = attrgetter("cache_utilization")
+_STATS = attrgetter("queued_prefill_tokens", "running_decode_tokens", "running_decode_requests", "cache_utilization")
 _T = attrgetter("updated_at")
 
 
@@ -68,18 +70,17 @@ class LoadTracker:
         self.queue_avg_tau_s = queue_avg_tau_s
         self._slot: dict[str, int] = {}  # worker id -> slot (NOTE 1)
         self._last_ids: list[str] = []  # worker list of the last columns() call ...
-        self._last_slots = np.zeros(0, np.intp)  # ... and its slots
+        self._last_slots: np.ndarray | slice = slice(0, 0)  # ... and its slots
         self._prefill_pending: dict[str, list[tuple[float, int]]] = {}  # worker -> [(t, tokens)]
         self._decode_pending: dict[str, list[tuple[float, int]]] = {}
         self._sessions: OrderedDict[str, SessionPlacement] = OrderedDict()  # oldest first
-        self._session_count = np.zeros(0)
-        self._session_tokens = np.zeros(0)
-        self._avg = np.zeros(0)  # queue_avg per slot
-        self._held = np.zeros(0)  # observed prefill load, held until the next observation
-        self._held_t = np.zeros(0)  # time of that observation (nan: never observed)
+        # per slot (columns): active sessions, their tokens, queue_avg, the prefill load observed
+        # last (held until the next observation) and the time of that observation
+        self._state = np.zeros((5, 0))
 
     # ---- slots ---------------------------------------------------------------
-    def _slots(self, ids: list[str]) -> np.ndarray:
+    def _slots(self, ids: list[str]) -> np.ndarray | slice:
+        """Slots of ``ids``: a slice when they are consecutive (the usual, stable worker list)."""
         if ids == self._last_ids:
             return self._last_slots
         get = self._slot.get
@@ -89,22 +90,24 @@ class LoadTracker:
                 if out[i] is None:
                     out[i] = self._slot[w] = len(self._slot)
             self._grow(len(self._slot))
-        slots = np.asarray(out, np.intp)
+        slots: np.ndarray | slice = np.asarray(out, np.intp)
+        if out and out == list(range(out[0], out[0] + len(out))):
+            slots = slice(out[0], out[0] + len(out))
         if len(ids) > 2:
             self._last_ids, self._last_slots = ids, slots
         return slots
 
+    def _slot_of(self, worker_id: str) -> int:
+        slot = self._slot.get(worker_id)
+        if slot is None:
+            slot = self._slot[worker_id] = len(self._slot)
+            self._grow(len(self._slot))
+        return slot
+
     def _grow(self, n: int) -> None:
-        old = len(self._avg)
-        if n <= old:
-            return
-        size = max(n, 2 * old, 16)
-        pad = size - old
-        self._session_count = np.concatenate([self._session_count, np.zeros(pad)])
-        self._session_tokens = np.concatenate([self._session_tokens, np.zeros(pad)])
-        self._avg = np.concatenate([self._avg, np.zeros(pad)])
-        self._held = np.concatenate([self._held, np.zeros(pad)])
-        self._held_t = np.concatenate([self._held_t, np.full(pad, np.nan)])
+        old = self._state.shape[1]
+        if n > old:
+            self._state = np.concatenate([self._state, np.zeros((5, max(n, 2 * old, 16) - old))], axis=1)
 
     # ---- queries -------------------------------------------------------------
     def session(self, session_id: str) -> SessionPlacement | None:
@@ -119,7 +122,7 @@ class LoadTracker:
             if i is None:
                 continue
             t_stats = updated[i]
-            items = [(t, n) for t, n in book[wid] if t > t_stats and now - t < horizon]
+            items = [(t, n) for t, n in book[wid] if t >= t_stats and now - t < horizon]
             if items:
                 book[wid] = items
                 out[i] += sum(n * math.exp(-(now - t) / tau) for t, n in items)
@@ -137,9 +140,9 @@ class LoadTracker:
 
     def _forget(self, s: SessionPlacement) -> None:
         slot = self._slot[s.worker_id]
-        self._session_count[slot] -= 1
-        self._session_tokens[slot] -= s.prompt_len
-        assert self._session_count[slot] >= 0 and self._session_tokens[slot] >= 0, "session books went negative"
+        self._state[0, slot] -= 1
+        self._state[1, slot] -= s.prompt_len
+        assert self._state[0, slot] >= 0 and self._state[1, slot] >= 0, "session books went negative"
 
     def columns(self, workers: list[WorkerState], now: float) -> LoadColumns:
         """Effective loads of ``workers`` at ``now``; also observes their queues for queue_avg."""
@@ -147,27 +150,19 @@ class LoadTracker:
         ids = [w.worker_id for w in workers]
         n = len(ids)
         slots = self._slots(ids)
-        prefill = np.fromiter(map(_Q, workers), np.float64, n)
-        decode = np.fromiter(map(_D, workers), np.float64, n)
+        base = np.fromiter(chain.from_iterable(map(_STATS, workers)), np.float64, 4 * n).reshape(n, 4).T
         if self._prefill_pending or self._decode_pending:
             pos = dict(zip(ids, range(n)))
             updated = np.fromiter(map(_T, workers), np.float64, n)
-            self._pending(self._prefill_pending, pos, updated, now, prefill)
-            self._pending(self._decode_pending, pos, updated, now, decode)
-        held, t0 = self._held[slots], self._held_t[slots]
-        avg = self._avg[slots]
-        seen = ~np.isnan(t0)
-        dt = np.where(seen, now - np.where(seen, t0, now), 0.0)
-        avg = avg + (1.0 - np.exp(-np.maximum(dt, 0.0) / self.queue_avg_tau_s)) * (held - avg)
-        self._avg[slots] = avg
-        self._held[slots] = prefill
-        self._held_t[slots] = now
+            self._pending(self._prefill_pending, pos, updated, now, base[0])
+            self._pending(self._decode_pending, pos, updated, now, base[1])
+        st = self._state[:, slots]
+        avg = st[2] + (1.0 - np.exp((st[4] - now) / self.queue_avg_tau_s)) * (st[3] - st[2])
         data = np.empty((len(LOAD_FIELDS), n))
-        data[0], data[1], data[6] = prefill, decode, avg
-        data[2] = np.fromiter(map(_DR, workers), np.float64, n)
-        data[3] = np.fromiter(map(_U, workers), np.float64, n)
-        data[4] = self._session_count[slots]
-        data[5] = self._session_tokens[slots]
+        data[:4] = base
+        data[4:6] = st[:2]
+        data[6] = avg
+        self._state[2:, slots] = (avg, base[0], np.full(n, now))
         return LoadColumns(ids, data)
 
     # ---- feedback ------------------------------------------------------------
@@ -176,12 +171,12 @@ class LoadTracker:
         """A request was dispatched: book its predicted load and its session."""
         self._prefill_pending.setdefault(prefill_worker, []).append((now, uncached))
         self._decode_pending.setdefault(decode_worker, []).append((now, prompt_len))
-        p_slot, d_slot = self._slots([prefill_worker, decode_worker])
-        self._held[p_slot] += uncached
+        p_slot, d_slot = self._slot_of(prefill_worker), self._slot_of(decode_worker)
+        self._state[3, p_slot] += uncached
         if session_id:
             old = self._sessions.pop(session_id, None)
             if old is not None:
                 self._forget(old)
             self._sessions[session_id] = SessionPlacement(decode_worker, decode_node, now, prompt_len)
-            self._session_count[d_slot] += 1
-            self._session_tokens[d_slot] += prompt_len
+            self._state[0, d_slot] += 1
+            self._state[1, d_slot] += prompt_len

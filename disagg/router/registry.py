@@ -48,14 +48,22 @@ PLUGINS: dict[str, dict[str, Callable[..., Any]]] = {
     "pickers": PICKERS,
 }
 
+# Aggregated and prefill placement: cache first (prefix), then how long the request would
+# wait relative to its own compute (wait), then the time-averaged queue that separates idle
+# workers (load), then the session's previous worker (affinity); see docs/router.md.
+BALANCE_LOAD: dict[str, Any] = {
+    "weight": 1.0,
+    "params": {"prefill_weight": 0.0, "decode_weight": 0.25, "cache_weight": 0.0, "session_weight": 0.0,
+               "queue_avg_weight": 1.0},
+}
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "both": {
         "filters": ["healthy", "role", "load_guard"],
-        "scorers": {"prefix": 2.0, "load": 1.0, "affinity": 0.5},
+        "scorers": {"prefix": 2.0, "wait": 1.5, "load": BALANCE_LOAD, "affinity": 0.5},
     },
     "prefill": {
         "filters": ["healthy", {"role": {"phase": "prefill"}}, "load_guard"],
-        "scorers": {"prefix": 2.0, "load": 1.0, "affinity": 0.5},
+        "scorers": {"prefix": 2.0, "wait": 1.5, "load": BALANCE_LOAD, "affinity": 0.5},
     },
     "decode": {
         "filters": ["healthy", {"role": {"phase": "decode"}}],

@@ -6,8 +6,12 @@
     hit / theory  = sum(cached tokens) / sum(theoretical reusable tokens),
                     theoretical = longest prefix of full blocks seen before in
                     the run (infinite shared cache), capped at prompt - 1
-    max/mean q    = max_w avg_t q_w(t) / mean_w avg_t q_w(t), q = queued prefill
-                    tokens of the prefill-capable workers
+    max/mean q    = max_w avg_t q_w(t) / mean_w avg_t q_w(t), q_w(t) = prefill tokens
+                    queued or in the running prefill step of prefill-capable worker w,
+                    avg_t over the run [first arrival, last event]; every worker
+                    shares that window, so this is max/mean of the integrals of q_w
+                    (a "busy period" window common to all workers gives the same ratio)
+    max/mean work = max/mean of prefill tokens computed per prefill-capable worker
     tokens/s/GPU  = (input + output tokens) / makespan / workers
 """
 

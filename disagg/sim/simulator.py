@@ -14,9 +14,9 @@ A request's path (the real system's, with costs from ``CostModel``):
                        first token when it lands, join D's decode batch
     last token -> finish -> (closed loop) next turn after the think time
 
-Every cache change is published as a store event into the router's
-``PrefixIndex`` (the same event shape kv_transfer publishes), so the router
-sees what a deployed router would see. Checkpoints are taken at every
+Every cache change is published as a kv_transfer ``StoreEvent`` into the
+router's ``PrefixIndex``, so the router sees what a deployed router would
+see (and the index's event adapter is exercised on every run). Checkpoints are taken at every
 ``checkpoint_every_blocks``-th block boundary and at the prompt's last full
 block (resume points are block-aligned in the simulator).
 """
@@ -37,23 +37,9 @@ from disagg.sim.cost_model import CostModel
 from disagg.sim.metrics import RequestRecord, summarize
 from disagg.sim.worker import SimJob, SimWorker
 from disagg.sim.workload import SimRequest, chain_digests
+from kv_transfer.events import StoreEvent
 
 TIER_NAMES = ("device", "host", "disk")
-
-
-@dataclass(slots=True)
-class SimStoreEvent:
-    """Store event with kv_transfer's StoreEvent field names."""
-
-    kind: str  # "stored" | "evicted"
-    key: str  # "mla:<hex>" | "kda:<hex>"
-    object_kind: str  # "mla" | "kda"
-    tier: str  # "device" | "host" | "disk"
-    worker_id: str  # reporting worker (any worker of the node for node tiers)
-    position: int = 0  # unused in the simulator
-    parent_digest: bytes | None = None  # unused (no tails)
-    nbytes: int = 0  # object size
-    timestamp: float = 0.0  # simulated seconds
 
 
 @dataclass(slots=True)
@@ -154,7 +140,7 @@ class Simulator:
         node = f"n{int(wid[1:]) // self.cluster.workers_per_node}"
 
         def cb(op: str, kind: str, digest: bytes) -> None:
-            self.index.apply(SimStoreEvent(op, f"{kind}:{digest.hex()}", kind, tier, wid, timestamp=self.now))
+            self.index.apply(StoreEvent(op, f"{kind}:{digest.hex()}", kind, tier, wid, timestamp=self.now))
             self.num_events += 1
             if tier == "host" and op == "evicted" and self.disk.get(node) is not None:
                 self.disk[node].put((kind, digest), self._size(kind))

@@ -137,3 +137,80 @@ def test_adapter_skips_nonzero_shards_and_parses_keys():
     assert (u.op, u.object_kind, u.digest, u.tier, u.worker_id) == ("stored", "kda", d, "host", "a")
     with pytest.raises(ValueError):
         PrefixIndex().apply(Ev("bogus", f"mla:{d.hex()}", "device", "a"))
+
+
+# ---- the walk against a brute-force reference -------------------------------------
+
+
+def _reference(stored, nodes, req_, cands, common_min):
+    """Per worker (resumable, tier, mla_blocks) straight from the stored objects."""
+    order = ("device", "host", "disk", "remote")
+
+    def fastest(w, kind, digest):
+        tiers = [t for (k, d, t, who) in stored if k == kind and d == digest and (
+            (t == "device" and who == w) or (t in ("host", "disk") and nodes[who] == nodes[w]) or t == "remote")]
+        return min((order.index(t) for t in tiers), default=None)
+
+    bs, plen, hs = req_.block_size, req_.prompt_len, req_.block_hashes
+    out = {}
+    for w in cands:
+        tiers = []
+        for h in hs:
+            t = fastest(w, "mla", h)
+            if t is None:
+                break
+            tiers.append(t)
+        best = (0, None)
+        for k in range(1, len(tiers) + 1):
+            t = fastest(w, "kda", hs[k - 1])
+            if k * bs < plen and t is not None:
+                best = (k * bs, order[max(tiers[:k] + [t])])
+        for probe in req_.tail_probes:
+            k = probe.position // bs
+            tt, tk = fastest(w, "tail", probe.digest), fastest(w, "kda", probe.digest)
+            if k <= len(tiers) and tt is not None and tk is not None and probe.position > best[0]:
+                best = (probe.position, order[max(tiers[:k] + [tt, tk])])
+        out[w] = (*best, len(tiers))
+    common = 0
+    for h in hs:
+        if sum(fastest(w, "mla", h) is not None for w in cands) < common_min:
+            break
+        common += 1
+    return out, common
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_walk_matches_reference(seed):
+    import random
+
+    rng = random.Random(seed)
+    nodes = {"a": "n0", "b": "n0", "c": "n1", "d": "n1", "e": "n2"}
+    idx = _index(nodes)
+    h = chain(10, f"ref{seed}")
+    tails = [bytes([seed % 251, i]) * 8 for i in range(3)]
+    stored = []
+    for _ in range(rng.randint(5, 60)):
+        kind = rng.choice(["mla", "mla", "mla", "kda", "tail"])
+        digest = rng.choice(tails if kind == "tail" else h + (tails if kind == "kda" else []))
+        tier = rng.choice(["device", "device", "host", "disk", "remote"])
+        who = rng.choice(list(nodes))
+        if rng.random() < 0.15 and stored:  # evict something stored earlier
+            k, d, t, w = stored.pop(rng.randrange(len(stored)))
+            if not any(x[:3] == (k, d, t) and (t == "remote" or (t == "device" and x[3] == w) or
+                                              (t != "device" and nodes[x[3]] == nodes[w])) for x in stored):
+                store(idx, k, d, t, w, op="evicted")
+            else:
+                stored.append((k, d, t, w))  # another reporter still holds it in that scope
+            continue
+        stored.append((kind, digest, tier, who))
+        store(idx, kind, digest, tier, who)
+    plen = rng.choice([8 * BS, 10 * BS + 1, 10 * BS + 3, 5 * BS + 2])
+    r = req(h[: plen // BS], plen)
+    r.tail_probes = [TailProbe(p, t) for p, t in zip((2 * BS + 1, 6 * BS + 3, 9 * BS + 2), tails, strict=True)
+                     if p < plen]
+    cands = ["a", "b", "c", "d", "e"][: rng.randint(1, 5)]
+    common_min = rng.randint(1, 3)
+    want, want_common = _reference(stored, nodes, r, cands, common_min)
+    got = idx.match(r, cands, common_min)
+    assert got.common_blocks == want_common
+    assert {w: (m.resumable_tokens, m.tier, m.mla_blocks) for w, m in got.matches.items()} == want

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from disagg.router.context import EffectiveLoad, RoutingContext
@@ -14,6 +15,7 @@ from disagg.router.registry import build_profile, build_profiles
 from disagg.router.scorers.affinity import AffinityScorer
 from disagg.router.scorers.load import LoadScorer
 from disagg.router.scorers.prefix import PrefixScorer
+from disagg.router.scorers.wait import WaitScorer
 from disagg.router.types import RouteRequest, WorkerState
 
 
@@ -152,3 +154,80 @@ def test_registry_rejects_unknown_plugins():
 def test_decider(suffix, loads, disagg, reason):
     d = PDDecider().decide(suffix, loads)
     assert (d.disaggregate, d.reason) == (disagg, reason)
+
+
+# ---- wait scorer, new load terms, array fast paths ----------------------------------
+
+WAIT_CFG = dict(prefill_tokens_per_s=100.0, floor_s=0.02)
+
+
+@pytest.mark.parametrize(
+    "matches, q, expect",
+    [
+        # own = (101 - 80) / 100 = 0.21 s; waits 0, 0.21, 0.42 s
+        ({"a": PrefixMatch(80, "device", 20)}, [0, 21, 42], {"a": 1.0, "b": 0.5, "c": 1 / 3}),
+        # nothing cached: own = 1.01 s, a waits as long
+        ({}, [101, 0, 0], {"a": 0.5, "b": 1.0, "c": 1.0}),
+        # own below the floor: 0.02 s
+        ({"c": PrefixMatch(100, "host", 25)}, [0, 2, 0], {"a": 1.0, "b": 0.5, "c": 1.0}),
+    ],
+)
+def test_wait_scorer(matches, q, expect):
+    loads = {w.worker_id: EffectiveLoad(qq) for w, qq in zip(W3, q, strict=True)}
+    got = WaitScorer(**WAIT_CFG).score(_ctx(matches, loads=loads), W3)
+    assert got == pytest.approx(expect)
+
+
+ONLY = dict(prefill_weight=0.0, decode_weight=0.0, cache_weight=0.0, session_weight=0.0)
+
+
+@pytest.mark.parametrize(
+    "params, loads, expect",
+    [
+        ({"queue_avg_weight": 1.0}, [EffectiveLoad(queue_avg=2048), EffectiveLoad(queue_avg=1024), EffectiveLoad()],
+         {"a": 0.0, "b": 0.5, "c": 1.0}),
+        ({"queue_avg_weight": 1.0}, [EffectiveLoad(queue_avg=512), EffectiveLoad(), EffectiveLoad()],  # floor 1024
+         {"a": 0.5, "b": 1.0, "c": 1.0}),
+        ({"session_tokens_weight": 1.0},
+         [EffectiveLoad(session_tokens=131072), EffectiveLoad(session_tokens=65536), EffectiveLoad()],
+         {"a": 0.0, "b": 0.5, "c": 1.0}),
+        ({"queue_avg_weight": 1.0, "decode_weight": 1.0},
+         [EffectiveLoad(queue_avg=2048), EffectiveLoad(decode_tokens=262144), EffectiveLoad()],
+         {"a": 0.5, "b": 0.5, "c": 1.0}),
+    ],
+)
+def test_load_scorer_session_tokens_and_queue_avg(params, loads, expect):
+    ctx = _ctx(loads={w.worker_id: x for w, x in zip(W3, loads, strict=True)})
+    assert LoadScorer(**{**ONLY, **params}).score(ctx, W3) == pytest.approx(expect)
+
+
+def test_load_scorer_rejects_all_zero_weights():
+    with pytest.raises(ValueError):
+        LoadScorer(**ONLY)
+
+
+def test_view_columns_follow_the_candidate_order():
+    loads = {"a": EffectiveLoad(1, 2, 3, 0.5, 4, 5, 6), "c": EffectiveLoad(7)}
+    ctx = _ctx({"c": PrefixMatch(40, "disk", 10)}, loads=loads)
+    v = ctx.view([W3[2], W3[0], W3[1]])
+    assert v.worker_ids == ["c", "a", "b"]
+    assert v.prefill.tolist() == [7, 1, 0] and v.queue_avg.tolist() == [0, 6, 0]
+    assert v.resumable.tolist() == [40, 0, 0] and v.tier.tolist() == [2, -1, -1]
+    assert ctx.view([W3[2], W3[0], W3[1]]) is v  # built once per candidate list
+
+
+class _BadArray:
+    name = "bad_array"
+
+    def score_array(self, ctx, workers):
+        return np.array([0.5, -0.1, 0.2])
+
+    def score(self, ctx, workers):
+        raise AssertionError("the runner uses score_array")
+
+
+def test_profile_checks_array_scorers_and_ranks_ties_in_order():
+    with pytest.raises(AssertionError, match="bad_array"):
+        SchedulingProfile("t", [], [(_BadArray(), 1.0)]).run(_ctx(), W3)
+    p = MaxScorePicker()
+    assert p.rank_array(np.array([0.5, 0.7, 0.7]), ["a", "b", "c"]) == ["b", "c", "a"]

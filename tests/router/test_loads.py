@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from disagg.router.index import PrefixIndex
+from disagg.router.loads import LoadTracker
+from disagg.router.router import StateAwareRouter
+from disagg.router.types import WorkerState
+from tests.router.helpers import chain, req, store, workers
+
+E1 = 1 - math.exp(-1.0)
+
+
+def _ws(q: list[int], t: float) -> list[WorkerState]:
+    return [WorkerState(f"w{i}", queued_prefill_tokens=x, updated_at=t) for i, x in enumerate(q)]
+
+
+def _avg(tr: LoadTracker, q: list[int], t: float) -> list[float]:
+    return tr.columns(_ws(q, t), t).data[6].tolist()
+
+
+@pytest.mark.parametrize(
+    "observations, expect",
+    [
+        # queue 100 held for one time constant, then 0 for another
+        ([([100, 0], 0.0), ([0, 0], 10.0), ([0, 0], 20.0)], [100 * E1 * math.exp(-1.0), 0.0]),
+        ([([100, 0], 0.0), ([0, 0], 10.0)], [100 * E1, 0.0]),
+        # a worker first seen later starts from 0
+        ([([100], 0.0), ([100, 50], 10.0), ([0, 0], 20.0)], [100 * (1 - math.exp(-2.0)), 50 * E1]),
+    ],
+)
+def test_queue_avg_integrates_the_held_queue(observations, expect):
+    tr = LoadTracker(queue_avg_tau_s=10.0)
+    got = None
+    for q, t in observations:
+        got = _avg(tr, q, t)
+    assert got == pytest.approx(expect)
+
+
+def test_routing_adds_to_the_held_queue_and_pending_until_stats_catch_up():
+    tr = LoadTracker(prediction_tau_s=5.0, queue_avg_tau_s=10.0)
+    tr.columns(_ws([0, 0], 0.0), 0.0)
+    tr.on_routed("s1", 80, 50, "w1", "w1", "n0", 0.0)
+    cols = tr.columns(_ws([0, 0], 0.0), 0.0)  # stats taken at the same instant: prediction kept
+    assert cols.data[0].tolist() == [0.0, 50.0] and cols.data[1].tolist() == [0.0, 80.0]
+    cols = tr.columns(_ws([0, 50], 10.0), 10.0)  # fresh stats include it: prediction dropped
+    assert cols.data[0].tolist() == [0.0, 50.0]
+    assert cols.data[6].tolist() == pytest.approx([0.0, 50 * E1])
+
+
+def test_sessions_move_with_their_turns_and_expire():
+    tr = LoadTracker(session_ttl_s=10.0)
+    tr.on_routed("s1", 1000, 1000, "w0", "w0", "n0", 0.0)
+    tr.on_routed("s2", 300, 300, "w0", "w0", "n0", 1.0)
+    tr.on_routed("s1", 1200, 200, "w1", "w1", "n0", 2.0)  # s1's next turn ran on w1
+    cols = tr.columns(_ws([0, 0], 2.0), 2.0)
+    assert cols.data[4].tolist() == [1.0, 1.0] and cols.data[5].tolist() == [300.0, 1200.0]
+    assert tr.session("s1").worker_id == "w1"
+    cols = tr.columns(_ws([0, 0], 11.5), 11.5)  # s2 (last turn at 1.0) expired, s1 not yet
+    assert cols.data[4].tolist() == [0.0, 1.0] and tr.session("s2") is None
+
+
+@pytest.mark.parametrize("owner_queue, expect", [(0, ("w0", "device")), (12000, ("w1", "host"))])
+def test_busy_worker_hands_a_turn_to_its_node_mate(owner_queue, expect):
+    """The session's state is on w0's device and on node n0's host tier (shared with w1)."""
+    idx, h = PrefixIndex(), chain(8)
+    ws = workers(3, per_node=2)  # w0, w1 on n0; w2 on n1
+    for w in ws:
+        idx.add_worker(w.worker_id, w.node_id)
+    for x in h:
+        store(idx, "mla", x, "device", "w0")
+        store(idx, "mla", x, "host", "w0")
+    store(idx, "kda", h[7], "device", "w0")
+    store(idx, "kda", h[7], "host", "w0")
+    r = StateAwareRouter(idx, clock=lambda: 0.0)
+    first = req(h, 33, sid="s", rid="r0")
+    r.on_routed(first, r.route(first, ws))  # the session's previous turn: on w0
+    ws[0].queued_prefill_tokens = owner_queue
+    d = r.route(req(h, 33, sid="s", rid="r1"), ws)
+    assert (d.decode_worker, d.source_tier) == expect
+    assert d.predicted_cached_tokens == 32 and d.reason == "aggregated/cache_hit"
