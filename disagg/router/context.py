@@ -108,6 +108,7 @@ class RoutingContext:
     now: float = 0.0  # router clock
     extra: dict[str, object] = field(default_factory=dict)  # plugin scratch space
     _views: dict[tuple[str, ...], CandidateView] = field(default_factory=dict)  # cache of view()
+    _base: tuple[CandidateView, dict[str, int]] | None = None  # first view built, row of each id
     _load_rows: dict[str, int] | None = None  # worker id -> column of loads (columns form)
     _match_rows: dict[str, int] | None = None  # worker id -> row of match
 
@@ -141,8 +142,22 @@ class RoutingContext:
         key = tuple(ids)
         v = self._views.get(key)
         if v is None:
-            v = self._views[key] = CandidateView(ids, self._load_matrix(workers, ids), *self._match_columns(ids))
+            v = self._views[key] = self._subset_view(ids) or CandidateView(
+                ids, self._load_matrix(workers, ids), *self._match_columns(ids))
+            if self._base is None:
+                self._base = (v, {wid: i for i, wid in enumerate(ids)})
         return v
+
+    def _subset_view(self, ids: list[str]) -> CandidateView | None:
+        """Rows of the first view built, when it holds every id (filters only remove)."""
+        if self._base is None:
+            return None
+        base, pos = self._base
+        n = len(ids)
+        rows = np.fromiter(map(pos.get, ids, repeat(-1, n)), np.intp, n)
+        if n and rows.min() < 0:
+            return None
+        return CandidateView(ids, base.loads[:, rows], base.resumable[rows], base.tier[rows])
 
     def _match_columns(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         m = self.match
@@ -165,6 +180,6 @@ class RoutingContext:
                 self._load_rows = {wid: i for i, wid in enumerate(cols.worker_ids)}
             rows = [self._load_rows.get(wid, -1) for wid in ids]
             if -1 not in rows:
-                return cols.data[:, rows]
+                return cols.data[:, np.asarray(rows, np.intp)]
         per = [self.load(w) for w in workers]
         return np.array([[getattr(x, f) for x in per] for f in LOAD_FIELDS], np.float64).reshape(len(LOAD_FIELDS), -1)

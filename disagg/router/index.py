@@ -482,7 +482,7 @@ class PrefixIndex:
                 m = rest
                 for o in objs:
                     m &= o[_LE[t]]
-                if m:
+                if m:  # AND over the distinct masks of the blocks read: one C pass per tier
                     m = reduce(and_, set(map(_LE_COL[t], islice(es, nb))), m)
                 for b in _bits(m):
                     tok[b], tier[b] = p, t

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -152,7 +152,7 @@ class LoadTracker:
         slots = self._slots(ids)
         base = np.fromiter(chain.from_iterable(map(_STATS, workers)), np.float64, 4 * n).reshape(n, 4).T
         if self._prefill_pending or self._decode_pending:
-            pos = dict(zip(ids, range(n)))
+            pos = dict(zip(ids, range(n), strict=True))
             updated = np.fromiter(map(_T, workers), np.float64, n)
             self._pending(self._prefill_pending, pos, updated, now, base[0])
             self._pending(self._decode_pending, pos, updated, now, base[1])

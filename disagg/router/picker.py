@@ -46,7 +46,7 @@ class MaxScorePicker:
         assert order, "picker needs at least one candidate"
         ranked = [order[i] for i in np.argsort(-totals, kind="stable").tolist()]
         if self.epsilon > 0 and len(ranked) > 1:
-            return self._choose(ranked, dict(zip(order, totals.tolist())))
+            return self._choose(ranked, dict(zip(order, totals.tolist(), strict=True)))
         return ranked
 
     def _choose(self, ranked: list[str], scores: dict[str, float]) -> list[str]:

@@ -83,7 +83,7 @@ class SchedulingProfile:
                 raise AssertionError(f"scorer {scorer.name} returned {vals[bad]} for {ids[bad]}")
             totals += (weight / weight_sum) * vals
             per[scorer.name] = vals
-        total = dict(zip(ids, totals.tolist()))
+        total = dict(zip(ids, totals.tolist(), strict=True))
         rank_array = getattr(self.picker, "rank_array", None)
         ranked = rank_array(totals, ids) if rank_array is not None else self.picker.pick(total, ids)
         return ProfileResult(ranked, total, per, removed)

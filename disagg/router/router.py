@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from disagg.router.context import EffectiveLoad, RoutingContext
@@ -41,6 +42,8 @@ from disagg.router.metrics import RouterMetrics
 from disagg.router.profile import ProfileResult
 from disagg.router.registry import build_profiles
 from disagg.router.types import RouteDecision, RouteRequest, WorkerState
+
+_ID_NODE = attrgetter("worker_id", "node_id")
 
 
 @dataclass(slots=True)
@@ -103,7 +106,7 @@ class StateAwareRouter:
         return {wid: cols.row(i) for i, wid in enumerate(cols.worker_ids)}
 
     def _register(self, workers: list[WorkerState]) -> None:
-        known = tuple((w.worker_id, w.node_id) for w in workers)
+        known = tuple(map(_ID_NODE, workers))
         if known != self._known:
             for wid, node in known:
                 self.index.add_worker(wid, node)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from disagg.router.context import RoutingContext
 from disagg.router.types import WorkerState
 

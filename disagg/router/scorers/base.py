@@ -33,4 +33,4 @@ class ArrayScorer:
     def score(self, ctx: RoutingContext, workers: list[WorkerState]) -> dict[str, float]:
         if not workers:
             return {}
-        return dict(zip((w.worker_id for w in workers), self.score_array(ctx, workers).tolist()))
+        return dict(zip([w.worker_id for w in workers], self.score_array(ctx, workers).tolist(), strict=True))

@@ -75,12 +75,12 @@ class PrefixScorer(ArrayScorer):
     def __init__(self, config: PrefixScorerConfig | None = None, **params: object):
         self.config = cfg = config or PrefixScorerConfig(**params)  # type: ignore[arg-type]
         # per tier index (row 4 = "no resume", what tier -1 selects); device reads cost nothing
-        self._weight = np.array([cfg.tier_weights.get(t, 0.0) for t in TIERS] + [0.0])
-        inv_bw = [0.0 if t == "device" or t not in cfg.bandwidth_gbps else 1.0 / (cfg.bandwidth_gbps[t] * 1e9)
-                  for t in TIERS]
-        self._inv_bw = np.array(inv_bw + [0.0])
-        self._lat = np.array([0.0 if t == "device" or t not in cfg.bandwidth_gbps else cfg.latency_s.get(t, 0.0)
-                              for t in TIERS] + [0.0])
+        moved = [t != "device" and t in cfg.bandwidth_gbps for t in TIERS]
+        self._tier_params = np.array([  # rows: weight, 1 / bandwidth (B/s), latency; column per tier
+            [cfg.tier_weights.get(t, 0.0) for t in TIERS] + [0.0],
+            [1.0 / (cfg.bandwidth_gbps[t] * 1e9) if m else 0.0 for t, m in zip(TIERS, moved, strict=True)] + [0.0],
+            [cfg.latency_s.get(t, 0.0) if m else 0.0 for t, m in zip(TIERS, moved, strict=True)] + [0.0],
+        ])
 
     def tier_factor(self, tier: str | None, cached_tokens: int) -> float:
         """tier_weight * max(1 - transfer_time / saved_compute_time, 0)."""
@@ -110,9 +110,10 @@ class PrefixScorer(ArrayScorer):
         common = ctx.common_tokens() if cfg.discount_common else 0
         denom = max(ctx.request.prompt_len - common, 1)
         v = ctx.view(workers)
-        c, t = v.resumable, v.tier
-        xfer = (c * cfg.bytes_per_token + cfg.checkpoint_bytes) * self._inv_bw[t] + self._lat[t]
+        c = v.resumable
+        weight, inv_bw, lat = self._tier_params[:, v.tier]
+        xfer = (c * cfg.bytes_per_token + cfg.checkpoint_bytes) * inv_bw + lat
         saved = np.maximum(c, 1.0) / cfg.prefill_tokens_per_s
-        factor = self._weight[t] * np.maximum(1.0 - xfer / saved, 0.0)
+        factor = weight * np.maximum(1.0 - xfer / saved, 0.0)
         credit = np.where(c > common, (c - common) * factor, 0.0)
         return np.minimum(credit / denom, 1.0)
