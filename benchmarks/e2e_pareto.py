@@ -43,7 +43,7 @@ from disagg.bench.sweep import BenchParams, run_bench_sync, write_plots
 from disagg.bench.synth import SynthConfig, synthesize
 from disagg.bench.trace import TraceRecord, save_trace
 from disagg.config import AppConfig, load_config
-from disagg.local import free_port, local_app
+from disagg.local import free_port, local_app, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "deployments" / "configs" / "local-cpu.yaml"
@@ -103,17 +103,6 @@ def engine_replicas(cfg: AppConfig) -> int:
         n += p.max_replicas if p.min_replicas is not None else p.num_replicas
     return n
 
-
-def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
 def warm_up(url: str, model: str) -> None:

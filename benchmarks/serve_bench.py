@@ -27,7 +27,7 @@ from disagg.config import load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
-from disagg.local import free_port, local_app
+from disagg.local import free_port, local_app, wait_healthy
 
 MODEL = "disagg-tiny"
 
@@ -79,16 +79,6 @@ def _http(url: str, prompt: list[int], n: int, salt: str = "", session: str | No
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], ids, cached
 
 
-def _wait(url: str) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
 
 def overhead(reps: int, prompt_len: int, out_len: int) -> dict:
     """Direct engine calls and HTTP requests interleaved prompt by prompt (noise hits both alike)."""
@@ -97,7 +87,7 @@ def overhead(reps: int, prompt_len: int, out_len: int) -> dict:
     prompts = [_ids(prompt_len, 1000 + i) for i in range(reps)]
     d_ttft, d_itl, h_ttft, h_itl = [], [], [], []
     with local_app(cfg) as url:
-        _wait(url)
+        wait_healthy(url)
         engine = AsyncEngine(build_reference_engine(cfg))
         loop = asyncio.new_event_loop()
         try:
@@ -124,7 +114,7 @@ def resume_vs_recompute(contexts: list[int], followup: int) -> list[dict]:
     cfg = _cfg("disaggregated", resident=False, port=free_port())
     rows = []
     with local_app(cfg) as url:
-        _wait(url)
+        wait_healthy(url)
         _http(url, _ids(64, 1), 2)
         for c in contexts:
             turn1 = _ids(c, c)

@@ -33,6 +33,21 @@ SERVE_ENV = {
 }
 
 
+def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
+    """Block until ``url``/health answers 200 (replicas up), or raise TimeoutError."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+
+
 def _init_ray() -> bool:
     import ray
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from disagg.config import load_config
@@ -45,17 +43,6 @@ def _trace():
     return [dataclasses.replace(r, output_length=min(24, max(8, r.output_length))) for r in records]
 
 
-def _wait(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
 
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
@@ -66,7 +53,7 @@ def sweeps(tmp_path_factory):
     from disagg.bench.report import sweep_points
     from disagg.bench.sweep import BenchParams, run_bench_sync
     from disagg.bench.trace import save_trace
-    from disagg.local import local_app
+    from disagg.local import local_app, wait_healthy
 
     out = tmp_path_factory.mktemp("bench-e2e")
     records = _trace()
@@ -81,7 +68,7 @@ def sweeps(tmp_path_factory):
         serve.run(build_app(agg), name="agg", route_prefix="/agg", blocking=False)
         urls = {"disagg": url, "agg": url + "/agg"}
         for name, base in urls.items():
-            _wait(base + "/health")
+            wait_healthy(base)
             params = BenchParams(
                 url=base,
                 trace=str(trace),

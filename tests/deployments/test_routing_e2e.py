@@ -13,7 +13,7 @@ import ray
 from disagg.config import load_config
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
-from disagg.local import free_port
+from disagg.local import free_port, wait_healthy
 
 pytestmark = pytest.mark.ray
 MODEL = "disagg-tiny"
@@ -44,17 +44,6 @@ def _complete(url: str, prompt: list[int], session: str) -> dict:
     return r.json()
 
 
-def _wait(url: str) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
 
 def _kill_replica(replica_id: str) -> None:
     for actor in ray.util.list_named_actors(all_namespaces=True):
@@ -70,7 +59,7 @@ def test_turns_follow_their_state_and_survive_losing_it():
     cfg = _cfg()
     reference = build_reference_engine(cfg)  # same seeded weights as the replicas
     with local_app(cfg) as url:
-        _wait(url)
+        wait_healthy(url)
         sessions = {f"s{i}": _ids(300, i) for i in range(4)}
         salt = {s: 100 + i for i, s in enumerate(sessions)}
         first = {s: _complete(url, p, s) for s, p in sessions.items()}

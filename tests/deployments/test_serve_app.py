@@ -30,7 +30,7 @@ def cluster():
     from ray import serve
 
     from deployments.app import build_app
-    from disagg.local import local_app
+    from disagg.local import local_app, wait_healthy
 
     cfg = load_config(CONFIGS[[p.name for p in CONFIGS].index("local-cpu.yaml")])
     cfg.http.port = free_port()
@@ -39,21 +39,10 @@ def cluster():
     agg.deployment.mode = "aggregated"
     with local_app(cfg) as url:
         serve.run(build_app(agg), name="agg", route_prefix="/agg", blocking=False)
-        _wait(url + "/health")
-        _wait(url + "/agg/health")
+        wait_healthy(url)
+        wait_healthy(url + "/agg")
         yield {"url": url, "agg": url + "/agg"}
 
-
-def _wait(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 def _complete(base: str, prompt: list[int], session: str, n: int = 10) -> dict:
