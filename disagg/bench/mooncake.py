@@ -22,33 +22,19 @@ with 512-token blocks and timestamps in ms. Missing fields are filled in:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-from disagg.bench.trace import TraceError, TraceRecord, check_session_order, num_blocks
+from disagg.bench.trace import (
+    TraceError,
+    TraceRecord,
+    check_session_order,
+    iter_json_objects,
+    num_blocks,
+)
 
 MOONCAKE_BLOCK_SIZE = 512
 SessionMode = Literal["each", "prefix"]
-
-
-def _read_objects(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    out: list[tuple[int, dict[str, Any]]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            text = text.strip()
-            if not text:
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TraceError(
-                    f"invalid JSON ({exc.msg} at column {exc.colno})", line=lineno, source=str(path)
-                ) from None
-            if not isinstance(obj, dict):
-                raise TraceError("expected a JSON object", line=lineno, source=str(path))
-            out.append((lineno, obj))
-    return out
 
 
 def _field_int(obj: dict[str, Any], key: str, lineno: int, src: str, minimum: int = 0) -> int:
@@ -120,7 +106,7 @@ def import_mooncake(
     if sessions not in ("each", "prefix"):
         raise ValueError(f"sessions must be 'each' or 'prefix', got {sessions!r}")
     src = str(path)
-    rows = _read_objects(path)
+    rows = list(iter_json_objects(path))
     if not rows:
         raise TraceError("trace is empty", source=src)
     parsed = []

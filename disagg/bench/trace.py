@@ -235,10 +235,8 @@ def record_from_dict(
     )
 
 
-def iter_trace(
-    path: str | Path, *, default_block_size: int = DEFAULT_BLOCK_SIZE
-) -> Iterator[TraceRecord]:
-    """Yield validated records of a JSONL trace; blank lines are skipped."""
+def iter_json_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a JSONL file; TraceError on a bad line."""
     src = str(path)
     with open(path, encoding="utf-8") as f:
         for lineno, text in enumerate(f, start=1):
@@ -251,9 +249,18 @@ def iter_trace(
                 raise TraceError(
                     f"invalid JSON ({exc.msg} at column {exc.colno})", line=lineno, source=src
                 ) from None
-            yield record_from_dict(
-                obj, line=lineno, source=src, default_block_size=default_block_size
-            )
+            if not isinstance(obj, dict):
+                raise TraceError("expected a JSON object", line=lineno, source=src)
+            yield lineno, obj
+
+
+def iter_trace(
+    path: str | Path, *, default_block_size: int = DEFAULT_BLOCK_SIZE
+) -> Iterator[TraceRecord]:
+    """Yield validated records of a JSONL trace; blank lines are skipped."""
+    src = str(path)
+    for lineno, obj in iter_json_objects(path):
+        yield record_from_dict(obj, line=lineno, source=src, default_block_size=default_block_size)
 
 
 def load_trace(

@@ -187,18 +187,7 @@ class HostTier:
             self._alloc.free(alloc.offset)
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> bool:
-        data = memoryview(data).cast("B")
-        res = self.reserve(key, len(data))
-        if res is None:
-            return False
-        if res.duplicate:
-            return True
-        try:
-            res.view[:] = data
-        except BaseException:
-            res.abort()
-            raise
-        return res.commit()
+        return put_via_reservation(self, key, data)
 
     # ---- reads ---------------------------------------------------------
     def acquire(self, key: str) -> tuple[int, int, int] | None:
@@ -349,3 +338,22 @@ class HostTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def put_via_reservation(tier, key: str, data: bytes | bytearray | memoryview) -> bool:
+    """``put_bytes`` for anything with ``reserve``: reserve, copy into the arena, commit.
+
+    Shared by ``HostTier`` (in-process) and ``HostTierClient`` (another process of the node).
+    """
+    data = memoryview(data).cast("B")
+    res = tier.reserve(key, len(data))
+    if res is None:
+        return False
+    if res.duplicate:
+        return True
+    try:
+        res.view[:] = data
+    except BaseException:
+        res.abort()
+        raise
+    return res.commit()

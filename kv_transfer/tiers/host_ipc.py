@@ -36,7 +36,7 @@ import threading
 from collections.abc import Iterable
 
 from kv_transfer.tiers.arena import SharedArena
-from kv_transfer.tiers.host import HostLease, HostTier, Reservation
+from kv_transfer.tiers.host import HostLease, HostTier, Reservation, put_via_reservation
 
 HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
@@ -236,18 +236,7 @@ class HostTierClient:
         self._call(_U8.pack(ABORT) + _U64.pack(rid))
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> bool:
-        data = memoryview(data).cast("B")
-        res = self.reserve(key, len(data))
-        if res is None:
-            return False
-        if res.duplicate:
-            return True
-        try:
-            res.view[:] = data
-        except BaseException:
-            res.abort()
-            raise
-        return res.commit()
+        return put_via_reservation(self, key, data)
 
     def get_view(self, key: str) -> HostLease | None:
         r = self._call(_U8.pack(GET) + _pack_str(key))
