@@ -113,7 +113,7 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
             _sync(device)
             t0 = time.perf_counter()
             point = store.resumable_length(turn2, hasher, max_position=len(turn2) - 1)
-            loaded = store.load_state(turn2, point.position, hasher, eng.layout)
+            loaded = store.load_state(turn2, point.position, hasher, eng.layout, contiguous=True)
             assert loaded is not None and point.position == state.position
             t_load = time.perf_counter() - t0
             t, tok["resume_host_tier"] = ttft(eng, f"h{r}", turn2, device, resume=loaded)
@@ -122,6 +122,30 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
     med = {k: statistics.median(v) for k, v in res.items() if v}
     return {"context": context, "followup": followup, **{f"ttft_{k}_ms": 1000 * v for k, v in med.items()},
             **{f"speedup_{k}": med["recompute"] / v for k, v in med.items() if k != "recompute"}}
+
+
+def profile_resume(model, device, budget_mb, chunk, context, followup, path: str) -> None:
+    """torch.profiler table of one resumed follow-up (where the resumed TTFT goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = model.config.vocab_size
+    first = _ids(context, 7, vocab)
+    src = make_engine(model, device, budget_mb, chunk)
+    out, _ = src.generate(EngineRequest("t1", first, SamplingParams(max_tokens=1, ignore_eos=True), keep_state=True))
+    state = src.export_state("t1")
+    turn2 = first + out + _ids(followup, 8, vocab)
+    del src
+    for i in range(2):  # the second one is profiled (kernels compiled and autotuned by the first)
+        eng = make_engine(model, device, budget_mb, chunk, resident_sessions=False)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        with profile(activities=acts) as prof:
+            ttft(eng, f"p{i}", turn2, device, resume=state)
+    key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25)
+    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    with open(path, "w") as f:
+        f.write(table + "\n\n" + cpu)
+    print(table, flush=True)
 
 
 def _store(layout, nbytes: int):
@@ -150,6 +174,7 @@ def main() -> None:
     ap.add_argument("--followup", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--profile-resume", help="write a profiler table of one resumed follow-up at the first --context")
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     if args.threads:
@@ -175,6 +200,9 @@ def main() -> None:
         figures[f"resume_{c}"] = r
         line = "  ".join(f"{k}={v:.1f}" for k, v in r.items() if isinstance(v, float))
         print(f"resume vs recompute @ {c}: {line}", flush=True)
+    if args.profile_resume:
+        ctx = int(args.context.split(",")[0])
+        profile_resume(model, args.device, args.budget_mb, args.chunk, ctx, args.followup, args.profile_resume)
     print(json.dumps(figures, indent=2))
     if args.json:
         with open(args.json, "w") as f:

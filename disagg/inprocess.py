@@ -40,10 +40,14 @@ def make_local_store(cfg: AppConfig, layout):
 class InProcessBackend:
     """``GenerationBackend`` with in-process workers (aggregated or disaggregated)."""
 
-    def __init__(self, cfg: AppConfig, store=None):
+    def __init__(self, cfg: AppConfig, store=None, host_tier: bool = True):
+        """``store``: a shared ``StateStore`` (default: a new in-process one); ``host_tier=False``
+        runs without any store (device-resident sessions only; a baseline)."""
         self.config = cfg
         decode_engine = build_reference_engine(cfg)
-        self.store = store if store is not None else make_local_store(cfg, decode_engine.layout)
+        if store is None and host_tier:
+            store = make_local_store(cfg, decode_engine.layout)
+        self.store = store
         self.decode = StatefulWorker(AsyncEngine(decode_engine), self.store, "decode-0", "local",
                                      cfg.router.local_prefill_max_tokens)
         self.prefill = None

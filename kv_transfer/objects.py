@@ -24,6 +24,7 @@ NOTES
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -50,17 +51,16 @@ class StateLayout:
 
     def fingerprint(self) -> str:
         """Short stable id of this layout, written into every object header."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return _fingerprint(self)
 
     def mla_block_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.cache_dtype)).element_size()
+        itemsize = getattr(torch, self.cache_dtype).itemsize
         return self.num_mla_layers * self.block_size * self.latent_dim * itemsize
 
     def kda_checkpoint_bytes(self, tp_size: int = 1) -> int:
         h = self.kda_heads // tp_size
-        conv = torch.empty((), dtype=getattr(torch, self.conv_dtype)).element_size()
-        rec = torch.empty((), dtype=getattr(torch, self.state_dtype)).element_size()
+        conv = getattr(torch, self.conv_dtype).itemsize
+        rec = getattr(torch, self.state_dtype).itemsize
         per_layer = (self.conv_width - 1) * 3 * h * self.head_k * conv
         per_layer += h * self.head_k * self.head_v * rec
         return self.num_kda_layers * per_layer
@@ -84,7 +84,7 @@ class MLABlock:
     def __post_init__(self) -> None:
         assert self.rows.dim() == 3, "MLA rows must be [layers, rows, latent]"
         assert 0 <= self.dcp_rank < self.dcp_size
-        assert self.rows.shape[1] == dcp_positions(self.start, self.span, self.dcp_size, self.dcp_rank).numel(), (
+        assert self.rows.shape[1] == dcp_count(self.start, self.span, self.dcp_size, self.dcp_rank), (
             "row count does not match the DCP interleave"
         )
 
@@ -127,6 +127,8 @@ class ResumeState:
     first_block: int = 0  # index of mla_blocks[0]
     tail: MLABlock | None = None  # rows of the partial block ending at position
     kda: list[KDACheckpoint] = field(default_factory=list)  # one per TP shard
+    mla_rows: torch.Tensor | None = None  # [layers, n * bs, D]: the blocks' rows as one buffer, when
+    # a loader decoded them into one (``StateStore.load_state(contiguous=True)``); blocks are its views
 
     def __post_init__(self) -> None:
         bs = self.layout.block_size
@@ -141,6 +143,18 @@ class ResumeState:
             f"ResumeState(position={self.position}, blocks={self.first_block}+{len(self.mla_blocks)}, "
             f"tail={self.tail is not None}, kda_shards={len(self.kda)})"
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(layout: StateLayout) -> str:  # checked on every decode: computed once per layout
+    blob = json.dumps(asdict(layout), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def dcp_count(start: int, span: int, dcp_size: int, dcp_rank: int) -> int:
+    """How many positions in [start, start+span) ``dcp_rank`` owns (``len(dcp_positions(...))``)."""
+    first = start + (dcp_rank - start) % dcp_size
+    return len(range(first, start + span, dcp_size))
 
 
 def dcp_positions(start: int, span: int, dcp_size: int, dcp_rank: int) -> torch.Tensor:

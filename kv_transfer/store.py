@@ -23,13 +23,20 @@ first tier that accepts (encoding straight into the host arena); with
 lower tier is promoted to the first. Every load verifies every checksum: a
 corrupt object is counted and deleted from its tier and the next tier is
 tried; if any piece cannot be had, ``load_state`` returns None (recompute).
+Puts and loads of many pieces encode and verify them on ``io_threads``
+threads (CRC and copies release the GIL).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cache
+
+import torch
 
 from kv_transfer import codec
 from kv_transfer.dcp import reshard_dcp
@@ -78,7 +85,7 @@ class StateStore:
 
     def __init__(self, tiers: Sequence[ByteStore], layout: StateLayout, *, tp_size: int = 1,
                  dcp_size: int = 1, write_behind: bool = True, promote: bool = True,
-                 event_log: EventLog | None = None, worker_id: str = ""):
+                 event_log: EventLog | None = None, worker_id: str = "", io_threads: int | None = None):
         if not tiers:
             raise ValueError("a StateStore needs at least one tier")
         if layout.kda_heads % tp_size:
@@ -89,6 +96,8 @@ class StateStore:
         self.promote = promote
         self.event_log, self.worker_id = event_log, worker_id
         self._lock = threading.Lock()
+        self.io_threads = io_threads if io_threads is not None else min(8, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
         self._tails: dict[bytes, set[int]] = {}  # parent digest -> tail lengths
         self._tail_keys: dict[bytes, tuple[bytes, int]] = {}  # tail digest -> (parent, length)
         self._counters = dict.fromkeys(
@@ -167,13 +176,13 @@ class StateStore:
             pieces.append((str(ObjectKey("kda", prefix, kda_shard(k.tp_rank, k.tp_size))), k, None))
         present = self._locate([key for key, _, _ in pieces])
         result = PutResult()
-        for key, obj, par in pieces:
-            nbytes = codec.encoded_size(obj)
+        todo = [(key, obj, par, codec.encoded_size(obj)) for key, obj, par in pieces if key not in present]
+        for key, obj, _ in pieces:
             if key in present:
                 result.num_skipped += 1
-                result.bytes_skipped += nbytes
-                continue
-            tier = self._put_object(key, obj, par, nbytes)
+                result.bytes_skipped += codec.encoded_size(obj)
+        tiers = self._parallel(lambda piece: self._put_object(*piece), todo)
+        for (key, obj, par, nbytes), tier in zip(todo, tiers, strict=True):
             if tier is None:
                 result.num_refused += 1
                 continue
@@ -289,10 +298,12 @@ class StateStore:
     def load_state(self, tokens: Sequence[int], position: int, hasher: BlockHasher,
                    layout: StateLayout | None = None, *, first_block: int = 0,
                    dcp_size: int = 1, dcp_rank: int = 0,
-                   tp_ranks: Sequence[int] | None = None) -> ResumeState | None:
+                   tp_ranks: Sequence[int] | None = None, contiguous: bool = False) -> ResumeState | None:
         """Load and verify the state at ``position``; None if any piece is missing or corrupt.
 
         Args:
+            contiguous: decode the MLA blocks straight into one buffer (page-locked where CUDA
+                exists), ``ResumeState.mla_rows``, ready for a batched scatter (no DCP reshard).
             first_block: skip blocks the caller already holds.
             dcp_size, dcp_rank: the DCP shard wanted (stored shards are resharded).
             tp_ranks: KDA shards to load (default: all ``tp_size``).
@@ -306,8 +317,12 @@ class StateStore:
         hashes = hasher.block_hashes(tokens[: n_full * bs])
         prefix = hasher.prefix_digest(tokens, position, hashes)
         blocks: list[MLABlock] = []
-        for i in range(first_block, n_full):
-            shards = self._load_group(self._shards("mla", hashes[i]), layout)
+        rows = None
+        if contiguous and self.dcp_size == dcp_size == 1 and n_full > first_block:
+            shape = (layout.num_mla_layers, (n_full - first_block) * bs, layout.latent_dim)
+            rows = torch.empty(shape, dtype=getattr(torch, layout.cache_dtype), pin_memory=_pinnable())
+        groups = self._load_groups([self._shards("mla", hashes[i]) for i in range(first_block, n_full)], layout, rows)
+        for shards in groups:
             if shards is None:
                 return self._miss()
             blocks.extend(reshard_dcp(shards, self.dcp_size, dcp_size)[dcp_rank :: dcp_size])
@@ -327,7 +342,7 @@ class StateStore:
             return self._miss(corrupt=True)
         with self._lock:
             self._counters["num_load_hits"] += 1
-        return ResumeState(layout, position, blocks, first_block, tail, kda)
+        return ResumeState(layout, position, blocks, first_block, tail, kda, mla_rows=rows)
 
     def _miss(self, corrupt: bool = False) -> None:
         with self._lock:
@@ -336,16 +351,40 @@ class StateStore:
                 self._counters["num_corrupt_pieces"] += 1
         return None
 
-    def _load_group(self, keys: list[str], layout: StateLayout) -> list | None:
+    def _load_groups(self, groups: list[list[str]], layout: StateLayout,
+                     rows: torch.Tensor | None = None) -> list[list | None]:
+        """``_load_group`` of each group (in parallel when there are several); with ``rows``
+        ([layers, len(groups) * bs, D], one single-shard group per block) group i's rows land
+        in its slice of ``rows``."""
+        bs = layout.block_size
+        jobs = [(g, None if rows is None else rows[:, j * bs : (j + 1) * bs]) for j, g in enumerate(groups)]
+        return self._parallel(lambda job: self._load_group(job[0], layout, job[1]), jobs)
+
+    def _parallel(self, fn, items: list) -> list:
+        """``[fn(x) for x in items]`` on the I/O threads when there are enough items: CRC checks
+        and copies in and out of the tiers release the GIL, so pieces encode and verify in parallel."""
+        if self.io_threads <= 1 or len(items) < 2 * self.io_threads:
+            return [fn(x) for x in items]
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="state-io")
+        step = -(-len(items) // self.io_threads)  # one contiguous run per thread
+        runs = [items[i : i + step] for i in range(0, len(items), step)]
+        return [y for part in self._pool.map(lambda run: [fn(x) for x in run], runs) for y in part]
+
+    def _load_group(self, keys: list[str], layout: StateLayout, into: torch.Tensor | None = None) -> list | None:
         out = []
         for key in keys:
-            obj = self._load_one(key, layout)
+            obj = self._load_one(key, layout, into)
             if obj is None:
                 return None
             out.append(obj)
         return out
 
-    def _load_one(self, key: str, layout: StateLayout) -> MLABlock | KDACheckpoint | None:
+    def _load_one(self, key: str, layout: StateLayout,
+                  out: torch.Tensor | None = None) -> MLABlock | KDACheckpoint | None:
+        """One verified object; an MLA object's rows land in ``out`` when given (no extra copy)."""
         for i, tier in enumerate(self.tiers):
             get_view = getattr(tier, "get_view", None)
             try:
@@ -354,13 +393,13 @@ class StateStore:
                     if lease is None:
                         continue
                     with lease:  # copy out of the shared arena before the pin ends
-                        obj = codec.decode(lease.view, layout, copy=True)
+                        obj = _decode_to(lease.view, layout, out, copy=True)
                         data = bytes(lease.view) if i and self.promote else None
                 else:
                     data = tier.get_bytes(key)
                     if data is None:
                         continue
-                    obj = codec.decode(data, layout, copy=False)
+                    obj = _decode_to(data, layout, out, copy=False)
             except CorruptObjectError:
                 with self._lock:
                     self._counters["num_corrupt_pieces"] += 1
@@ -392,3 +431,19 @@ class StateStore:
             if st is not None:
                 out[f"tier:{tier.name}"] = st()
         return out
+
+
+def _decode_to(buf, layout: StateLayout, out: torch.Tensor | None, copy: bool):
+    """Decode one object; an MLA block's rows are copied into ``out`` when given."""
+    if out is None:
+        return codec.decode(buf, layout, copy=copy)
+    obj = codec.decode(buf, layout, copy=False)
+    if not isinstance(obj, MLABlock) or obj.rows.shape != out.shape:
+        raise CorruptObjectError(f"expected an MLA block of shape {tuple(out.shape)}")
+    codec.host_copy(out, obj.rows)
+    return MLABlock(out, obj.start, obj.span, obj.dcp_size, obj.dcp_rank)
+
+
+@cache
+def _pinnable() -> bool:
+    return torch.cuda.is_available()

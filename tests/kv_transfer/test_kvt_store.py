@@ -166,3 +166,27 @@ def test_corrupt_host_copy_falls_back_to_a_good_disk_copy(tmp_path) -> None:
         assert loaded is not None and states_equal(loaded, state)
         assert store.stats()["num_corrupt_pieces"] == 1
         disk.close()
+
+
+def test_io_threads_put_and_load_like_one_thread(host) -> None:
+    """Many blocks encode and verify on several threads: same bytes, same misses, same counts."""
+    toks = tokens(900, seed=3)
+    state = make_state(LAYOUT, 805, seed=4)  # 50 blocks + a tail
+    serial = StateStore([host], LAYOUT, io_threads=1)
+    res = StateStore([HostTier(16 * MiB, slab_bytes=256 * KiB)], LAYOUT, io_threads=4)
+    try:
+        for store in (serial, res):
+            out = store.put_state(toks, state, H)
+            assert (out.num_stored, out.num_refused) == (52, 0)
+            loaded = store.load_state(toks, 805, H, LAYOUT)
+            assert loaded is not None and states_equal(loaded, state)
+        # a corrupt block in the middle of a threaded load: the whole load misses, the block is dropped
+        key = ObjectKey("mla", H.block_hashes(toks[:800])[30])
+        tier = res.tiers[0]
+        lease_id, offset, nbytes = tier.acquire(str(key))
+        tier.release(lease_id)
+        tier.arena.view[offset + nbytes // 2] ^= 0xFF
+        assert res.load_state(toks, 805, H, LAYOUT) is None
+        assert res.stats()["num_corrupt_pieces"] == 1 and not res.contains_keys([key])[0]
+    finally:
+        res.tiers[0].close()

@@ -21,11 +21,17 @@ NOTES
    whose prompt extends a resident session's tokens adopts its state.
 3. ``num_computed <= len(token_ids) - 1`` after every step of a live request
    that has sampled: the newest sampled token is not yet computed.
+4. A step launches hundreds of kernels from Python, so the stepping thread
+   needs the GIL every few microseconds. With state publishing and loading
+   threads in the same process, the default 5 ms GIL switch interval makes it
+   wait in a convoy; an engine lowers the process's interval to 0.5 ms
+   (``gil_switch_interval_s``, never raising it).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -52,6 +58,7 @@ class EngineOptions:
     resident_sessions: bool = True  # keep finished sessions' state on the device (NOTE 2)
     capture_logits: bool = False  # keep each request's latest sampling logits in ``last_logits`` (tests)
     prompt_checkpoints: bool = True  # keep the KDA state at each prompt's end (resume point of a re-sent prompt)
+    gil_switch_interval_s: float | None = 0.0005  # NOTE 4 (None: leave the interpreter's setting)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 64:
@@ -118,6 +125,9 @@ class ReferenceEngine:
         self.resident_version = 0  # bumped whenever the set of resident sessions changes
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "device_hit_tokens": 0,
                          "resident_evictions": 0, "preemptions": 0}
+        gil = self.options.gil_switch_interval_s
+        if gil is not None and gil < sys.getswitchinterval():  # NOTE 4
+            sys.setswitchinterval(gil)
 
     # -- admission -------------------------------------------------------------
     @property
@@ -263,10 +273,12 @@ class ReferenceEngine:
         bs = self.block_size
         n = len(state.mla_blocks)
         if n:  # one batched scatter per layer group through (pinned) staging, never a copy per block
-            first = state.mla_blocks[0].rows
-            staging = alloc_staging((first.shape[0], n * bs, first.shape[2]), first.dtype,
-                                    pin=self.device.type == "cuda")
-            torch.cat([b.rows for b in state.mla_blocks], dim=1, out=staging)
+            staging = state.mla_rows  # already one buffer when the loader decoded into one
+            if staging is None or staging.dtype != self.cache.mla_all.dtype:
+                first = state.mla_blocks[0].rows
+                staging = alloc_staging((first.shape[0], n * bs, first.shape[2]), first.dtype,
+                                        pin=self.device.type == "cuda")
+                torch.cat([b.rows for b in state.mla_blocks], dim=1, out=staging)
             scatter_blocks(staging, self.cache.mla_all, req.block_table[:n]).wait()
         if state.tail is not None:
             start = (state.position // bs) * bs
@@ -292,7 +304,7 @@ class ReferenceEngine:
             raise ValueError(f"no KDA checkpoint at {position} (have {sorted(req.checkpoints)} and {req.num_computed})")
         bs = self.block_size
         n_full = position // bs
-        blocks = []
+        blocks, staging = [], None
         if n_full > first_block:  # one batched gather into (pinned) host staging
             staging, done = gather_blocks(self.cache.mla_all, req.block_table[first_block:n_full])
             done.wait()
@@ -305,7 +317,7 @@ class ReferenceEngine:
                                 for m in range(self.layout.num_mla_layers)]).cpu()
             tail = MLABlock(rows, start, position - start)
         kda = KDACheckpoint(torch.stack(conv).cpu(), torch.stack(rec).cpu(), position)
-        return ResumeState(self.layout, position, blocks, first_block, tail, [kda])
+        return ResumeState(self.layout, position, blocks, first_block, tail, [kda], mla_rows=staging)
 
     def checkpoint_positions(self, request_id: str) -> list[int]:
         """Positions where a held request has a KDA checkpoint (prompt end, turn end, periodic)."""

@@ -43,12 +43,16 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.reference.layers import RMSNorm, TokenSpan, compute_dtype, l2norm, state_dtype
+
+if TYPE_CHECKING:
+    from disagg.engine.reference.paged_cache import DecodeBatch
 
 CHUNK = 64
 SUB_CHUNK = 16  # pairwise-difference block inside a chunk (see _decayed_dots)
@@ -249,7 +253,11 @@ class KimiDeltaAttention(nn.Module):
         a = self.A_log.to(cd).view(self.num_heads, 1).exp()
         return -a * F.softplus(f + self.dt_bias.to(cd).view(self.num_heads, self.head_dim))
 
-    def forward(self, x: torch.Tensor, spans: list[TokenSpan], kda_idx: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, spans: list[TokenSpan], kda_idx: int, decode: DecodeBatch | None = None
+    ) -> torch.Tensor:
+        """``decode`` batches single-token sequences of one paged cache (one recurrence step
+        each); ``spans`` are the sequences left for the per-sequence path."""
         h, dk = self.num_heads, self.head_dim
         sd = state_dtype(x.dtype)
         qkv = torch.cat(
@@ -261,6 +269,9 @@ class KimiDeltaAttention(nn.Module):
         g = self.decay(x).to(sd)
         beta = torch.sigmoid(self.b_proj(x).to(sd))
         o = x.new_zeros(x.shape[0], h, dk, dtype=sd)
+        if decode is not None:
+            r = decode.rows
+            o[r] = self._decode_batch(qkv[r], conv_w, g[r], beta[r], kda_idx, decode)
         for span in spans:
             conv_state, rec = span.cache.kda_state(kda_idx)
             y, new_conv = causal_conv(qkv[span.rows], conv_state, conv_w)
@@ -276,3 +287,22 @@ class KimiDeltaAttention(nn.Module):
         cd = compute_dtype(x.dtype)
         y = self.o_norm(o.to(cd)) * torch.sigmoid(gate.to(cd))
         return self.o_proj(y.to(x.dtype).reshape(x.shape[0], h * dk))
+
+    def _decode_batch(self, qkv, conv_w, g, beta, kda_idx: int, batch: DecodeBatch) -> torch.Tensor:
+        """One token per sequence: conv + one delta-rule step for B slots at once -> o [B, H, V]."""
+        h, dk = self.num_heads, self.head_dim
+        sd = g.dtype
+        conv_pool, rec_pool = batch.cache.conv[kda_idx], batch.cache.rec[kda_idx]
+        xp = torch.cat([conv_pool[batch.slots].to(qkv.dtype), qkv.unsqueeze(1)], dim=1)  # [B, W, C]
+        cd = compute_dtype(qkv.dtype)
+        y = F.silu((xp.to(cd) * conv_w.to(cd).T.unsqueeze(0)).sum(1))  # tap W-1 = this token
+        q, k, v = (t.to(sd).reshape(-1, h, dk) for t in y.chunk(3, dim=-1))
+        q = l2norm(q) * dk**-0.5
+        k = l2norm(k)
+        s = rec_pool[batch.slots].to(sd) * g.exp().unsqueeze(-1)  # [B, H, K, V]
+        pred = torch.einsum("bhk,bhkv->bhv", k, s)
+        s = s + (beta.unsqueeze(-1) * (v - pred)).unsqueeze(2) * k.unsqueeze(-1)
+        o = torch.einsum("bhk,bhkv->bhv", q, s)
+        conv_pool.index_copy_(0, batch.slots, xp[:, 1:].to(conv_pool.dtype))
+        rec_pool.index_copy_(0, batch.slots, s.to(rec_pool.dtype))
+        return o

@@ -27,17 +27,30 @@ NOTES
 1. The cache holds one row per token per MLA layer, [normed c_kv | k_pe], in
    the cache dtype; attention reads the rows back in that dtype, so a token's
    row is the same whether it was computed in this step or an earlier one.
-2. History rows are read before the step's rows are appended.
+2. History rows are read before the step's rows are appended (a
+   ``DecodeBatch`` appends first and masks instead).
 3. ``kv_a_layernorm`` uses ``rms_norm_eps`` as vLLM does (HF's remote code
    leaves it at its 1e-6 default; the difference is below bf16 resolution).
+4. On a GPU with a half-precision model the expanded (prefill) form runs
+   the keys' up-projection and ``scaled_dot_product_attention`` in the model
+   dtype, the attention with a
+   lower-right causal bias (a fused kernel: no [H, n, T] score matrix, so 128K
+   contexts fit); v is zero-padded to the q/k head dim. Everywhere else it is
+   the explicit einsum in the compute dtype (the oracle tests).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.reference.layers import RMSNorm, TokenSpan, compute_dtype
+
+if TYPE_CHECKING:
+    from disagg.engine.reference.paged_cache import DecodeBatch
 
 
 def _causal_mask(n: int, total: int, device) -> torch.Tensor:
@@ -48,14 +61,34 @@ def _causal_mask(n: int, total: int, device) -> torch.Tensor:
     return kpos > qpos
 
 
-def mla_expanded(q, latent, w_kv_b, *, kv_lora_rank: int, nope: int, v_dim: int, scale: float):
-    """q [n, H, dn+dr], latent [T, R+dr] (the last n rows are the queries' own) -> [n, H, dv]."""
+def _flash_lower_right(q, k, v, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Causal attention, query i at key position T - n + i, through SDPA's fused kernels (NOTE 4)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, total, d = q.shape[0], k.shape[0], q.shape[-1]
+    vp = F.pad(v, (0, d - v.shape[-1])) if v.shape[-1] < d else v  # fused kernels want equal head dims
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).to(dtype) for x in (q, k, vp))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, total), scale=scale)
+    return out[0].transpose(0, 1)[..., : v.shape[-1]].to(q.dtype)
+
+
+def mla_expanded(q, latent, w_kv_b, *, kv_lora_rank: int, nope: int, v_dim: int, scale: float,
+                 fused_dtype: torch.dtype | None = None):
+    """q [n, H, dn+dr], latent [T, R+dr] (the last n rows are the queries' own) -> [n, H, dv].
+
+    ``fused_dtype`` (CUDA, half models): attention in that dtype through a fused kernel (NOTE 4).
+    """
     n, h, _ = q.shape
     total = latent.shape[0]
     c, k_pe = latent[:, :kv_lora_rank], latent[:, kv_lora_rank:]
-    kv = (c @ w_kv_b.T).view(total, h, nope + v_dim)
+    if fused_dtype is not None and q.is_cuda:  # the up-projection of every key, in the model dtype too
+        kv = (c.to(fused_dtype) @ w_kv_b.to(fused_dtype).T).to(q.dtype).view(total, h, nope + v_dim)
+    else:
+        kv = (c @ w_kv_b.T).view(total, h, nope + v_dim)
     k_nope, val = kv[..., :nope], kv[..., nope:]
     k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(total, h, k_pe.shape[-1])], dim=-1)
+    if fused_dtype is not None and q.is_cuda:
+        return _flash_lower_right(q, k, val, scale, fused_dtype)
     scores = torch.einsum("nhd,thd->hnt", q, k) * scale
     scores = scores.masked_fill(_causal_mask(n, total, q.device), float("-inf"))
     return torch.einsum("hnt,thv->nhv", scores.softmax(-1), val)
@@ -111,9 +144,18 @@ class KimiMLAAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, self.q_head_dim), rows
 
     def forward(
-        self, x: torch.Tensor, spans: list[TokenSpan], mla_idx: int, absorbed: bool | None = None
+        self,
+        x: torch.Tensor,
+        spans: list[TokenSpan],
+        mla_idx: int,
+        absorbed: bool | None = None,
+        decode: DecodeBatch | None = None,
     ) -> torch.Tensor:
-        """``absorbed`` None: absorbed form for single-token steps, expanded otherwise."""
+        """``absorbed`` None: absorbed form for single-token steps, expanded otherwise.
+
+        ``decode`` (absorbed form) batches single-token sequences of one paged
+        cache; ``spans`` are the sequences left for the per-sequence loop.
+        """
         q, rows = self.project(x)
         cd = compute_dtype(x.dtype)
         w = self.kv_b_proj.weight.to(cd)
@@ -121,6 +163,9 @@ class KimiMLAAttention(nn.Module):
         kw = dict(
             kv_lora_rank=self.kv_lora_rank, nope=self.nope, v_dim=self.v_dim, scale=self.scale
         )
+        fused = x.dtype if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) else None
+        if decode is not None:
+            out[decode.rows] = self._decode_batch(q[decode.rows].to(cd), rows[decode.rows], w, mla_idx, decode)
         for span in spans:
             hist = span.cache.mla_history(mla_idx)  # NOTE 2
             assert hist.shape[0] == span.start_pos, (
@@ -130,6 +175,22 @@ class KimiMLAAttention(nn.Module):
             span.cache.mla_append(mla_idx, new)
             latent = torch.cat([hist.to(new.device), new]).to(cd)  # NOTE 1
             use_absorbed = absorbed if absorbed is not None else span.num_tokens == 1
-            fn = mla_absorbed if use_absorbed else mla_expanded
-            out[span.rows] = fn(q[span.rows].to(cd), latent, w, **kw)
+            if use_absorbed:
+                out[span.rows] = mla_absorbed(q[span.rows].to(cd), latent, w, **kw)
+            else:
+                out[span.rows] = mla_expanded(q[span.rows].to(cd), latent, w, fused_dtype=fused, **kw)
         return self.o_proj(out.to(x.dtype).reshape(x.shape[0], self.num_heads * self.v_dim))
+
+    def _decode_batch(self, q, new_rows, w_kv_b, mla_idx: int, batch: DecodeBatch) -> torch.Tensor:
+        """Absorbed attention of B single tokens over their paged histories -> [B, H, dv]."""
+        pool = batch.cache.mla[mla_idx]  # [blocks, bs, latent]
+        pool.view(-1, pool.shape[-1]).index_copy_(0, batch.write_at, new_rows.to(pool.dtype))  # NOTE 1
+        b = batch.size
+        latent = pool[batch.tables].view(b, -1, pool.shape[-1]).to(q.dtype)  # [B, T, latent]
+        w = w_kv_b.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        q_lat = torch.einsum("bhd,hdr->bhr", q[..., : self.nope], w[:, : self.nope])
+        q_full = torch.cat([q_lat, q[..., self.nope :]], dim=-1)  # [B, H, latent]
+        scores = torch.einsum("bhl,btl->bht", q_full, latent) * self.scale
+        scores = scores.masked_fill(batch.masked.unsqueeze(1), float("-inf"))
+        ctx = torch.einsum("bht,btr->bhr", scores.softmax(-1), latent[..., : self.kv_lora_rank])
+        return torch.einsum("bhr,hvr->bhv", ctx, w[:, self.nope :])

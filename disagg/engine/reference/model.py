@@ -28,6 +28,10 @@ NOTES
    over different row counts (MoE expert batches, 1-row decode) may round
    differently in BLAS, so split and unsplit runs agree to ~1e-7 relative in
    fp32 (tight in fp64), not bitwise; greedy tokens agree thanks to the peaked init.
+5. Single-token steps over the engine's paged cache mix as one batch
+   (``DecodeBatch``: one gather of the paged latents per MLA layer, one slot
+   gather/scatter per KDA layer) instead of one sequence at a time; the
+   arithmetic is the same, reduced over padded lengths (rounding as in NOTE 4).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from disagg.engine.reference.kda import KimiDeltaAttention
 from disagg.engine.reference.layers import RMSNorm, TokenSpan, state_dtype
 from disagg.engine.reference.mla import KimiMLAAttention
 from disagg.engine.reference.moe import SparseMoE, SwiGLU
+from disagg.engine.reference.paged_cache import DecodeBatch
 from kv_transfer.objects import StateLayout
 
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")  # NOTE 2
@@ -69,13 +74,18 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
     def forward(
-        self, h: torch.Tensor, spans: list[TokenSpan], kind_idx: int, absorbed: bool | None
+        self,
+        h: torch.Tensor,
+        spans: list[TokenSpan],
+        kind_idx: int,
+        absorbed: bool | None,
+        decode: DecodeBatch | None = None,
     ) -> torch.Tensor:
         x = self.input_layernorm(h)
         if self.is_kda:
-            h = h + self.self_attn(x, spans, kind_idx)
+            h = h + self.self_attn(x, spans, kind_idx, decode)
         else:
-            h = h + self.self_attn(x, spans, kind_idx, absorbed)
+            h = h + self.self_attn(x, spans, kind_idx, absorbed, decode)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         return h + ffn(self.post_attention_layernorm(h))
 
@@ -145,8 +155,9 @@ class K3ForCausalLM(nn.Module):
             offset += n
         ids = torch.cat([s.input_ids.to(device=device, dtype=torch.long) for s in seqs])
         h = self.model.embed_tokens(ids)
+        decode, mixed = (None, spans) if absorbed is False else DecodeBatch.split(spans)  # NOTE 5
         for layer, kind_idx in zip(self.model.layers, self._kind_idx, strict=True):
-            h = layer(h, spans, kind_idx, absorbed)
+            h = layer(h, mixed, kind_idx, absorbed, decode)
         pick = torch.cat(
             [
                 torch.arange(sp.offset, sp.offset + sp.num_tokens)

@@ -19,6 +19,12 @@ NOTES
    result does not depend on which other tokens share the batch.
 2. ``moe_renormalize`` also applies when top_k == 1 (weight 1 * scaling), as
    in vLLM's fused MoE; HF's remote code skips renormalization for top-1.
+3. For few tokens (decode steps) every expert runs over every token as three
+   batched matmuls and unchosen experts get weight 0: on a GPU this replaces
+   the loop's handful of small kernels per expert with a few large ones; on a
+   CPU it is used only when the loop would average at most one token per
+   expert. The sum over experts is then one reduction, so it rounds like a
+   different batch would (model NOTE 4).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.reference.layers import compute_dtype
+
+DENSE_MAX_TOKENS_CUDA = 512  # NOTE 3
 
 
 class SwiGLU(nn.Module):
@@ -137,12 +145,41 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
-        for e in torch.unique(ids).tolist():  # ascending (NOTE 1)
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[tok]).to(out.dtype)
-            out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
+        if self._use_dense(x):
+            out = self._dense(x, ids, weights)
+        else:
+            out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
+            for e in torch.unique(ids).tolist():  # ascending (NOTE 1)
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                y = self.experts[e](x[tok]).to(out.dtype)
+                out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _use_dense(self, x: torch.Tensor) -> bool:
+        """NOTE 3: every expert over every token when the per-expert loop would be launch-bound."""
+        n, e = x.shape[0], len(self.experts)
+        if x.is_cuda:
+            return n <= DENSE_MAX_TOKENS_CUDA
+        return n * self.top_k <= e  # CPU: at most one token per expert on average
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W1 and W3 as [E*I, hidden], W2 as [E, hidden, I]); built once, weights are frozen after load."""
+        w = self.experts[0].w1.weight
+        key = (w.device, w.dtype, w.data_ptr())
+        if getattr(self, "_stack_key", None) != key:
+            self._stack = (torch.cat([m.w1.weight for m in self.experts]),
+                           torch.cat([m.w3.weight for m in self.experts]),
+                           torch.stack([m.w2.weight for m in self.experts]))
+            self._stack_key = key
+        return self._stack
+
+    def _dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        w1, w3, w2 = self._stacked()
+        n, e = x.shape[0], w2.shape[0]
+        act = (F.silu(x @ w1.T) * (x @ w3.T)).view(n, e, -1).transpose(0, 1)  # [E, N, I]
+        y = torch.bmm(act, w2.transpose(1, 2)).to(weights.dtype)  # [E, N, hidden]
+        gate = torch.zeros(n, e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
+        return torch.einsum("enh,ne->nh", y, gate)

@@ -7,6 +7,12 @@
 A request owns a block table (list of block ids, position t lives in block
 table[t // bs] at row t % bs) and one KDA slot while it runs.
 
+Single-token steps of sequences in one cache mix as one batch (``DecodeBatch``):
+
+    tables [B, nb]   block tables padded with block 0 to the longest context
+    keys   [B, nb*bs] rows gathered through the tables; ``masked`` hides each
+                     sequence's rows past its new token (and the padding)
+
 NOTES
 1. A block id is either free or owned by exactly one request / resident
    session; ``BlockAllocator`` asserts both directions.
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg.engine.reference.layers import TokenSpan
 from kv_transfer.objects import StateLayout
 
 
@@ -166,3 +173,52 @@ class PagedSeqCache:
     def kda_update(self, kda_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.cache.conv[kda_idx][self.slot].copy_(conv)
         self.cache.rec[kda_idx][self.slot].copy_(recurrent)
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The step's single-token sequences over one ``PagedStateCache``, mixed as one batch.
+
+    Layers write each new token's MLA row at ``write_at`` and then attend over
+    ``cache.mla[i][tables]`` with ``masked`` keys hidden; KDA reads and writes the
+    rows ``slots`` of the slot pools. Equal to the per-sequence path up to rounding
+    (the same arithmetic, reduced over padded lengths).
+    """
+
+    cache: PagedStateCache
+    rows: torch.Tensor  # [B] rows of these tokens in the step's token matrix
+    slots: torch.Tensor  # [B] KDA slots
+    write_at: torch.Tensor  # [B] flat MLA row (block * bs + offset) of each new token
+    tables: torch.Tensor  # [B, nb] padded block tables
+    masked: torch.Tensor  # [B, nb * bs] True for keys a sequence must not see
+
+    @property
+    def size(self) -> int:
+        return int(self.rows.numel())
+
+    @classmethod
+    def split(cls, spans: list[TokenSpan]) -> tuple[DecodeBatch | None, list[TokenSpan]]:
+        """(batch of the paged single-token spans, the spans left for the per-sequence path)."""
+        batched = [sp for sp in spans if sp.num_tokens == 1 and isinstance(sp.cache, PagedSeqCache)]
+        if batched:
+            owner = batched[0].cache.cache
+            batched = [sp for sp in batched if sp.cache.cache is owner]
+        if not batched:
+            return None, spans
+        taken = {id(sp) for sp in batched}
+        rest = [sp for sp in spans if id(sp) not in taken]
+        bs = owner.layout.block_size
+        nb = max(sp.start_pos // bs + 1 for sp in batched)
+        tables = torch.zeros(len(batched), nb, dtype=torch.long)
+        for i, sp in enumerate(batched):
+            used = sp.start_pos // bs + 1
+            tables[i, :used] = torch.as_tensor(sp.cache.block_table[:used], dtype=torch.long)
+        pos = torch.tensor([sp.start_pos for sp in batched], dtype=torch.long)
+        write_at = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+        masked = torch.arange(nb * bs).unsqueeze(0) > pos.unsqueeze(1)
+        device = owner.mla_all.device
+        to = lambda t: t.to(device, non_blocking=True)
+        batch = cls(owner, to(torch.tensor([sp.offset for sp in batched], dtype=torch.long)),
+                    to(torch.tensor([sp.cache.slot for sp in batched], dtype=torch.long)),
+                    to(write_at), to(tables), to(masked))
+        return batch, rest

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One-GPU performance run (H200). Run from the repository root on a CUDA machine
+# with the wheels it lacks in .whl/ (fla-core, einops; pydantic, fastapi,
+# starlette, uvicorn for the e2e part):
+#   bash benchmarks/gpu/h200_perf.sh OUT_DIR engine   state copies, engine (fla vs torch), resume vs
+#                                                     recompute at 8K/32K/128K, publishing on vs off,
+#                                                     a resumed follow-up's profile
+#   bash benchmarks/gpu/h200_perf.sh OUT_DIR e2e      agentic trace, prefill + decode engines sharing the GPU
+set -uo pipefail
+out=${1:-results/h200}
+part=${2:-engine}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv > "$out/card.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/card.txt"
+python3 -c "import fla; print('fla-core', fla.__version__)" >> "$out/card.txt" 2>&1
+if [ "$part" = engine ]; then
+  python3 benchmarks/gpu_transfer_bench.py --json "$out/transfer.json" 2>&1 | grep -E "vs_ceiling|bit_exact"
+  common=(--device cuda --preset small --dtype bfloat16 --budget-mb 30000 --chunk 8192 --followup 256 --reps 3)
+  python3 benchmarks/engine_bench.py "${common[@]}" --prefill-lens 8192,32768 --decode-batches 1,16,64 \
+    --decode-context 2048 --context 32768,8192 --profile-resume "$out/profile_resume_32k.txt" \
+    --json "$out/engine_fla.json" 2>&1 | grep -E "^(prefill|decode|resume)|Error" | head -20
+  python3 benchmarks/engine_bench.py "${common[@]}" --prefill-lens "" --decode-batches "" --context 131072 \
+    --json "$out/engine_fla_128k.json" 2>&1 | grep -E "^(prefill|decode|resume)|Error" | head -8
+  DISAGG_KDA_BACKEND=torch python3 benchmarks/engine_bench.py "${common[@]}" --prefill-lens 8192,32768 \
+    --decode-batches 1,16,64 --decode-context 2048 --context "" --json "$out/engine_torch.json" 2>&1 \
+    | grep -E "^(prefill|decode)|Error" | head -10
+  python3 benchmarks/overlap_bench.py --device cuda --preset small --dtype bfloat16 --prompt 8192 --batch 8 \
+    --rounds 3 --chunk 8192 --budget-mb 20000 --json "$out/overlap.json" 2>&1 | tail -14
+  head -45 "$out/profile_resume_32k.txt"
+else
+  python3 benchmarks/gpu/e2e_inprocess.py --out "$out/e2e" 2>&1 | tail -30
+  cp "$out/e2e/e2e.json" "$out/e2e.json" 2>/dev/null
+  cp "$out/e2e/trace.jsonl" "$out/trace.jsonl" 2>/dev/null
+fi
