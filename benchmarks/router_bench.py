@@ -17,6 +17,21 @@ lower P90 TTFT than every baseline; decision p99 <= 1 ms.
 ``--balance-seeds`` also replays the 16-worker case with other workload seeds
 and prints max/mean q per seed: with ~6 first turns per worker the figure
 moves by +-0.1 from seed to seed (docs/router.md).
+
+``--latency-reps N`` repeats the decision-latency measurement N times over the
+same index (the shared machine's load moves each repetition's p99; the median
+over repetitions is printed with every repetition).
+
+``--ray-replay`` instead replays a small synthetic agentic trace (the CPU-sized
+trace of ``benchmarks/e2e_pareto.py``) on the local Ray cluster, once per Serve
+request-router policy (``router.policy``: state_aware, power_of_two, affinity),
+each on a fresh cluster running the embedded default
+(``deployments/configs/local-cpu.yaml``) with two decode replicas, and prints
+per policy: cache hit (usage) against the trace's infinite-cache hit, max/mean
+over the decode replicas of the requests they served and of the prompt tokens
+they computed (replica counters read before and after the run), and P90 TTFT:
+
+    python benchmarks/router_bench.py --ray-replay --out results/router_ray
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -56,7 +72,8 @@ def run_sim(workers: int, seed: int, scale: float) -> dict[str, dict[str, float]
     return out
 
 
-def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0) -> dict:
+def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
+                     reps: int = 1) -> dict:
     rng = random.Random(seed)
     idx = PrefixIndex()
     ws = [WorkerState(f"w{i:02d}", "both", f"n{i // 8}") for i in range(num_workers)]
@@ -85,31 +102,61 @@ def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int 
     build_s = time.perf_counter() - t0
     router = StateAwareRouter(idx)
     keys = sorted(sessions)
-    out = {"workers": num_workers, "indexed_blocks": idx.num_objects()["mla"],
-           "checkpoints": idx.num_objects()["kda"], "build_s": round(build_s, 1)}
-    for label, freeze in (("", False), ("frozen_", True)):
-        if freeze:
-            gc.collect()
-            gc.freeze()  # what a long-lived router process does after loading its index
-        lat = _time_routes(router, sessions, keys, ws, n, rng)
-        out[f"{label}p50_ms"] = float(np.percentile(lat, 50))
-        out[f"{label}p99_ms"] = float(np.percentile(lat, 99))
+    out = {"workers": num_workers, "indexed_blocks": idx.num_objects()["mla"], "calls": n,
+           "checkpoints": idx.num_objects()["kda"], "build_s": round(build_s, 1), "reps": []}
+    gc.collect()
+    gc.freeze()  # what a long-lived router process does after loading its index
+    for _ in range(reps):
+        wall, cpu, probe = _time_routes(router, sessions, keys, ws, n, rng)
+        out["reps"].append({"p50_ms": float(np.percentile(wall, 50)), "p99_ms": float(np.percentile(wall, 99)),
+                            "cpu_p50_ms": float(np.percentile(cpu, 50)), "cpu_p99_ms": float(np.percentile(cpu, 99)),
+                            "probe_p50_ms": float(np.percentile(probe, 50)),
+                            "probe_p99_ms": float(np.percentile(probe, 99)),
+                            "load_average": os.getloadavg()[0]})
     gc.unfreeze()
+    for key in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "probe_p50_ms", "probe_p99_ms"):
+        out[key] = float(np.median([r[key] for r in out["reps"]]))
     return out
 
 
-def _time_routes(router, sessions, keys, ws, n, rng) -> np.ndarray:
-    lat = []
+def _probe_work() -> int:
+    """Fixed CPU work (~0.1-0.3 ms): its wall-time spread is the machine's noise, not the router's."""
+    acc = 0
+    for i in range(3000):
+        acc ^= i * 2654435761
+    return acc
+
+
+def _time_routes(router, sessions, keys, ws, n, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Wall and thread-CPU ms of n ``route`` calls, and wall ms of the noise probe run between them."""
+    wall, cpu, probe = [], [], []
     for i in range(n):
         digs = sessions[keys[rng.randrange(len(keys))]]
         extra = chain_digests([i, i + 1, i + 2, i + 3], 4, f"new{i}")  # new turn: 4 new blocks
         rr = RouteRequest(f"q{i}", f"sess{i}", digs + extra, (len(digs) + 4) * 256 + 17, 256)
         for w in ws:
             w.queued_prefill_tokens = rng.randrange(0, 50_000)
-        t = time.perf_counter()
+        c, t = time.thread_time(), time.perf_counter()
         router.route(rr, ws)
-        lat.append(time.perf_counter() - t)
-    return np.array(lat) * 1e3
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
+        t = time.perf_counter()
+        _probe_work()
+        probe.append(time.perf_counter() - t)
+    return np.array(wall) * 1e3, np.array(cpu) * 1e3, np.array(probe) * 1e3
+
+
+def latency_text(lat: dict) -> str:
+    lines = [f"decision latency, {lat['workers']} workers, {lat['indexed_blocks']:,} indexed blocks, "
+             f"{lat['checkpoints']:,} checkpoints, median of {len(lat['reps'])} repetition(s) of "
+             f"{lat['calls']} calls: p50 {lat['p50_ms']:.3f} ms, p99 {lat['p99_ms']:.3f} ms "
+             f"(thread CPU p50 {lat['cpu_p50_ms']:.3f}, p99 {lat['cpu_p99_ms']:.3f}; "
+             f"fixed-work probe p50 {lat['probe_p50_ms']:.3f}, p99 {lat['probe_p99_ms']:.3f})"]
+    for i, r in enumerate(lat["reps"]):
+        lines.append(f"  rep {i}: p50 {r['p50_ms']:.3f} p99 {r['p99_ms']:.3f} ms | cpu p50 {r['cpu_p50_ms']:.3f} "
+                     f"p99 {r['cpu_p99_ms']:.3f} | probe p50 {r['probe_p50_ms']:.3f} p99 {r['probe_p99_ms']:.3f} "
+                     f"| load average {r['load_average']:.1f}")
+    return "\n".join(lines)
 
 
 def balance_by_seed(seed0: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
@@ -162,6 +209,122 @@ def plot(results: dict[int, dict[str, dict[str, float]]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+RAY_POLICIES = ["state_aware", "power_of_two", "affinity"]
+RAY_COLUMNS = [("hit/theory", "hit_vs_theory", ".3f"), ("hit", "cache_hit", ".3f"), ("theory", "theoretical", ".3f"),
+               ("max/mean req", "max_mean_requests", ".3f"), ("max/mean tok", "max_mean_prefill_tokens", ".3f"),
+               ("P90 TTFT ms", "ttft_p90_ms", ".0f"), ("P50 TTFT ms", "ttft_p50_ms", ".0f"), ("ok", "num_ok", "d"),
+               ("load avg", "load_average", ".1f")]
+
+
+def _decode_counters(num_replicas: int, app_name: str) -> dict[str, dict[str, int]]:
+    """Cumulative counters of every decode replica (stats calls go to any replica: ask until all answered)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("DecodeServer", app_name=app_name)
+    seen: dict[str, dict[str, int]] = {}
+    for _ in range(50 * num_replicas):
+        s = handle.stats.remote().result(timeout_s=60)
+        seen[s["replica_id"]] = {"requests": s["worker"].get("decodes", 0),
+                                 "prefill_tokens": s["engine"].get("prefill_tokens", 0)}
+        if len(seen) == num_replicas:
+            return seen
+    raise RuntimeError(f"only {len(seen)} of {num_replicas} decode replicas answered")
+
+
+def _max_mean(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else float("nan")
+
+
+def ray_replay(args: argparse.Namespace) -> dict[str, dict]:
+    """Replay the CPU-sized agentic trace once per Serve router policy; returns figures per policy."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e_pareto: the trace and its helpers
+    from e2e_pareto import cpu_trace
+
+    from disagg.bench.trace import save_trace
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = cpu_trace(args.replay_sessions, args.seed)
+    trace_path = out / "trace.jsonl"
+    save_trace(records, trace_path)
+    results: dict[str, dict] = {}
+    for rnd in range(args.replay_rounds):  # odd rounds reverse the order: the machine's load drifts
+        order = args.replay_policies if rnd % 2 == 0 else args.replay_policies[::-1]
+        for policy in order:
+            results[f"{policy}#{rnd}"] = _replay_with_retry(args, rnd, policy, records, trace_path, out)
+    return results
+
+
+def _replay_with_retry(args: argparse.Namespace, rnd: int, policy: str, records, trace_path: Path, out: Path) -> dict:
+    import ray
+
+    k = rnd * len(args.replay_policies) + args.replay_policies.index(policy)  # a salt of its own
+    for attempt in range(2):  # a loaded machine sometimes times the Ray start out
+        try:
+            return _replay_policy(args, k, policy, records, trace_path, out / f"{policy}-{rnd}")
+        except Exception as exc:
+            if attempt:
+                raise
+            print(f"    {policy}: cluster failed ({exc!r}); retrying once", file=sys.stderr, flush=True)
+            ray.shutdown()
+    raise AssertionError("unreachable")
+
+
+def _replay_policy(args: argparse.Namespace, k: int, policy: str, records, trace_path: Path, out: Path) -> dict:
+    """One policy's replay on a fresh local cluster (bench results under ``out``)."""
+    from e2e_pareto import CONFIG, FIRST_TOKEN_ID, VOCAB_SIZE, engine_replicas, warm_up
+
+    from disagg.bench.sweep import BenchParams, run_bench_sync
+    from disagg.config import load_config
+    from disagg.local import APP_NAME, free_port, local_app, wait_healthy
+
+    cfg = load_config(CONFIG)
+    cfg.http.port = free_port()
+    cfg.router.policy = policy
+    cfg.router.stats_period_s = 0.5
+    cfg.deployment.decode.num_replicas = args.replay_decode_replicas
+    cfg.deployment.decode.num_cpus = cfg.deployment.prefill.num_cpus = 0.5  # all replicas fit the 2-core machine
+    t0 = time.monotonic()
+    with local_app(cfg) as url:
+        wait_healthy(url)
+        warm_up(url, cfg.model.openai_name)
+        before = _decode_counters(args.replay_decode_replicas, APP_NAME)
+        print(f"=== {policy}: cluster up in {time.monotonic() - t0:.0f} s, load average "
+              f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+        params = BenchParams(
+            url=url, trace=str(trace_path), out=str(out), concurrency=[args.replay_concurrency],
+            max_requests=args.replay_requests, think_cap_ms=2000.0, think_scale=0.05, sample_start_turn=False,
+            salt=1 + 100 * k, seed=args.seed, num_gpus=engine_replicas(cfg), vocab_size=VOCAB_SIZE,
+            first_token_id=FIRST_TOKEN_ID, default_block_size=64, plots=False, progress=False, quiet=True)
+        doc = run_bench_sync(params, records)
+        after = _decode_counters(args.replay_decode_replicas, APP_NAME)
+    s = doc["runs"][0]["summary"]
+    served = [after[r]["requests"] - before[r]["requests"] for r in after]
+    computed = [after[r]["prefill_tokens"] - before[r]["prefill_tokens"] for r in after]
+    hit, theory = s["cache_hit_usage"], s["cache_hit_theoretical"]
+    result = {
+        "cache_hit": hit, "theoretical": theory, "hit_vs_theory": hit / theory if hit is not None and theory else None,
+        "max_mean_requests": _max_mean(served), "max_mean_prefill_tokens": _max_mean(computed),
+        "requests_per_replica": served, "prefill_tokens_per_replica": computed,
+        "ttft_p90_ms": s["ttft_ms"]["p90"], "ttft_p50_ms": s["ttft_ms"]["p50"], "num_ok": s["num_ok"],
+        "valid": s["valid"], "wall_s": time.monotonic() - t0, "load_average": os.getloadavg()[0],
+    }
+    print(f"    {policy}: {s['num_ok']} ok in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def ray_table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    head = (f"local Ray replay: {args.replay_sessions} sessions, {args.replay_requests} requests at concurrency "
+            f"{args.replay_concurrency}, {args.replay_decode_replicas} decode replicas + 1 prefill\n")
+    head += f"{'policy#round':<16}" + "".join(f"{label:>13}" for label, _, _ in RAY_COLUMNS)
+    lines = [head, "-" * len(head.splitlines()[-1])]
+    for p, r in results.items():
+        lines.append(f"{p:<16}" + "".join(f"{'n/a':>13}" if r[k] is None else f"{r[k]:>13{fmt}}"
+                                          for _, k, fmt in RAY_COLUMNS))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/router_bench", help="output directory (table, JSON, PNG)")
@@ -170,27 +333,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--latency-blocks", type=int, default=1_000_000)
     ap.add_argument("--latency-decisions", type=int, default=2000)
+    ap.add_argument("--latency-reps", type=int, default=1, help="repetitions of the latency measurement")
+    ap.add_argument("--latency-only", action="store_true", help="skip the simulations")
     ap.add_argument("--balance-seeds", type=int, nargs="*", default=[],
                     help="extra workload seeds for the 16-worker balance check")
+    ap.add_argument("--ray-replay", action="store_true", help="replay on the local Ray cluster instead (see above)")
+    ap.add_argument("--replay-policies", nargs="+", default=RAY_POLICIES, choices=RAY_POLICIES)
+    ap.add_argument("--replay-sessions", type=int, default=12, help="top-level sessions in the replayed trace")
+    ap.add_argument("--replay-requests", type=int, default=48, help="measured requests per policy")
+    ap.add_argument("--replay-concurrency", type=int, default=4, help="closed-loop lanes")
+    ap.add_argument("--replay-decode-replicas", type=int, default=2)
+    ap.add_argument("--replay-rounds", type=int, default=1, help="rounds over the policies (odd ones reversed)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    results = {w: run_sim(w, args.seed, args.scale) for w in args.workers}
-    text = table(results)
-    if args.balance_seeds:
+    if args.ray_replay:
+        res = ray_replay(args)
+        text = ray_table(res, args)
+        print(text)
+        with open(os.path.join(args.out, "router_ray_replay.txt"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "router_ray_replay.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
+    results = {} if args.latency_only else {w: run_sim(w, args.seed, args.scale) for w in args.workers}
+    text = table(results) if results else ""
+    if args.balance_seeds and not args.latency_only:
         text += "\n" + balance_by_seed(results.get(16) or run_sim(16, args.seed, args.scale), args)
-    print(text)
+    if text:
+        print(text)
     print("decision latency: building the index ...", file=sys.stderr, flush=True)
-    lat = decision_latency(num_blocks=args.latency_blocks, n=args.latency_decisions, seed=args.seed)
-    lat_line = (f"decision latency, {lat['workers']} workers, {lat['indexed_blocks']:,} indexed blocks, "
-                f"{lat['checkpoints']:,} checkpoints: p50 {lat['p50_ms']:.3f} ms, p99 {lat['p99_ms']:.3f} ms; "
-                f"after gc.freeze(): p50 {lat['frozen_p50_ms']:.3f} ms, p99 {lat['frozen_p99_ms']:.3f} ms")
+    lat = decision_latency(num_blocks=args.latency_blocks, n=args.latency_decisions, seed=args.seed,
+                           reps=args.latency_reps)
+    lat_line = latency_text(lat)
     print(lat_line)
     with open(os.path.join(args.out, "router_bench.txt"), "w") as f:
         f.write(text + "\n" + lat_line + "\n")
     with open(os.path.join(args.out, "router_bench.json"), "w") as f:
         json.dump({"sim": {str(k): v for k, v in results.items()}, "latency": lat}, f, indent=1)
-    plot(results, os.path.join(args.out, "router_bench.png"))
-    print(f"wrote {args.out}/router_bench.png", file=sys.stderr)
+    if results:
+        plot(results, os.path.join(args.out, "router_bench.png"))
+        print(f"wrote {args.out}/router_bench.png", file=sys.stderr)
     return 0
 
 

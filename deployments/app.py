@@ -46,6 +46,8 @@ def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True) -
         actor["num_gpus"] = rc.num_gpus
     if rc.accelerator_type:
         actor["accelerator_type"] = rc.accelerator_type
+    if rc.resources:  # custom node resources, e.g. a Kubernetes worker group's role marker
+        actor["resources"] = dict(rc.resources)
     opts: dict[str, Any] = {
         "max_ongoing_requests": rc.max_ongoing_requests,
         "graceful_shutdown_timeout_s": cfg.deployment.graceful_shutdown_timeout_s,
@@ -56,7 +58,7 @@ def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True) -
         bundle = {"GPU": 1, "CPU": 1}
         if rc.accelerator_type:
             bundle[f"accelerator_type:{rc.accelerator_type}"] = 0.001
-        opts["placement_group_bundles"] = [dict(bundle, CPU=rc.num_cpus, GPU=rc.num_gpus)] + [
+        opts["placement_group_bundles"] = [dict(bundle, CPU=rc.num_cpus, GPU=rc.num_gpus, **rc.resources)] + [
             bundle for _ in range(rc.tensor_parallel_size - 1)
         ]
         opts["placement_group_strategy"] = "STRICT_PACK"

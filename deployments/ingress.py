@@ -3,15 +3,22 @@
 The ingress tokenizes, validates and hands each request to a decode replica
 (which orchestrates its prefill); it streams the replica's chunks back as SSE.
 A client that disconnects cancels the replica-side generator, which aborts the
-request in the engine and frees its state.
+request in the engine and frees its state. A decode replica lost mid-stream is
+replaced: the stream continues on another replica from the tokens already sent
+(``disagg.worker.continue_params``), at most ``deployment.max_stream_resumes`` times.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
 
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
 
 from deployments.request_router import report_finished, router_stats
 from disagg.api.app import create_app
@@ -19,6 +26,9 @@ from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig, load_config
 from disagg.engine.factory import build_tokenizer, engine_limits
 from disagg.messages import GenerateParams, StreamChunk
+from disagg.worker import continue_params
+
+log = logging.getLogger("ray.serve")
 
 
 class ServeBackend:
@@ -33,8 +43,31 @@ class ServeBackend:
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size  # valid prompt token ids: [0, vocab_size)
         self.model_name = config.model.openai_name
+        self.num_resumed_streams = 0  # streams continued on another decode replica
 
     async def stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
+        streamed: list[int] = []  # output tokens the client has been sent
+        current = params
+        for attempt in range(1, self.config.deployment.max_stream_resumes + 2):
+            try:
+                async with aclosing(self._stream_once(current)) as chunks:  # a disconnect cancels the replica call
+                    async for chunk in chunks:
+                        streamed.extend(chunk.token_ids)
+                        if current is not params:  # figures about the client's prompt, not the continuation's
+                            n = len(params.prompt_token_ids)
+                            chunk = replace(chunk, num_prompt_tokens=n,
+                                            num_cached_tokens=min(chunk.num_cached_tokens, n))
+                        yield chunk
+                return
+            except (RayActorError, ReplicaUnavailableError) as exc:
+                if attempt > self.config.deployment.max_stream_resumes or len(streamed) >= params.sampling.max_tokens:
+                    raise
+                log.warning("decode replica lost after %d tokens of %s (%s); continuing on another replica",
+                            len(streamed), params.request_id, type(exc).__name__)
+                self.num_resumed_streams += 1
+                current = continue_params(params, streamed, attempt)
+
+    async def _stream_once(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
         gen = self.decode.options(stream=True).generate.remote(params)
         done = False
         try:
@@ -52,7 +85,8 @@ class ServeBackend:
         if self.prefill is not None:
             calls.append(self.prefill.stats.remote())
         results = await asyncio.gather(*calls, return_exceptions=True)
-        return {**merge_replica_stats([r for r in results if isinstance(r, dict)]), **router_stats()}
+        return {**merge_replica_stats([r for r in results if isinstance(r, dict)]), **router_stats(),
+                "resumed_streams": self.num_resumed_streams}
 
 
 @serve.ingress()

@@ -15,6 +15,15 @@ replaces the previous one in the index). A resident session resumes at its
 turn end; the index is told about its last full block, a conservative
 approximation of where it resumes.
 
+The node-shared tiers reach the index as events: ``NodeEventFeed`` drains each
+node's ``NodeStoreActor`` event log (host tier stores and evictions, disk
+write-behind) in the background, at most every ``node_events_period_s``, into
+the same index (the events name the node, so every replica of the node can
+read what they report). Draining empties the log, so one router per node
+store must own it: the router of the decode deployment (its replicas report
+role "decode") does; the prefill deployment's routers, inside the decode
+replicas, do not.
+
 ``AffinityRequestRouter`` is the simple baseline (rendezvous hashing of the
 session id, load-ordered fallback). Requests that carry no ``GenerateParams``
 (stats, health) go anywhere.
@@ -26,9 +35,14 @@ Config (``router:`` in the app YAML; ``weights`` become the profile's scorer wei
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
+import ray
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
 import disagg.router.metrics as router_metrics
@@ -37,6 +51,8 @@ from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.router import RouterConfig, StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
 from kv_transfer.keys import BlockHasher, KeyExtras
+
+log = logging.getLogger("ray.serve")
 
 
 def report_finished(request_id: str, realized_cached_tokens: int) -> None:
@@ -66,12 +82,74 @@ def _params(pending_request) -> GenerateParams | None:
     return p if isinstance(p, GenerateParams) else None
 
 
+def node_store_actor_of(node_id: str) -> Any | None:
+    """The node's ``NodeStoreActor`` handle, None when the node runs none (yet)."""
+    from deployments.node_store import _PREFIX, NAMESPACE
+
+    try:
+        return ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+class NodeEventFeed:
+    """Drains node stores' ``StoreEvent``s (host and disk tiers) into a prefix index.
+
+    ``watch`` names a node once one of its replicas has been registered in the
+    index (the events are reported by the node id); ``poll`` starts a
+    background drain when ``period_s`` has passed since the last one, so a
+    routing decision never waits on a remote call.
+    """
+
+    def __init__(self, index: PrefixIndex, period_s: float = 1.0,
+                 lookup: Callable[[str], Any | None] = node_store_actor_of):
+        if period_s <= 0:
+            raise ValueError("period_s must be positive")
+        self._index = index
+        self._period_s = period_s
+        self._lookup = lookup
+        self._actors: dict[str, Any | None] = {}  # node id -> its node store handle (None: not found yet)
+        self._task: asyncio.Task | None = None
+        self._last = float("-inf")  # monotonic time of the last drain started
+        self.num_events = 0  # events applied to the index
+
+    def watch(self, node_id: str) -> None:
+        if node_id and node_id not in self._actors:
+            self._actors[node_id] = None
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if self._actors and now - self._last >= self._period_s and (self._task is None or self._task.done()):
+            self._last = now
+            self._task = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> int:
+        """Apply every watched node's pending events; returns how many."""
+        n = 0
+        for node_id, actor in list(self._actors.items()):
+            if actor is None:  # a GCS lookup: off the event loop
+                actor = self._actors[node_id] = await asyncio.to_thread(self._lookup, node_id)
+                if actor is None:
+                    continue
+            try:
+                events = await actor.take_events.remote()
+            except Exception as exc:  # the node store went away: look it up again next time
+                log.warning("node store of %s: events unavailable (%s)", node_id[:12], exc)
+                self._actors[node_id] = None
+                continue
+            self._index.apply_many(events)
+            n += len(events)
+        self.num_events += n
+        return n
+
+
 class StateAwareRequestRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, policy: dict | None = None, **_):
+    def initialize_state(self, policy: dict | None = None, node_events_period_s: float = 1.0, **_):
         self._hasher: BlockHasher | None = None  # built from the first replica's model id and block size
         self._index = PrefixIndex()
         self._policy = StateAwareRouter(self._index, RouterConfig.from_dict(policy or {}))
         self._versions: dict[str, int] = {}
+        self._node_events = NodeEventFeed(self._index, node_events_period_s)  # fed by decode routers only
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
 
@@ -83,6 +161,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         if rid not in self._versions:
             self._index.add_worker(rid, stats.get("node_id") or rid)
             self._versions[rid] = -1
+        if stats.get("role") == "decode":  # this router owns its nodes' event logs (module docstring)
+            self._node_events.watch(stats.get("node_id", ""))
         version = stats.get("device_version", -1)
         if version != self._versions[rid]:
             self._index.remove_worker_objects(rid)
@@ -106,6 +186,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         if params is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]
         workers = [self._sync(r) for r in candidate_replicas]
+        self._node_events.poll()
         if self._hasher is None:  # no replica has reported yet: spread by load alone
             return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
         hasher = self._hasher.with_salt(params.cache_salt)

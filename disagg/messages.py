@@ -37,6 +37,7 @@ class GenerateParams:
     cache_salt: str = ""  # tenant salt entering every state key
     prefill: PrefillHandle | None = None  # set when a prefill replica ran first
     route_reason: str = ""  # why the router placed it here (metrics)
+    resumed_output_tokens: int = 0  # trailing prompt tokens that are this request's own earlier output
 
     def __repr__(self) -> str:
         return (

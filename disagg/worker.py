@@ -20,7 +20,11 @@ NOTES
 1. Bulk state never travels in a Ray message: only ``PrefillHandle``.
 2. ``num_cached_tokens`` counts prompt tokens whose state was reused (by the
    prefill worker when one ran); the hand-off itself is a transfer, not a hit.
-3. Any failure of the state path degrades to recompute.
+3. Any failure of the state path degrades to recompute: a tier that errors, a
+   checksum that fails, a load past ``load_deadline_s``.
+4. A resumed request (``resumed_output_tokens > 0``: its prompt ends with its own
+   earlier output, after its decode replica was lost) samples output index
+   ``resumed_output_tokens`` next, so seeded sampling continues where it stopped.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
+from disagg import faults as fault_injection
 from disagg.engine.protocol import EngineRequest
+from disagg.faults import FaultInjector, LoadFault
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
 
@@ -51,44 +57,82 @@ class _Resume:
 
 class StatefulWorker:
     def __init__(self, engine, store=None, replica_id: str = "local", node_id: str = "local",
-                 local_prefill_max_tokens: int = 512, prefill_retries: int = 1):
+                 local_prefill_max_tokens: int = 512, prefill_retries: int = 2, load_deadline_s: float = 5.0,
+                 faults: FaultInjector | None = None, retry_backoff_s: float = 0.25):
         self.engine = engine  # AsyncEngine
         self.store = store  # kv_transfer.store.StateStore (node-shared tiers) or None
         self.replica_id = replica_id
         self.node_id = node_id
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_retries = prefill_retries
+        self.retry_backoff_s = retry_backoff_s  # pause before a retry (lets the router see a dead replica)
+        self.load_deadline_s = load_deadline_s  # a state lookup + load past this recomputes (NOTE 3)
+        self.faults = faults if faults is not None and faults.enabled else None
+        if self.faults is not None and store is not None:
+            self.faults.install(store)
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight
         self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,
-                         "load_failures": 0, "prefill_failures": 0, "published_bytes": 0}
+                         "load_failures": 0, "load_timeouts": 0, "prefill_failures": 0, "published_bytes": 0,
+                         "resumed_requests": 0}
 
     # -- state lookup ---------------------------------------------------------------
-    async def _plan_resume(self, tokens: list[int], hasher: BlockHasher, cache_salt: str) -> _Resume:
-        _, device_len = await self.engine.call(self.engine.engine.resident_match, tokens, cache_salt)
+    async def _plan_resume(self, tokens: list[int], hasher: BlockHasher, params: GenerateParams) -> _Resume:
+        _, device_len = await self.engine.call(self.engine.engine.resident_match, tokens, params.cache_salt)
         if self.store is not None:
-            point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, len(tokens) - 1)
-            if point.position > device_len:
-                loaded = await self._load(tokens, point.position, hasher)
+            deadline = time.monotonic() + self.load_deadline_s  # lookup and load share one deadline
+            try:
+                point = await asyncio.wait_for(
+                    asyncio.to_thread(self.store.resumable_length, tokens, hasher, len(tokens) - 1),
+                    self.load_deadline_s)
+            except asyncio.TimeoutError:
+                self.counters["load_timeouts"] += 1
+                log.warning("state lookup passed its %.1f s deadline; recomputing", self.load_deadline_s)
+                point = None
+            except Exception:  # a tier that fails is a miss (NOTE 3)
+                self.counters["load_failures"] += 1
+                log.exception("state lookup failed; recomputing")
+                point = None
+            if point is not None and point.position > device_len:
+                loaded = await self._load(tokens, point.position, hasher, params, deadline)
                 if loaded is not None:
                     return replace(loaded, source=_source(point.slowest_tier))
         return _Resume(None, device_len, "device" if device_len else "computed")
 
-    async def _load(self, tokens: list[int], position: int, hasher: BlockHasher) -> _Resume | None:
+    async def _load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
+                    deadline: float | None = None) -> _Resume | None:
         t0 = time.perf_counter()
+        budget = self.load_deadline_s if deadline is None else deadline - time.monotonic()
+        fault = self.faults.on_load(params) if self.faults is not None else None
         try:
-            # the store is thread-safe: no engine lock (steps go on while state loads)
-            state = await asyncio.to_thread(self.store.load_state, tokens, position, hasher, self.engine.layout)
+            state = await asyncio.wait_for(self._load_state(tokens, position, hasher, fault), max(0.0, budget))
+        except asyncio.TimeoutError:  # a stalled tier or peer: recompute rather than wait (NOTE 3)
+            self.counters["load_timeouts"] += 1
+            log.warning("state load passed its %.1f s deadline; recomputing", self.load_deadline_s)
+            state = None
         except Exception:  # a tier that fails is a miss (NOTE 3)
             log.exception("state load failed; recomputing")
             state = None
         if state is None:
             self.counters["load_failures"] += 1
+            if fault is not None:
+                self.faults.recovered("load_recomputed", params, after=fault.kind)
             return None
         nbytes = sum(b.rows.nbytes for b in state.mla_blocks) + (state.tail.rows.nbytes if state.tail else 0)
         nbytes += sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
         return _Resume(state, position, "host", nbytes, time.perf_counter() - t0)
+
+    async def _load_state(self, tokens: list[int], position: int, hasher: BlockHasher, fault: LoadFault | None):
+        if fault is not None and fault.kind == "delay":
+            await asyncio.sleep(fault.delay_s)  # an injected stall that holds no thread
+
+        def load():
+            with fault_injection.active(fault):  # the store's tier reads see the fault (disagg.faults)
+                return self.store.load_state(tokens, position, hasher, self.engine.layout, contiguous=True)
+
+        # the store is thread-safe: no engine lock (steps go on while state loads)
+        return await asyncio.to_thread(load)
 
     async def _publish(self, request_id: str, tokens: list[int], hasher: BlockHasher,
                        also_at: tuple[int, ...] = ()) -> tuple[int, float]:
@@ -122,13 +166,16 @@ class StatefulWorker:
 
     # -- prefill (runs on a prefill worker) ---------------------------------------------------
     async def prefill(self, params: GenerateParams) -> PrefillHandle:
+        if self.faults is not None and self.faults.should_kill_prefill(params):
+            self.faults.kill("kill_prefill", params)
         t0 = time.perf_counter()
         tokens = params.prompt_token_ids
         hasher = self.hasher.with_salt(params.cache_salt)
-        plan = await self._plan_resume(tokens, hasher, params.cache_salt)
+        plan = await self._plan_resume(tokens, hasher, params)
         rid = f"{params.request_id}/prefill"
         req = EngineRequest(rid, tokens, replace(params.sampling, max_tokens=1), resume=plan.state,
-                            keep_state=True, cached_source=plan.source, cache_salt=params.cache_salt)
+                            keep_state=True, first_output_index=params.resumed_output_tokens,
+                            cached_source=plan.source, cache_salt=params.cache_salt)
         last = None
         async for out in self.engine.generate(req):
             last = out
@@ -147,11 +194,13 @@ class StatefulWorker:
         tokens = list(params.prompt_token_ids)
         hasher = self.hasher.with_salt(params.cache_salt)
         sampling = params.sampling
-        plan = await self._plan_resume(tokens, hasher, params.cache_salt)
+        kill_after = self.faults.kill_decode_after(params) if self.faults is not None else None
+        self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
+        plan = await self._plan_resume(tokens, hasher, params)
         handle = None
         if prefill_fn is not None and len(tokens) - plan.position > self.local_prefill_max_tokens:
             handle = await self._remote_prefill(params, prefill_fn)
-        first_index = 0
+        first_index = params.resumed_output_tokens  # NOTE 4
         cached, source = plan.position, plan.source
         transfer_bytes, transfer_s = plan.nbytes, plan.seconds
         if handle is not None:
@@ -165,18 +214,21 @@ class StatefulWorker:
                 yield first
                 return
             yield first
-            loaded = await self._load(tokens, handle.position, hasher)
+            if kill_after == 1:
+                await self._injected_kill(params, 1)
+            loaded = await self._load(tokens, handle.position, hasher, params)
             plan = loaded or _Resume(None, 0, "computed")
             transfer_bytes, transfer_s = plan.nbytes, plan.seconds
             tokens = tokens + [handle.first_token]
             sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
-            first_index = 1
+            first_index += 1
         else:
             self.counters["local_prefills"] += 1
         rid = f"{params.request_id}/decode"
         req = EngineRequest(rid, tokens, sampling, resume=plan.state, keep_state=True,
                             first_output_index=first_index, cached_source=plan.source, cache_salt=params.cache_salt)
         finished = False
+        num_streamed = first_index - params.resumed_output_tokens
         try:
             async for out in self.engine.generate(req):
                 chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason, len(params.prompt_token_ids),
@@ -184,17 +236,29 @@ class StatefulWorker:
                                     out.error, transfer_bytes, transfer_s, self.replica_id)
                 if out.finished:
                     finished = True
-                    if out.finish_reason != "abort":  # checkpoint the turn end off the response path
+                    if out.finish_reason in ("length", "stop"):  # checkpoint the turn end off the response path
                         self._spawn(self._publish_turn_end(rid, hasher), _session_key(params))
                 yield chunk
+                num_streamed += len(out.new_token_ids)
+                if kill_after is not None and not finished and num_streamed >= kill_after:
+                    await self._injected_kill(params, num_streamed)
         finally:
             if not finished:
                 await self.engine.release(rid, False)
             self.counters["decodes"] += 1
 
+    async def _injected_kill(self, params: GenerateParams, num_streamed: int) -> None:
+        await asyncio.sleep(0.2)  # let the streamed tokens leave the replica: the death is mid-stream
+        self.faults.kill("kill_decode", params, after_tokens=num_streamed)
+
     async def _publish_turn_end(self, rid: str, hasher: BlockHasher) -> None:
         eng = self.engine.engine
-        computed, positions = await self.engine.call(lambda: (eng.computed_tokens(rid), eng.checkpoint_positions(rid)))
+        try:
+            computed, positions = await self.engine.call(
+                lambda: (eng.computed_tokens(rid), eng.checkpoint_positions(rid)))
+        except KeyError:  # the engine no longer holds the request (it failed or was aborted)
+            log.warning("turn end of %s not published: the engine no longer holds it", rid)
+            return
         earlier = tuple(sorted((p for p in positions if p < len(computed)), reverse=True))
         await self._publish(rid, computed, hasher, earlier)
 
@@ -221,10 +285,18 @@ class StatefulWorker:
     async def _remote_prefill(self, params: GenerateParams, prefill_fn: PrefillFn) -> PrefillHandle | None:
         for attempt in range(self.prefill_retries + 1):
             try:
-                return await prefill_fn(params)
+                handle = await prefill_fn(params)
+                if attempt and self.faults is not None:
+                    self.faults.recovered("prefill_retried", params, attempts=attempt + 1,
+                                          prefill_replica=handle.replica_id)
+                return handle
             except Exception as exc:  # a dead or failing prefill replica: retry, then prefill here
                 self.counters["prefill_failures"] += 1
                 log.warning("remote prefill attempt %d failed (%s)", attempt + 1, exc)
+                if attempt < self.prefill_retries:
+                    await asyncio.sleep(self.retry_backoff_s * (attempt + 1))
+        if self.faults is not None:
+            self.faults.recovered("prefill_local", params, attempts=self.prefill_retries + 1)
         return None
 
     def stats(self) -> dict:
@@ -232,6 +304,19 @@ class StatefulWorker:
         if self.store is not None:
             out["store"] = self.store.stats()
         return out
+
+
+def continue_params(params: GenerateParams, streamed: list[int], attempt: int) -> GenerateParams:
+    """The request that continues ``params`` after its output ``streamed`` was sent (NOTE 4).
+
+    The prompt grows by the streamed tokens and ``max_tokens`` shrinks by as many, so greedy (and
+    seeded) decoding of the continuation yields exactly the tokens the lost stream had left to send.
+    """
+    assert len(streamed) < params.sampling.max_tokens, "nothing left to continue"
+    return replace(params, request_id=f"{params.request_id}~{attempt}",
+                   prompt_token_ids=[*params.prompt_token_ids, *streamed],
+                   sampling=replace(params.sampling, max_tokens=params.sampling.max_tokens - len(streamed)),
+                   resumed_output_tokens=params.resumed_output_tokens + len(streamed), prefill=None)
 
 
 def _session_key(params: GenerateParams) -> str | None:

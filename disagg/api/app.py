@@ -8,14 +8,17 @@ baseline it is an in-process engine.
 
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
 with the matching status: 400 bad parameters / context length, 401 missing or
-wrong API key, 404 unknown model, 413 oversize body, 503 overloaded.
+wrong API key, 404 unknown model or route, 413 oversize body, 429 per-key rate
+or concurrency limit, 503 overloaded (load shed) or no replica left, 500 a bug.
+Keys, limits and load shedding live in ``disagg.api.limits`` (an ASGI
+middleware that sees the whole life of a streamed response).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,14 +26,29 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg.api.errors import APIError, error_response
+from disagg.api.limits import (
+    AdmissionGate,
+    EdgeMiddleware,
+    KeyLimiter,
+    KeyTable,
+    request_salt,
+    tenant_salt,
+)
 from disagg.api.metrics import ServingMetrics
-from disagg.api.schemas import ChatCompletionRequest, CompletionRequest
+from disagg.api.schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from disagg.config import HTTPConfig
 from disagg.engine.protocol import SamplingParams
 from disagg.messages import GenerateParams, StreamChunk
+
+log = logging.getLogger(__name__)
+_ERRORS = {400: "bad parameters or context length", 401: "missing or invalid API key", 404: "unknown model",
+           413: "request body too large", 429: "per-key rate or concurrency limit (see Retry-After)",
+           503: "overloaded or no replica available (see Retry-After)"}
 
 
 class GenerationBackend(Protocol):
@@ -44,7 +62,7 @@ class GenerationBackend(Protocol):
 
 
 def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metrics: ServingMetrics | None = None) -> FastAPI:
-    http = http or HTTPConfig()
+    http = (http or HTTPConfig()).with_file_keys()  # keys from a mounted Secret join the inline ones
     metrics = metrics or ServingMetrics()
     app = FastAPI(title="disagg", version="0.1.0")
     app.state.metrics = metrics
@@ -60,37 +78,43 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         return error_response(APIError(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
                                        param=loc or None))
 
-    @app.middleware("http")
-    async def _limits_and_auth(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > http.max_body_bytes):
-                return error_response(APIError(413, f"request body exceeds {http.max_body_bytes} bytes",
-                                               type="invalid_request_error", code="body_too_large"))
-            if http.api_keys and not _authorized(request.headers.get("authorization", ""), http.api_keys):
-                return error_response(APIError(401, "missing or invalid API key",
-                                               type="authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _bug(_req: Request, exc: Exception):  # still logged by Starlette; the client gets JSON
+        return error_response(APIError(500, "internal error", type="server_error", code="internal_error"))
+
+    gate = AdmissionGate(http.max_inflight, http.max_queued, http.queue_timeout_s)
+    app.state.gate = gate
+    app.add_middleware(EdgeMiddleware, max_body_bytes=http.max_body_bytes, keys=KeyTable(http.api_keys),
+                       limiter=KeyLimiter(http.rate_limit_per_key, http.rate_burst_per_key,
+                                          http.max_concurrent_per_key),
+                       gate=gate, on_reject=metrics.rejected)
+    app.openapi = lambda: _openapi(app, bool(http.api_keys))
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": backend.model_name}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: {"model": ErrorResponse, "description": _ERRORS[401]}})
     async def models():
         return {"object": "list", "data": [{"id": backend.model_name, "object": "model",
                                             "owned_by": "disagg", "max_model_len": backend.max_model_len}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prom():
         try:
             metrics.observe_stats(await asyncio.wait_for(backend.stats(), timeout=5))
         except Exception:  # stats are best effort; the scrape still answers
             pass
+        metrics.observe_gate(gate)
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_error_responses())
     async def completions(body: CompletionRequest, request: Request):
         tok = backend.tokenizer
         if isinstance(body.prompt, str):
@@ -101,7 +125,7 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
             ids = list(body.prompt)
         return await _serve(body, ids, "text_completion", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_error_responses())
     async def chat(body: ChatCompletionRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
@@ -112,6 +136,8 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         if body.model != backend.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {backend.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
+        if not ids:
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         vocab = getattr(backend, "vocab_size", None)
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
@@ -130,7 +156,7 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         params = GenerateParams(
             request_id=f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
             prompt_token_ids=ids, sampling=sampling, session_id=body.session_id or body.user,
-            cache_salt=body.cache_salt or _salt_for(request, http))
+            cache_salt=_cache_salt(request, body.cache_salt))
         run = _Run(backend, metrics, params, stops, kind, body.model, body.return_token_ids)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -141,20 +167,34 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
     return app
 
 
-def _authorized(header: str, keys: list[str]) -> bool:
-    token = header[7:] if header.lower().startswith("bearer ") else ""
-    ok = False
-    for k in keys:  # compare against every key: time does not depend on which one matched
-        ok |= hmac.compare_digest(token.encode(), k.encode())
-    return ok
+def _cache_salt(request: Request, explicit: str | None) -> str:
+    """The tenant's salt (from its API key, never the key itself), narrowed by an explicit one."""
+    api_key = request.scope.get("state", {}).get("api_key")
+    return request_salt(tenant_salt(api_key) if api_key else "", explicit)
 
 
-def _salt_for(request: Request, http: HTTPConfig) -> str:
-    """Tenant salt: per API key when keys are configured (NOTE: never the key itself)."""
-    if not http.api_keys:
-        return ""
-    token = request.headers.get("authorization", "")[7:]
-    return hmac.new(b"disagg-cache-salt", token.encode(), "sha256").hexdigest()[:32]
+def _error_responses() -> dict:
+    ok = {200: {"description": "the completion (JSON), or its chunks as server-sent events when stream is true",
+                "content": {"application/json": {}, "text/event-stream": {}}}}
+    return ok | {status: {"model": ErrorResponse, "description": what} for status, what in _ERRORS.items()}
+
+
+def _openapi(app: FastAPI, auth: bool) -> dict:
+    """The schema with the errors this API really returns: 400 instead of FastAPI's 422."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for route, path in schema.get("paths", {}).items():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+                if auth and route.startswith("/v1/"):  # /health and /metrics stay open
+                    op["security"] = [{"bearer": []}]
+        comps = schema.setdefault("components", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.get("schemas", {}).pop(name, None)
+        if auth:
+            comps["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class _Run:
@@ -177,12 +217,14 @@ class _Run:
         tok = self.backend.tokenizer
         t0 = time.perf_counter()
         t_prev = None
-        agen = self.backend.stream(self.params)
+        agen = _guarded(self.backend.stream(self.params))
         try:
             async for chunk in agen:
                 self.last = chunk
                 if chunk.error:
                     self.metrics.request_done(self.kind, "error")
+                    if chunk.finish_reason == "invalid":  # the engine refused the request: the client's fault
+                        raise APIError(400, chunk.error)
                     raise APIError(500 if chunk.finish_reason == "error" else 503, chunk.error,
                                    type="server_error")
                 if chunk.token_ids:
@@ -257,6 +299,21 @@ class _Run:
         except APIError as exc:
             yield _sse({"error": exc.body()})
         yield b"data: [DONE]\n\n"
+
+
+async def _guarded(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
+    """The backend's chunks; a backend failure becomes a 503 for the client (and a logged trace)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError:
+        raise
+    except Exception as exc:
+        log.exception("generation failed in the backend")
+        raise APIError(503, f"generation failed: {type(exc).__name__}; retry the request", type="server_error",
+                       code="backend_unavailable", headers={"Retry-After": "1"}) from exc
+    finally:
+        await chunks.aclose()
 
 
 def _sse(obj: dict) -> bytes:

@@ -39,8 +39,28 @@ class ServingMetrics:
                                      ["role", "state"], registry=r)
         self.route_decisions = Gauge("disagg_route_decisions", "Router decisions by reason (cumulative)",
                                      ["reason"], registry=r)
+        self.rejections = Counter("disagg_http_rejections", "Requests refused at the edge by reason "
+                                  "(unauthorized, body_too_large, rate_limit_exceeded, concurrency_limit_exceeded, "
+                                  "overloaded)", ["reason"], registry=r)
+        self.gate_running = Gauge("disagg_http_running", "Generations admitted and not yet finished", registry=r)
+        self.gate_queued = Gauge("disagg_http_queued", "Generations waiting for a running slot", registry=r)
+        self.gate_shed = Gauge("disagg_http_shed", "Generations shed (queue full or waited too long), cumulative",
+                               registry=r)
+        self.worker_events = Gauge("disagg_worker_events", "Worker events by role, summed over live replicas "
+                                   "(remote_prefills, prefill_failures, load_failures, load_timeouts, ...)",
+                                   ["role", "event"], registry=r)
+        self.resumed_streams = Gauge("disagg_resumed_streams", "Streams continued on another decode replica "
+                                     "after theirs was lost (cumulative)", registry=r)
         for s in SOURCES:
             self.prompt_tokens.labels(source=s)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason=reason).inc()
+
+    def observe_gate(self, gate) -> None:
+        self.gate_running.set(gate.num_running)
+        self.gate_queued.set(gate.num_queued)
+        self.gate_shed.set(gate.num_shed + gate.num_timed_out)
 
     def request_done(self, endpoint: str, status: str) -> None:
         self.requests.labels(endpoint=endpoint, status=status).inc()
@@ -67,6 +87,11 @@ class ServingMetrics:
             self.evictions.labels(tier=tier).set(s.get("evictions", 0))
         if "checksum_failures" in stats:
             self.checksum_failures.set(stats["checksum_failures"])
+        if "resumed_streams" in stats:
+            self.resumed_streams.set(stats["resumed_streams"])
+        for role, events in (stats.get("workers") or {}).items():
+            for event, n in events.items():
+                self.worker_events.labels(role=role, event=event).set(n)
         for role, e in (stats.get("engines") or {}).items():
             for state in ("running", "waiting", "held"):
                 self.engine_requests.labels(role=role, state=state).set(e.get(state, 0))
@@ -84,8 +109,12 @@ def merge_replica_stats(replica_stats: list[dict]) -> dict:
     """Fold replica stats into the shape ``ServingMetrics.observe_stats`` reads."""
     tiers: dict[str, dict] = {}
     engines: dict[str, dict] = {}
+    workers: dict[str, dict[str, int]] = {}
     checksum = 0
     for s in replica_stats:
+        events = workers.setdefault(s.get("role", "?"), {})
+        for name, n in (s.get("worker") or {}).items():
+            events[name] = events.get(name, 0) + n
         store = s.get("store") or {}
         for key, t in store.items():
             if key.startswith("tier:") and isinstance(t, dict):
@@ -105,4 +134,4 @@ def merge_replica_stats(replica_stats: list[dict]) -> dict:
             block_bytes = eng.get("block_bytes", 0)
             dev["used_bytes"] += (blocks - eng.get("free_blocks", 0)) * block_bytes
             dev["capacity_bytes"] += blocks * block_bytes
-    return {"tiers": tiers, "engines": engines, "checksum_failures": checksum}
+    return {"tiers": tiers, "engines": engines, "checksum_failures": checksum, "workers": workers}

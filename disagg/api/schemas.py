@@ -7,26 +7,38 @@ state), ``stop_token_ids``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+# Bodies are validated strictly: the JSON types the schema declares, no "true" -> True, no "7" -> 7.
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def _whole_number(v):
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+JSONInt = Annotated[int, BeforeValidator(_whole_number)]  # a JSON integer: 7 or 7.0 (JSON Schema's view)
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: JSONInt | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1)
-    seed: int | None = Field(default=None, ge=0, le=2**62)
+    n: JSONInt = Field(default=1, ge=1, le=1)
+    seed: JSONInt | None = Field(default=None, ge=0, le=2**62)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[JSONInt] | None = Field(default=None, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -44,8 +56,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[JSONInt] | list[str]
+    max_tokens: JSONInt | None = Field(default=16, ge=1)
     echo: bool = False
 
     @field_validator("prompt")
@@ -64,23 +76,32 @@ class CompletionRequest(_Common):
         return v
 
 
+class ContentPart(BaseModel):
+    """A part of a message's content; only text parts are served."""
+
+    model_config = _STRICT
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content if isinstance(part, dict))
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: JSONInt | None = Field(default=None, ge=1)
 
 
 class PromptTokensDetails(BaseModel):

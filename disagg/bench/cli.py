@@ -151,6 +151,13 @@ def _add_bench_run_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--prompt-mode", choices=["tokens", "text"], default="tokens")
+    p.add_argument(
+        "--transport",
+        choices=["auto", "raw", "aiohttp"],
+        default="auto",
+        help="streaming client: raw (kernel receive stamps; plain http) or aiohttp; "
+        "auto: raw for http://, aiohttp for https://",
+    )
     p.add_argument("--vocab-size", type=int, default=32_000)
     p.add_argument("--first-token-id", type=int, default=100)
     p.add_argument(
@@ -267,6 +274,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         endpoint=args.endpoint,
         prompt_mode=args.prompt_mode,
+        transport=args.transport,
         vocab_size=args.vocab_size,
         first_token_id=args.first_token_id,
         default_block_size=args.block_size,

@@ -1,13 +1,12 @@
 """Async OpenAI-compatible streaming client that records per-request timings.
 
-One :class:`aiohttp.ClientSession` (one HTTP/1.1 keep-alive pool) serves all
-lanes. Each request is sent with ``stream: true``, ``stream_options:
+Each request is sent with ``stream: true``, ``stream_options:
 {include_usage: true}``, ``ignore_eos: true`` and ``max_tokens`` set to the
 trace's output length, and yields a :class:`RequestResult`:
 
-- times are ``time.perf_counter_ns()`` stamps taken on this side: send (just
-  before the request is written), each token-bearing SSE chunk's arrival, end
-  (the last token chunk; the stream's end when there is none);
+- times are ``time.perf_counter_ns()`` values: send (the request starts),
+  each token-bearing SSE chunk's arrival, end (the last token chunk; the
+  stream's end when there is none);
 - output tokens come from ``usage.completion_tokens`` when present, else the
   number of token chunks; prompt and cached tokens from ``usage`` (cached:
   ``usage.prompt_tokens_details.cached_tokens``);
@@ -15,13 +14,21 @@ trace's output length, and yields a :class:`RequestResult`:
   (``connect``, ``timeout``, ``http_4xx``, ``http_5xx``, ``stream_broken``,
   ``other``).
 
-SSE parsing works per socket read: every complete event in one read is
-stamped with that read's arrival time (they arrived together), so a busy
-client does not add its own parsing time between them.
+Two transports carry the streamed POSTs (``transport=``):
 
-A token chunk is a ``/v1/completions`` chunk with a ``text`` field, or a chat
-chunk whose delta has non-empty ``content`` or ``reasoning_content`` (the
-role-only first chat chunk is not a token).
+- ``raw`` (the default for ``http://`` URLs): :mod:`disagg.bench.rawhttp`, a
+  small HTTP/1.1 client on non-blocking sockets whose reads carry the
+  kernel's receive timestamp (``SO_TIMESTAMPNS``), so a chunk's time is when
+  it reached this host, not when the event loop got to it; the send time is
+  stamped as the request starts (on a kept-alive connection, microseconds
+  before the ``send`` system call);
+- ``aiohttp`` (``https://``, or on request): one ``aiohttp.ClientSession``;
+  chunks are stamped when the event loop reads them, which lags behind the
+  socket once the loop is busy (tens of ms at hundreds of streams).
+
+SSE parsing (:mod:`disagg.bench.sse`) works per socket read: every complete
+event in one read is stamped with that read's arrival time.
+``GET`` helpers (``/v1/models``, ``/metrics``) always use aiohttp.
 """
 
 from __future__ import annotations
@@ -31,9 +38,13 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
+
+from disagg.bench.rawhttp import RawHTTPPool
+from disagg.bench.sse import StreamAccumulator, loads
 
 try:  # orjson encodes 100K-token prompts ~10x faster than json
     import orjson
@@ -41,7 +52,6 @@ try:  # orjson encodes 100K-token prompts ~10x faster than json
     def _dumps(obj: Any) -> bytes:
         return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
-    _loads = orjson.loads
 except ImportError:  # pragma: no cover - fallback without orjson
 
     def _dumps(obj: Any) -> bytes:
@@ -49,10 +59,10 @@ except ImportError:  # pragma: no cover - fallback without orjson
             obj = {**obj, "prompt": obj["prompt"].tolist()}
         return json.dumps(obj, separators=(",", ":")).encode()
 
-    _loads = json.loads
 
 PromptMode = Literal["tokens", "text"]
 Endpoint = Literal["completions", "chat"]
+Transport = Literal["auto", "raw", "aiohttp"]
 ERROR_CLASSES = ("connect", "timeout", "http_4xx", "http_5xx", "stream_broken", "other")
 
 
@@ -61,7 +71,7 @@ class RequestResult:
     """Measurements of one request (times: ``perf_counter_ns``)."""
 
     request_id: str  # sent as the x-request-id header
-    send_ns: int  # just before the request was written
+    send_ns: int  # the request started (connection taken, then written)
     first_token_ns: int | None = None  # first token chunk arrived
     end_ns: int | None = None  # stream finished (or failed)
     chunk_ns: list[int] = field(default_factory=list)  # arrival of every token chunk
@@ -79,6 +89,7 @@ class RequestResult:
     input_length: int = 0  # trace prompt length
     expected_output: int = 0  # trace output length (max_tokens)
     warmup: bool = False  # excluded from metrics
+    send_kernel_ns: int | None = None  # kernel transmit time of the request (raw, send_stamps)
 
     def __repr__(self) -> str:
         return (
@@ -115,21 +126,6 @@ class RequestResult:
         return (self.end_ns - self.first_token_ns) / 1e6 / (self.output_tokens - 1)
 
 
-def _is_plain_token(payload: bytes) -> bool:
-    """A compact completions chunk carrying text and nothing else of interest.
-
-    Anything unusual (usage, an error, a finish reason, other spacing) takes
-    the full JSON path instead, so this only ever saves work.
-    """
-    return (
-        b'"finish_reason":null' in payload
-        and b'"text":' in payload
-        and b'"usage"' not in payload
-        and b'"error"' not in payload
-        and payload.count(b'"index"') == 1
-    )
-
-
 def classify_status(status: int) -> str:
     if 400 <= status < 500:
         return "http_4xx"
@@ -142,6 +138,10 @@ class OpenAIClient:
     """Streaming ``/v1/completions`` (or ``/v1/chat/completions``) client.
 
     Use as ``async with OpenAIClient(url) as client: await client.complete(...)``.
+    ``transport``: ``auto`` (raw for ``http://``, aiohttp for ``https://``),
+    ``raw`` or ``aiohttp`` (see the module docstring). ``send_stamps`` (raw
+    only) also records each request's kernel transmit time in
+    ``RequestResult.send_kernel_ns``, to check the send stamp against.
     """
 
     def __init__(
@@ -156,6 +156,8 @@ class OpenAIClient:
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 600.0,
         extra_body: dict[str, Any] | None = None,
+        transport: Transport = "auto",
+        send_stamps: bool = False,
     ) -> None:
         if endpoint == "chat" and prompt_mode == "tokens":
             raise ValueError("the chat endpoint takes text prompts: use prompt_mode='text'")
@@ -176,8 +178,32 @@ class OpenAIClient:
         self._session: aiohttp.ClientSession | None = None
         self._path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         self._count = 0
+        url = urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"base_url must be http(s)://host[:port][/prefix], got {base_url!r}")
+        if transport not in ("auto", "raw", "aiohttp"):
+            raise ValueError(f"transport must be auto, raw or aiohttp, got {transport!r}")
+        if transport == "raw" and url.scheme != "http":
+            raise ValueError("the raw transport speaks plain http://; use transport='aiohttp'")
+        self.transport = "aiohttp" if transport == "aiohttp" or url.scheme != "http" else "raw"
+        self._host, self._port = url.hostname, url.port or 80
+        self._connect_timeout_s, self._read_timeout_s = connect_timeout_s, read_timeout_s
+        self._send_stamps = send_stamps
+        head = [f"POST {url.path}{self._path} HTTP/1.1", f"Host: {url.netloc}"]
+        head += [f"{k}: {v}" for k, v in self._headers.items()]
+        self._raw_head = ("\r\n".join(head) + "\r\n").encode("latin-1")
+        self.pool: RawHTTPPool | None = None
 
     async def __aenter__(self) -> OpenAIClient:
+        if self.transport == "raw":
+            self.pool = RawHTTPPool(
+                self._host,
+                self._port,
+                max_connections=self._max_connections,
+                connect_timeout_s=self._connect_timeout_s,
+                read_timeout_s=self._read_timeout_s,
+                send_stamps=self._send_stamps,
+            )
         connector = aiohttp.TCPConnector(
             limit=self._max_connections, keepalive_timeout=300, enable_cleanup_closed=True
         )
@@ -189,6 +215,9 @@ class OpenAIClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -197,7 +226,7 @@ class OpenAIClient:
         """First id listed by ``GET /v1/models``, or None."""
         try:
             text = await self.get_text("/v1/models")
-            data = _loads(text).get("data") or []
+            data = loads(text).get("data") or []
             return str(data[0]["id"]) if data else None
         except Exception:
             return None
@@ -209,7 +238,9 @@ class OpenAIClient:
             resp.raise_for_status()
             return await resp.text()
 
-    def build_body(self, prompt: np.ndarray | list[int] | str, max_tokens: int, session_id: str | None = None) -> bytes:
+    def build_body(
+        self, prompt: np.ndarray | list[int] | str, max_tokens: int, session_id: str | None = None
+    ) -> bytes:
         """Encode one request body (call off the event loop for huge prompts).
 
         ``session_id`` (an extension some servers use for routing affinity) is sent when given.
@@ -242,18 +273,54 @@ class OpenAIClient:
         self._count += 1
         rid = request_id or f"bench-{self._count}"
         result = RequestResult(rid, time.perf_counter_ns())
+        if self.pool is not None:
+            await self._send_raw(body, result)
+        else:
+            await self._send_aiohttp(body, result)
+        if result.end_ns is None:
+            result.end_ns = time.perf_counter_ns()
+        return result
+
+    async def _send_raw(self, body: bytes, result: RequestResult) -> None:
+        assert self.pool is not None
+        exchange = _RawExchange(result, self.endpoint == "chat")
+        extra = f"x-request-id: {result.request_id}\r\nContent-Length: {len(body)}\r\n\r\n"
+        stamp: list[int | None] = [None, None]
+        error, detail = await self.pool.request(
+            self._raw_head + extra.encode("latin-1") + body, exchange, stamp
+        )
+        if stamp[0] is not None:
+            result.send_ns = stamp[0]
+        result.send_kernel_ns = stamp[1]
+        if result.status is not None and result.status != 200:
+            result.error = classify_status(result.status)
+            result.error_detail = bytes(exchange.error_body or b"").decode("utf-8", "replace")
+            return
+        if error is not None and result.error is None:
+            result.error, result.error_detail = error, detail[:300]
+        if result.status == 200:
+            exchange.stream.close()
+
+    async def _send_aiohttp(self, body: bytes, result: RequestResult) -> None:
+        assert self._session is not None
         started = False
         try:
             async with self._session.post(
-                self.base_url + self._path, data=body, headers={"x-request-id": rid}
+                self.base_url + self._path, data=body, headers={"x-request-id": result.request_id}
             ) as resp:
                 result.status = resp.status
                 if resp.status != 200:
                     result.error = classify_status(resp.status)
                     result.error_detail = (await resp.text())[:300]
-                    return result
+                    return
                 started = True
-                await self._read_stream(resp, result)
+                stream = StreamAccumulator(result, self.endpoint == "chat")
+                try:
+                    async for data in resp.content.iter_any():
+                        if stream.feed(data, time.perf_counter_ns()):
+                            break
+                finally:
+                    stream.close()
         except asyncio.CancelledError:
             raise
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -270,60 +337,26 @@ class OpenAIClient:
             result.error_detail = repr(exc)[:300]
         except Exception as exc:  # recorded, never raised
             result.error, result.error_detail = "other", repr(exc)[:300]
-        finally:
-            if result.end_ns is None:
-                result.end_ns = time.perf_counter_ns()
-        return result
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, result: RequestResult) -> None:
-        """Parse the SSE stream; events from one socket read share that read's timestamp."""
-        chunks = result.chunk_ns
-        chat = self.endpoint == "chat"
-        usage = None
-        done = finished = False
-        pending = b""
-        async for data in resp.content.iter_any():
-            now = time.perf_counter_ns()
-            if b"\r" in data:
-                data = data.replace(b"\r\n", b"\n")
-            events = (pending + data).split(b"\n\n")
-            pending = events.pop()  # an incomplete event waits for the next read
-            for event in events:
-                for line in event.split(b"\n"):
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        continue
-                    if not chat and _is_plain_token(payload):
-                        chunks.append(now)  # fast path: no JSON decode
-                        continue
-                    obj = _loads(payload)
-                    if "error" in obj and not obj.get("choices"):
-                        result.error, result.error_detail = "stream_broken", str(obj["error"])[:300]
-                        return
-                    for choice in obj.get("choices") or ():
-                        if chat:
-                            delta = choice.get("delta") or {}
-                            is_token = bool(delta.get("content") or delta.get("reasoning_content"))
-                        else:
-                            is_token = choice.get("text") is not None
-                        if is_token:
-                            chunks.append(now)
-                        if choice.get("finish_reason"):
-                            finished = True
-                    if obj.get("usage"):
-                        usage = obj["usage"]
-            if done:
-                break
-        if chunks:
-            result.first_token_ns, result.end_ns = chunks[0], chunks[-1]
-        result.output_tokens = len(chunks)
-        if usage:
-            result.output_tokens = int(usage.get("completion_tokens") or len(chunks))
-            result.prompt_tokens = usage.get("prompt_tokens")
-            details = usage.get("prompt_tokens_details") or {}
-            result.cached_tokens = details.get("cached_tokens")
-        if not (done or finished):
-            result.error, result.error_detail = "stream_broken", "stream ended early"
+
+class _RawExchange:
+    """Feeds one raw-transport response into the result (SSE on 200, error text otherwise)."""
+
+    __slots__ = ("result", "stream", "error_body")
+
+    def __init__(self, result: RequestResult, chat: bool) -> None:
+        self.result = result
+        self.stream = StreamAccumulator(result, chat)
+        self.error_body: bytearray | None = None  # first 300 bytes of a non-200 body
+
+    def on_status(self, status: int) -> None:
+        self.result.status = status
+        if status != 200:
+            self.error_body = bytearray()
+
+    def on_body(self, data: bytes, arrived_ns: int) -> bool:
+        if self.error_body is None:
+            return self.stream.feed(data, arrived_ns)
+        if len(self.error_body) < 300:
+            self.error_body += data[: 300 - len(self.error_body)]
+        return False

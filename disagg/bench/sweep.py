@@ -64,6 +64,7 @@ class BenchParams:
     api_key: str | None = None
     endpoint: str = "completions"
     prompt_mode: str = "tokens"
+    transport: str = "auto"  # streaming client: auto | raw | aiohttp (see client.py)
     vocab_size: int = 32_000
     first_token_id: int = 100
     default_block_size: int = DEFAULT_BLOCK_SIZE
@@ -140,6 +141,7 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
         endpoint=params.endpoint,
         prompt_mode=params.prompt_mode,
         max_connections=max_conn,
+        transport=params.transport,
     ) as client:
         for cfg in params.run_configs():
             before = await _scrape(client, params.metrics_path)
@@ -163,6 +165,7 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
     config = asdict(params)
     config.pop("api_key", None)
     config["model"] = client.model
+    config["transport"] = client.transport  # what "auto" chose
     save_sweep(params.out, config, runs, params.targets)
     doc = load_sweep(params.out)
     if params.plots:

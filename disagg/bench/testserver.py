@@ -13,7 +13,9 @@ from the moment the handler starts, so sleep jitter does not accumulate)::
 Endpoints: ``POST /v1/completions`` (token-ID or text prompts, streaming or
 not), ``POST /v1/chat/completions`` (minimal), ``GET /metrics`` (Prometheus
 text with ``disagg_prompt_tokens_total{source=device|computed}``), and
-``GET /debug/timings`` (server-side timestamps per ``x-request-id``).
+``GET /debug/timings`` (with ``record_timings``, per ``x-request-id``: the
+handler's start ``recv_ns``, each token chunk's write ``write_ns`` and the
+kernel's transmit stamp of each ``tx_ns``, all ``perf_counter_ns``).
 A block-level prefix cache (unbounded) produces ``cached_tokens``.
 
 Run it in a background thread (:class:`TestServer`), in a child process
@@ -25,16 +27,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
+import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 
 from aiohttp import web
 
+from disagg.bench import rawhttp
+
 _NS = 1_000_000
+_DONE = b"data: [DONE]\n\n"
+# Listen backlog: aiohttp's default (128) drops SYNs when hundreds of lanes connect at
+# once, and a dropped SYN is retried after 1 s, 3 s, ... (seconds of false TTFT).
+_BACKLOG = 2048
 
 
 @dataclass(slots=True)
@@ -95,6 +108,78 @@ def _match_and_insert(state: _State, tokens: list, block: int) -> int:
     return hit
 
 
+class _TxRecorder:
+    """Kernel transmit stamps of one connection's writes (``record_timings`` only).
+
+    A write handed to the kernel may wait there (congestion window, the
+    peer's delayed ACKs) before it leaves, so the time the handler wrote a
+    chunk is not when the client could have it. With ``SO_TIMESTAMPING``
+    (software TX stamps keyed by the offset of each send's last byte) on a
+    duplicate of the connection's socket, :meth:`finish` maps every write of
+    a response to the time its last byte left::
+
+        ... | chunk i | chunk i+1 | ... | usage | [DONE] | 0\\r\\n\\r\\n |
+                    ^ E_i = E_end - sizes of every later write    ^ E_end = largest key
+
+    A stamp (key K, time T) covers the bytes up to K not covered by an
+    earlier stamp, so write i left at the T of the smallest K >= E_i.
+
+    NOTE: queued stamps make the socket report an error condition to the
+    event loop, which then wakes at once until they are read: :meth:`collect`
+    after every write keeps the queue short, and stamping is off between
+    streamed responses.
+    """
+
+    _SIOCOUTQNSD = 0x894B  # bytes written but not yet sent
+
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
+        fd = transport.get_extra_info("socket").fileno()
+        self.sock = socket.socket(fileno=os.dup(fd))
+        weakref.finalize(transport, self.sock.close)
+        self.stamps: list[tuple[int, int]] = []
+
+    def start(self) -> None:
+        self.sock.setsockopt(socket.SOL_SOCKET, rawhttp._SO_TIMESTAMPING, rawhttp.TX_FLAGS_WITH_ID)
+        rawhttp.read_tx_stamps(self.sock)  # nothing from before
+        self.stamps = []
+
+    def collect(self) -> None:
+        self.stamps += rawhttp.read_tx_stamps(self.sock)
+
+    def _unsent(self) -> int:
+        return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), self._SIOCOUTQNSD, b"\0" * 4))[0]
+
+    async def finish(self, sizes: list[int], num: int, timeout_s: float = 2.0) -> list[int] | None:
+        """Transmit times of the first ``num`` writes; ``sizes``: every write's size on the wire."""
+        deadline = time.perf_counter() + timeout_s
+        while self._unsent() > 0 and time.perf_counter() < deadline:
+            await asyncio.sleep(0.0002)
+        self.collect()
+        self.sock.setsockopt(socket.SOL_SOCKET, rawhttp._SO_TIMESTAMPING, 0)
+        stamps, self.stamps = sorted(self.stamps), []
+        if not stamps or self._unsent() > 0:
+            return None
+        end = stamps[-1][0]
+        ends, after = [], 0
+        for size in reversed(sizes):
+            ends.append(end - after)
+            after += size
+        ends.reverse()
+        out, j = [], 0
+        for e in ends[:num]:
+            while j < len(stamps) and stamps[j][0] < e:
+                j += 1
+            if j == len(stamps):
+                return None
+            out.append(stamps[j][1])
+        return out
+
+
+def _wire_size(payload_len: int, chunked: bool) -> int:
+    """Bytes one write puts on the wire: a chunked frame (hex size, CRLF, payload, CRLF) or the payload."""
+    return len(f"{payload_len:x}") + 2 + payload_len + 2 if chunked else payload_len
+
+
 async def _sleep_until(deadline_ns: int) -> None:
     delay = (deadline_ns - time.perf_counter_ns()) / 1e9
     if delay > 0:
@@ -104,6 +189,7 @@ async def _sleep_until(deadline_ns: int) -> None:
 def build_app(config: TestServerConfig) -> web.Application:
     """The aiohttp application implementing the endpoints above."""
     state = _State()
+    recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transport -> _TxRecorder
     app = web.Application(client_max_size=1 << 30)
     app[STATE_KEY] = state
 
@@ -163,7 +249,17 @@ def build_app(config: TestServerConfig) -> web.Application:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        recorder = None
+        if config.record_timings and rawhttp._SO_TIMESTAMPING and request.transport is not None:
+            try:
+                recorder = recorders.get(request.transport)
+                if recorder is None:
+                    recorder = recorders[request.transport] = _TxRecorder(request.transport)
+                recorder.start()
+            except OSError:  # no kernel stamps here: write times only
+                recorder = None
         await resp.prepare(request)
+        chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
         head = json.dumps(
             {"id": rid, "object": kind + (".chunk" if chat else ""), "model": "test"}
         )[:-1]
@@ -171,22 +267,32 @@ def build_app(config: TestServerConfig) -> web.Application:
         chunk = f'data: {head},"choices":[{piece}"finish_reason":null}}]}}\n\n'.encode()
         last = f'data: {head},"choices":[{piece}"finish_reason":"length"}}]}}\n\n'.encode()
         writes: list[int] = []
+        sizes: list[int] = []  # every write on the wire, for the transmit stamps
         for i in range(max_tokens):
             await _sleep_until(first + i * itl)
             if failing and i == config.break_after:
                 assert request.transport is not None
                 request.transport.close()  # injected mid-stream break
                 return resp
-            await resp.write(last if i == max_tokens - 1 else chunk)
+            data = last if i == max_tokens - 1 else chunk
+            await resp.write(data)
             if config.record_timings:
                 writes.append(time.perf_counter_ns())
+                sizes.append(_wire_size(len(data), chunked))
+                if recorder is not None:
+                    recorder.collect()
         if (body.get("stream_options") or {}).get("include_usage"):
             usage_chunk = f'data: {head},"choices":[],"usage":{json.dumps(usage)}}}\n\n'
             await resp.write(usage_chunk.encode())
-        await resp.write(b"data: [DONE]\n\n")
-        if config.record_timings:
-            state.timings[rid] = {"recv_ns": t_recv, "write_ns": writes}
+            sizes.append(_wire_size(len(usage_chunk.encode()), chunked))
+        await resp.write(_DONE)
         await resp.write_eof()
+        if config.record_timings:
+            sizes.append(_wire_size(len(_DONE), chunked))
+            if chunked:
+                sizes.append(5)  # the last chunk: 0\r\n\r\n
+            tx = await recorder.finish(sizes, len(writes)) if recorder else None
+            state.timings[rid] = {"recv_ns": t_recv, "write_ns": writes, "tx_ns": tx}
         return resp
 
     async def metrics(request: web.Request) -> web.Response:
@@ -249,7 +355,7 @@ class TestServer:
         try:
             self._runner = web.AppRunner(build_app(self.config), access_log=None)
             loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=_BACKLOG)
             loop.run_until_complete(site.start())
             host, port = self._runner.addresses[0][:2]
             self.port, self.url = port, f"http://{host}:{port}"
@@ -289,6 +395,11 @@ class TestServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "server not started"
+        return self._proc.pid
 
     def start(self, timeout_s: float = 30.0) -> TestServerProcess:
         cmd = [
@@ -348,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     async def serve() -> None:
         runner = web.AppRunner(build_app(config), access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", args.port).start()
+        await web.TCPSite(runner, "127.0.0.1", args.port, backlog=_BACKLOG).start()
         host, port = runner.addresses[0][:2]
         print(f"READY http://{host}:{port}", flush=True)
         await asyncio.Event().wait()

@@ -108,7 +108,9 @@ class RoutingContext:
     now: float = 0.0  # router clock
     extra: dict[str, object] = field(default_factory=dict)  # plugin scratch space
     _views: dict[tuple[str, ...], CandidateView] = field(default_factory=dict)  # cache of view()
-    _base: tuple[CandidateView, dict[str, int]] | None = None  # first view built, row of each id
+    _last: tuple[list[WorkerState], WorkerState, CandidateView] | None = None  # last list viewed (identity)
+    _base: CandidateView | None = None  # first view built
+    _base_rows: dict[str, int] | None = None  # worker id -> row of _base (built on first subset)
     _load_rows: dict[str, int] | None = None  # worker id -> column of loads (columns form)
     _match_rows: dict[str, int] | None = None  # worker id -> row of match
 
@@ -137,7 +139,15 @@ class RoutingContext:
         )
 
     def view(self, workers: list[WorkerState]) -> CandidateView:
-        """Numpy columns for ``workers`` (cached per candidate list)."""
+        """Numpy columns for ``workers`` (cached per candidate list).
+
+        The plugins of one profile receive the same list object: the last
+        list viewed is recognized by identity (and its last element), so
+        scorers after the first pay no per-worker work.
+        """
+        last = self._last
+        if last is not None and last[0] is workers and workers and workers[-1] is last[1]:
+            return last[2]
         ids = [w.worker_id for w in workers]
         key = tuple(ids)
         v = self._views.get(key)
@@ -145,14 +155,19 @@ class RoutingContext:
             v = self._views[key] = self._subset_view(ids) or CandidateView(
                 ids, self._load_matrix(workers, ids), *self._match_columns(ids))
             if self._base is None:
-                self._base = (v, {wid: i for i, wid in enumerate(ids)})
+                self._base = v
+        if workers:
+            self._last = (workers, workers[-1], v)
         return v
 
     def _subset_view(self, ids: list[str]) -> CandidateView | None:
         """Rows of the first view built, when it holds every id (filters only remove)."""
-        if self._base is None:
+        base = self._base
+        if base is None:
             return None
-        base, pos = self._base
+        if self._base_rows is None:
+            self._base_rows = {wid: i for i, wid in enumerate(base.worker_ids)}
+        pos = self._base_rows
         n = len(ids)
         rows = np.fromiter(map(pos.get, ids, repeat(-1, n)), np.intp, n)
         if n and rows.min() < 0:

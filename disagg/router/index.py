@@ -17,31 +17,30 @@ request's block digests, the *resumable* length:
 shared by the workers of a node, remote by everyone). The tier reported is
 the *slowest* one the resume reads, since that transfer bounds the load time.
 
-Data layout (sized for 64 workers x 1M blocks, p99 < 1 ms per decision):
+Data layout (sized for 64 workers x 1M blocks, a decision within ~1 ms): three
+``DigestTable``s (``disagg.router.digest_table``), MLA blocks, KDA checkpoints
+(keyed by prefix digest) and MLA tails (keyed by tail digest). A row holds one
+worker bitmask per tier (dev, host, disk, remote) as uint64 words, bit b set
+when worker b can read the object from that tier (node-shared tiers set the
+bits of every worker of the node, a global tier every bit); an MLA row's
+``link`` is the row of the KDA checkpoint at its digest (none: 0 in the record,
+``link + 1`` is stored), so the walk finds checkpoints without a second lookup
+per block.
 
-    _mla[digest]  = (dev, host, disk, remote,  le_host, le_disk, le_any,  ckpt)
-    _kda[digest]  = (dev, host, disk, remote,  le_host, le_disk, le_any,  None)
-                    KDA checkpoints keyed by prefix digest
-    _tail[digest] = same, for MLA tails keyed by tail digest
+The walk is numpy over the prompt's blocks, a fixed number of calls whatever
+the prompt length or the index size:
 
-``ckpt`` is the ``_kda`` entry at the same digest (the aligned checkpoint at
-the end of that block) or None, so the walk finds checkpoints without a
-second lookup per block.
+    rows, recs = find(h_1 .. h_n)                    one vectorized hash probe, cut at the first miss
+    le[i, t]   = dev | ... | tier t  of block i      "readable no slower than t" (OR along tiers)
+    cum[k, t]  = cand & AND_{i<k} le[i, t]           (AND along blocks)
+    alive(k)   = cum[k, any]                         candidates reading blocks 0..k-1
+    tier(w, p) = min t with w in cum[p / bs, t] & le_t(checkpoint) [& le_t(tail)]
 
-Each mask is a Python int with bit b set when worker b can read the object
-from that tier (node-shared tiers set the bits of every worker of the node,
-the remote tier sets all bits: -1). ``le_t`` is the union of the tiers up
-to t ("readable no slower than t"), so the walk needs no per-block Python:
-
-    alive(k)   = cand & AND_{i<k} le_any(h_i)      workers reading blocks 0..k-1
-    le_t(k)    = AND_{i<k} le_t(h_i)               ... all of them no slower than t
-    tier(w, p) = min t with w in le_t(p / bs) & le_t(checkpoint) [& le_t(tail)]
-
-Each AND is an ``itertools.accumulate`` over a ``map`` (C loops), so a walk
-costs a handful of C-speed passes over the prompt's blocks plus Python work
-per checkpoint and per worker, independent of the index size. Entries are
-tuples of ints, which the garbage collector stops tracking, so a million
-entries add no GC pauses.
+The resume points (a linked checkpoint at block k, or a probed tail) are then
+visited furthest first as Python ints: each worker takes the first point it
+can read, at the fastest tier it can read it from; the loop ends once every
+worker with a point has one (usually at the first point). Results are
+``disagg.router.match.MatchResult`` (re-exported here).
 
 NOTES
 1. Resumable length never exceeds the newest KDA checkpoint a worker holds
@@ -51,41 +50,57 @@ NOTES
 3. Register workers (``add_worker``) before their events arrive; a worker
    seen first in an event is registered as alone on its own node. An event
    reported by a node id (a node-shared tier) applies to the node's workers.
-4. ``entry[4 + t - 1] == entry[0] | ... | entry[t]`` for every entry (the
-   cumulative masks are rebuilt on every change, see ``_entry``).
-5. ``_mla[h][7] is _kda.get(h)`` for every MLA entry: a KDA change re-links
-   the MLA entry at its digest, a new MLA entry links the current KDA entry.
+4. A row exists iff some tier mask of it is non-zero; a change that clears
+   the last bit frees the row (``_change``).
+5. ``_mla.link(_mla.row(h)) == _kda.row(h)`` (both None when there is no
+   checkpoint at h) for every MLA row: a KDA insert or delete re-links the MLA
+   row at its digest, a new MLA row links the current KDA row.
+6. Worker bits are never reused; a worker past the last mask word widens
+   every table by a word (global-tier objects get the new bits too).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import reduce
-from itertools import accumulate, compress, islice, repeat
-from operator import and_, itemgetter, neg
+from itertools import accumulate
+from operator import itemgetter, or_
 from typing import Any
 
+import numpy as np
+
+from disagg.router.digest_table import (
+    REC_LINK,
+    REC_MASKS,
+    WORD_BITS,
+    DigestTable,
+    mask_words,
+    words_mask,
+)
+from disagg.router.match import MatchResult, PrefixMatch, _Lengths
 from disagg.router.types import TIER_INDEX, TIERS, RouteRequest
+
+__all__ = ["IndexUpdate", "MatchResult", "PrefixIndex", "PrefixMatch", "tier_of", "update_from_event"]
 
 SCOPES = ("worker", "node", "global")
 DEFAULT_SCOPES = {"device": "worker", "host": "node", "disk": "node", "remote": "global"}
 OBJECT_KINDS = ("mla", "tail", "kda")
-Entry = tuple  # (dev, host, disk, remote, le_host, le_disk, le_any, ckpt entry | None)
-_LE = (0, 4, 5, 6)  # entry column of "readable no slower than tier t"
-_ANY = itemgetter(6)
-_CKPT = itemgetter(7)
-_LE_COL = tuple(itemgetter(c) for c in _LE)
+_ANY = 3  # tier column of "readable from any tier" in le / cum
 _NO_TIER = -1
+_ONE = np.uint64(1)
+_EMPTY_ROWS = np.empty(0, np.int64)
+_POSITION = itemgetter(0)
 
 
-def _entry(d: int, ho: int, di: int, re: int, ckpt: Entry | None = None) -> Entry | None:
-    """Entry with its cumulative masks (NOTE 4); None when no tier holds the object."""
-    le1 = d | ho if ho else d
-    le2 = le1 | di if di else le1
-    le3 = le2 | re if re else le2
-    return (d, ho, di, re, le1, le2, le3, ckpt) if le3 else None
+def _popcount_swar(x: np.ndarray) -> np.ndarray:
+    """Set bits per uint64 (numpy < 2 has no ``bitwise_count``)."""
+    x = x - ((x >> _ONE) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return (x * np.uint64(0x0101010101010101)) >> np.uint64(56)
+
+
+_popcount = getattr(np, "bitwise_count", _popcount_swar)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,96 +147,23 @@ def update_from_event(event: Any) -> IndexUpdate | None:
 
 
 @dataclass(slots=True)
-class PrefixMatch:
-    """Result of a walk for one worker."""
+class _Candidates:
+    """A candidate list as bits and as the word arrays the walk indexes with."""
 
-    resumable_tokens: int = 0  # furthest resume point p (0 = nothing to resume)
-    tier: str | None = None  # slowest tier read by the resume (None when p == 0)
-    mla_blocks: int = 0  # consecutive MLA blocks readable from the start (any tier)
-
-
-class MatchResult:
-    """Walk result for one request over a set of candidate workers.
-
-    Column form (what the walk produces and vectorized plugins read), row i
-    for ``worker_ids[i]``; ``matches`` is the per-worker dict view, built on
-    first use. Either form may be given to the constructor.
-    """
-
-    __slots__ = ("worker_ids", "resumable", "tiers", "mla_blocks", "common_blocks", "_matches")
-
-    def __init__(
-        self,
-        matches: dict[str, PrefixMatch] | None = None,
-        common_blocks: int = 0,
-        *,
-        worker_ids: list[str] | None = None,
-        resumable: list[int] | None = None,
-        tiers: list[int] | None = None,
-        mla_blocks: list[int] | None = None,
-    ):
-        self.common_blocks = common_blocks  # leading blocks readable by >= common_min candidates
-        self._matches = matches
-        if matches is not None:
-            worker_ids = list(matches)
-            vals = list(matches.values())
-            resumable = [m.resumable_tokens for m in vals]
-            tiers = [_NO_TIER if m.tier is None else TIER_INDEX[m.tier] for m in vals]
-            mla_blocks = [m.mla_blocks for m in vals]
-        self.worker_ids: list[str] = worker_ids or []  # candidates, row order
-        self.resumable: list[int] = resumable or []  # resumable tokens per row
-        self.tiers: list[int] = tiers or []  # slowest tier index per row (-1: no resume)
-        self.mla_blocks: list[int] = mla_blocks if mla_blocks is not None else []  # readable leading blocks per row
-        assert len(self.worker_ids) == len(self.resumable) == len(self.tiers) == len(self.mla_blocks)
-
-    @property
-    def matches(self) -> dict[str, PrefixMatch]:
-        if self._matches is None:
-            self._matches = {
-                w: PrefixMatch(p, TIERS[t] if t >= 0 else None, m)
-                for w, p, t, m in zip(self.worker_ids, self.resumable, self.tiers, self.mla_blocks, strict=True)
-            }
-        return self._matches
-
-    def get(self, worker_id: str) -> PrefixMatch:
-        if self._matches is not None:
-            return self._matches.get(worker_id) or PrefixMatch()
-        try:
-            i = self.worker_ids.index(worker_id)
-        except ValueError:
-            return PrefixMatch()
-        t = self.tiers[i]
-        return PrefixMatch(self.resumable[i], TIERS[t] if t >= 0 else None, self.mla_blocks[i])
+    key: tuple[str, ...]  # the worker ids, in order
+    bits: list[int]  # bit of each candidate
+    mask: int  # OR of their bits
+    words: np.ndarray  # mask as uint64 words (num_words,)
+    word: np.ndarray  # word of each candidate's bit (intp)
+    shift: np.ndarray  # position of the bit inside its word (uint64)
+    rank: dict[int, list[int]]  # bit -> positions in the list holding it
 
 
-class _Lengths:
-    """Leading readable blocks per candidate, expanded from the walk's steps on first use."""
-
-    __slots__ = ("_bits", "_steps", "_list")
-
-    def __init__(self, bits: list[int], steps: list[tuple[int, int]]):
-        self._bits, self._steps, self._list = bits, steps, None
-
-    def _expand(self) -> list[int]:
-        if self._list is None:
-            by_bit = {b: m for mask, m in self._steps for b in _bits(mask)}
-            self._list = [by_bit.get(b, 0) for b in self._bits]
-        return self._list
-
-    def __len__(self) -> int:
-        return len(self._bits)
-
-    def __getitem__(self, i: int) -> int:
-        if self._list is not None:
-            return self._list[i]
-        b = self._bits[i]
-        return next((m for mask, m in self._steps if mask >> b & 1), 0)
-
-    def __iter__(self):
-        return iter(self._expand())
-
-    def __eq__(self, other: object) -> bool:
-        return list(self) == list(other)  # type: ignore[call-overload]
+def _ints(words: np.ndarray) -> list[int]:
+    """Rows of uint64 words (..., word) as ints, one per row."""
+    if words.shape[-1] == 1:
+        return words[..., 0].ravel().tolist()
+    return [words_mask(w) for w in words.reshape(-1, words.shape[-1])]
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -252,11 +194,12 @@ class PrefixIndex:
         self._workers: list[str] = []  # bit -> worker id
         self._node_of: dict[str, str] = {}  # worker id -> node id
         self._node_mask: dict[str, int] = {}  # node id -> bits of its workers
-        self._mla: dict[bytes, Entry] = {}
-        self._kda: dict[bytes, Entry] = {}
-        self._tail: dict[bytes, Entry] = {}
+        self._global_tiers = tuple(TIER_INDEX[t] for t, s in self.scopes.items() if s == "global")
+        self._mla = DigestTable()  # MLA blocks by block digest
+        self._kda = DigestTable()  # KDA checkpoints by prefix digest
+        self._tail = DigestTable()  # MLA tails by tail digest
         self._tables = {"mla": self._mla, "kda": self._kda, "tail": self._tail}
-        self._cand: tuple[tuple[str, ...], list[int], int] | None = None  # last candidate set
+        self._cand: _Candidates | None = None  # last candidate list
         self.num_events = 0  # events applied
         self.num_ignored = 0  # events the adapter dropped (see update_from_event)
 
@@ -267,6 +210,10 @@ class PrefixIndex:
         if bit is not None:
             return bit
         bit = len(self._workers)
+        words = bit // WORD_BITS + 1
+        if words > self._mla.num_words:  # NOTE 6
+            for table in self._tables.values():
+                table.widen(words, self._global_tiers)
         self._bit[worker_id] = bit
         self._workers.append(worker_id)
         node = node_id or worker_id
@@ -284,6 +231,18 @@ class PrefixIndex:
     def num_objects(self) -> dict[str, int]:
         return {"mla": len(self._mla), "kda": len(self._kda), "tail": len(self._tail)}
 
+    def tier_masks(self, object_kind: str, digest: bytes) -> tuple[int, int, int, int] | None:
+        """(device, host, disk, remote) worker bitmasks of one object, None if not indexed.
+
+        A tier of global scope reports -1 (every worker, present and future).
+        """
+        table = self._tables[object_kind]
+        row = table.row(digest)
+        if row is None:
+            return None
+        masks = table.int_masks(row)
+        return tuple(-1 if t in self._global_tiers and m else m for t, m in enumerate(masks))  # type: ignore[return-value]
+
     # ---- updates ------------------------------------------------------------
     def _scope_mask(self, tier: str, reporter: str) -> int:
         scope = self.scopes.get(tier, "worker")
@@ -296,21 +255,23 @@ class PrefixIndex:
 
     def _change(self, kind: str, digest: bytes, tier: int, set_mask: int, clear_mask: int) -> None:
         table = self._tables[kind]
-        e = table.get(digest)
-        raw = [0, 0, 0, 0] if e is None else list(e[:4])
-        raw[tier] = (raw[tier] & ~clear_mask) | set_mask
-        if kind == "mla":
-            new = _entry(*raw, self._kda.get(digest))
-        else:
-            new = _entry(*raw)
-        if new is None:
-            table.pop(digest, None)
-        else:
-            table[digest] = new
-        if kind == "kda":  # NOTE 5
-            m = self._mla.get(digest)
-            if m is not None:
-                self._mla[digest] = m[:7] + (new,)
+        row = table.row(digest)
+        if row is None:
+            if not set_mask:
+                return
+            row = table.insert(digest)
+            if kind == "mla":  # NOTE 5
+                table.set_link(row, self._kda.row(digest))
+            elif kind == "kda":
+                mla_row = self._mla.row(digest)
+                if mla_row is not None:
+                    self._mla.set_link(mla_row, row)
+        if not table.change(row, tier, set_mask, clear_mask):  # NOTE 4
+            table.delete(digest)
+            if kind == "kda":
+                mla_row = self._mla.row(digest)
+                if mla_row is not None:
+                    self._mla.set_link(mla_row, None)
 
     def apply_update(self, u: IndexUpdate) -> None:
         """Apply one update.
@@ -359,9 +320,12 @@ class PrefixIndex:
         bit = self._bit.get(worker_id)
         if bit is None:
             return
+        word, shift = divmod(bit, WORD_BITS)
         for kind, table in self._tables.items():
-            for digest in [d for d, e in table.items() if e[0] >> bit & 1]:
-                self._change(kind, digest, 0, 0, 1 << bit)
+            device = table.rec[: table.num_rows, REC_MASKS + word]  # tier 0, this word
+            held = (device >> np.uint64(shift)) & _ONE
+            for row in np.flatnonzero(held).tolist():
+                self._change(kind, table.digest(row), 0, 0, 1 << bit)
 
     # ---- queries -------------------------------------------------------------
     def resumable(self, request: RouteRequest, worker_id: str) -> tuple[int, str | None]:
@@ -369,16 +333,34 @@ class PrefixIndex:
         m = self.match(request, [worker_id]).get(worker_id)
         return m.resumable_tokens, m.tier
 
-    def _candidates(self, worker_ids: list[str]) -> tuple[list[int], int]:
+    def _candidates(self, worker_ids: list[str]) -> _Candidates:
         key = tuple(worker_ids)
-        if self._cand is not None and self._cand[0] == key:
-            return self._cand[1], self._cand[2]
+        c = self._cand
+        if c is not None and c.key == key and len(c.words) == self._mla.num_words:
+            return c
         bits = [self.add_worker(w) for w in worker_ids]
-        cand = 0
+        mask = 0
         for b in bits:
-            cand |= 1 << b
-        self._cand = (key, bits, cand)
-        return bits, cand
+            mask |= 1 << b
+        self._cand = c = _Candidates(
+            key, bits, mask, mask_words(mask, self._mla.num_words),
+            np.array([b // WORD_BITS for b in bits], np.intp),
+            np.array([b % WORD_BITS for b in bits], np.uint64),
+            {},
+        )
+        for i, b in enumerate(bits):
+            c.rank.setdefault(b, []).append(i)
+        return c
+
+    def _prefix(self, request: RouteRequest) -> tuple[np.ndarray, np.ndarray]:
+        """MLA rows and records of the prompt's blocks, up to the first block no tier holds."""
+        if not request.block_hashes:
+            return _EMPTY_ROWS, self._mla.rec[:0]
+        rows, recs = self._mla.find(request.block_hashes)
+        missing = np.flatnonzero(rows < 0)
+        if missing.size:
+            return rows[: missing[0]], recs[: missing[0]]
+        return rows, recs
 
     def match(self, request: RouteRequest, worker_ids: list[str], common_min: int | None = None) -> MatchResult:
         """Walk the request's blocks once for all ``worker_ids``.
@@ -389,109 +371,125 @@ class PrefixIndex:
             common_min: a leading block is "common" when at least this many
                 candidates can read it (None: no common-prefix count).
         """
-        bits, cand = self._candidates(worker_ids)
+        c = self._candidates(worker_ids)
         bs, plen = request.block_size, request.prompt_len
-        es = list(map(self._mla.get, request.block_hashes))
-        try:
-            del es[es.index(None):]  # the walk ends at the first block no tier holds
-        except ValueError:
-            pass
+        rows, recs = self._prefix(request)
+        cum = np.bitwise_or.accumulate(self._mla.rec_masks(recs), axis=1)  # (n, tier, word): le
         common = 0
         if common_min is not None:
-            for e in es:
-                if (e[6] & cand).bit_count() < common_min:
-                    break
-                common += 1
-        # alive[k]: candidates that read blocks 0..k-1 (any tier); non-increasing ints >= 0
-        alive = list(accumulate(map(_ANY, es), and_, initial=cand))
-        if not alive[-1]:
-            n = alive.index(0) - 1 if cand else 0
-            del alive[n + 1:], es[n:]
-        n = len(es)
-        # alive shrinks at a few change points: (workers still reading, blocks read) per step
-        steps: list[tuple[int, int]] = []
-        v = alive[0]
-        while v:
-            k = bisect_left(alive, -(v - 1), key=neg)  # first position reading fewer workers
-            steps.append((v & ~alive[k] if k <= n else v, k - 1))
-            if k > n:
-                break
-            v = alive[k]
-        snaps = self._resume_points(request, es, alive, steps, bs, plen)
-        tok, tier = self._resolve(snaps, es)
-        n_w = len(bits)
+            held = _popcount(cum[:, _ANY] & c.words)
+            short = np.flatnonzero((held if held.shape[1] == 1 else held.sum(axis=1, keepdims=True)) < common_min)
+            common = int(short[0]) if short.size else len(rows)
+        n = len(rows)
+        if n:  # cum[i] = cand & le[0] & ... & le[i]: who reads blocks 0..i, per tier
+            cum[0] &= c.words
+            np.bitwise_and.accumulate(cum, axis=0, out=cum)
+            if not cum[n - 1, _ANY].any():  # nobody reads the whole run: cut it where the last reader stops
+                n = int(np.argmin(cum[:, _ANY].any(axis=1)))
+                cum, recs = cum[:n], recs[:n]
+        alive = cum[:, _ANY]  # alive[k - 1] = candidates reading blocks 0..k-1 (alive(0) = cand)
+        resumable, tiers = self._resolve(c, request, recs, cum, bs, plen)
         return MatchResult(
             None,
             common,
             worker_ids=list(worker_ids),
-            resumable=list(map(tok.get, bits, repeat(0, n_w))),
-            tiers=list(map(tier.get, bits, repeat(_NO_TIER, n_w))),
-            mla_blocks=_Lengths(bits, steps),
+            resumable=resumable,
+            tiers=tiers,
+            mla_blocks=_Lengths(alive, c.word, c.shift),
         )
 
-    def _resume_points(self, request: RouteRequest, es: list[Entry], alive: list[int], steps: list[tuple[int, int]],
-                       bs: int, plen: int) -> list[tuple[int, int, int, tuple[Entry, ...]]]:
-        """Candidate resume points: (position, blocks read, workers, extra objects read)."""
-        n = len(es)
-        limit = min(n, (plen - 1) // bs)  # aligned points p = k * bs < plen
-        snaps: list[tuple[int, int, int, tuple[Entry, ...]]] = []
+    def _resolve(self, c: _Candidates, request: RouteRequest, recs: np.ndarray, cum: np.ndarray, bs: int,
+                 plen: int) -> tuple[list[int], list[int]]:
+        """Furthest resume point and its slowest tier per candidate (0 and -1: none).
+
+        Resume points (position p, blocks read k, workers able to resume there,
+        the le masks of the extra objects read) are visited furthest first; a
+        worker takes the first one it can read, at the fastest tier t with the
+        worker in ``cum[k - 1, t]`` and in every extra object's le_t. Masks
+        become Python ints here: few points are ever resolved.
+        """
+        n = len(recs)
+        limit = max(min(n, (plen - 1) // bs), 0)  # aligned points p = k * bs < plen
         if self.hybrid:
-            ks = list(map(_CKPT, islice(es, limit)))
-            for i in compress(range(limit), ks):
-                k = ks[i]
-                km = alive[i + 1] & k[6]
-                if km:
-                    snaps.append(((i + 1) * bs, i + 1, km, (k,)))
-        else:
-            for mask, m in steps:
-                nb = min(m, limit)
-                if nb:
-                    snaps.append((nb * bs, nb, mask, ()))
+            ck = recs[:limit, REC_LINK]  # checkpoint row + 1, 0: none
+            at = np.flatnonzero(ck)  # block i ends at a checkpoint: a point with k = i + 1
+            obj_le = np.bitwise_or.accumulate(  # the checkpoints' le masks, (point, tier, word)
+                self._kda.rec_masks(self._kda.rec.take(ck.take(at).view(np.int64) - 1, axis=0)), axis=1)
+            kms = cum[at, _ANY] & obj_le[:, _ANY]
+        else:  # any block prefix resumes: a point where a run of alive ends
+            alive = cum[:, _ANY]
+            ends = np.flatnonzero((alive[1:] != alive[:-1]).any(axis=1))  # alive[i] > alive[i + 1]
+            ends = np.append(ends, n - 1) if n else ends
+            kms = alive[ends] & ~np.concatenate([alive[ends[:-1] + 1], np.zeros_like(alive[:1])]) if n else alive[:0]
+            at = np.minimum(ends, limit - 1)
+            keep = at >= 0
+            at, kms, obj_le = at[keep], kms[keep], None
+        at_l, km_l = at.tolist(), _ints(kms)  # points nobody reads have km 0: skipped below
+        tails = self._tail_points(c, request, cum, bs, plen, n)
+        n_c = len(c.bits)
+        res, tier = [0] * n_c, [_NO_TIER] * n_c
+        todo = 0  # workers with a point, not yet given their furthest
+        for km in km_l:
+            todo |= km
+        for pt in tails:
+            todo |= pt[2]
+        rank, remote = c.rank, len(TIERS) - 1
+        j = len(at_l) - 1
+        while todo:
+            if tails and (j < 0 or tails[0][0] > (at_l[j] + 1) * bs):
+                p, k, km, objs = tails.pop(0)
+            else:
+                k, km = at_l[j] + 1, km_l[j]
+                p = k * bs
+                objs = [_ints(obj_le[j, :remote])] if obj_le is not None else []
+                j -= 1
+            new = km & todo
+            if not new:
+                continue
+            todo &= ~new
+            fast = _ints(cum[k - 1, :remote]) if k else [c.mask] * remote  # readers of blocks 0..k-1 per tier
+            rest = new
+            for t in range(remote):
+                m = rest & fast[t]
+                for o in objs:
+                    m &= o[t]
+                for b in _bits(m):
+                    for x in rank[b]:
+                        res[x], tier[x] = p, t
+                rest &= ~m
+                if not rest:
+                    break
+            for b in _bits(rest):
+                for x in rank[b]:
+                    res[x], tier[x] = p, remote
+        return res, tier
+
+    def _tail_points(self, c: _Candidates, request: RouteRequest, cum: np.ndarray, bs: int, plen: int, n: int
+                     ) -> list[tuple[int, int, int, list[list[int]]]]:
+        """Unaligned resume points the request probes: (p, k, workers, le ints of tail [and checkpoint]), furthest first."""
+        points = []
         for probe in request.tail_probes:
             p = probe.position
             k = p // bs
             if not 0 < p < plen or not p % bs or k > n:
                 continue
-            t = self._tail.get(probe.digest)
+            t = self._tail.row(probe.digest)
             if t is None:
                 continue
-            objs: tuple[Entry, ...] = (t,)
-            km = alive[k] & t[6]
+            objs = [self._tail.int_masks(t)]
             if self.hybrid:
-                c = self._kda.get(probe.digest)
-                if c is None:
+                kr = self._kda.row(probe.digest)
+                if kr is None:
                     continue
-                objs, km = (t, c), km & c[6]
+                objs.append(self._kda.int_masks(kr))
+            les = [list(accumulate(o, or_)) for o in objs]  # readable no slower than t, per object
+            km = c.mask if k == 0 else _ints(cum[k - 1, _ANY:])[0]
+            for le in les:
+                km &= le[_ANY]
             if km:
-                snaps.append((p, k, km, objs))
-        return snaps
-
-    @staticmethod
-    def _resolve(snaps: list, es: list[Entry]) -> tuple[dict[int, int], dict[int, int]]:
-        """Furthest resume point and its slowest tier, per worker bit."""
-        tok: dict[int, int] = {}
-        tier: dict[int, int] = {}
-        resolved = 0
-        for p, nb, km, objs in sorted(snaps, key=itemgetter(0), reverse=True):
-            new = km & ~resolved
-            if not new:
-                continue
-            resolved |= new
-            rest = new
-            for t in range(3):
-                m = rest
-                for o in objs:
-                    m &= o[_LE[t]]
-                if m:  # AND over the distinct masks of the blocks read: one C pass per tier
-                    m = reduce(and_, set(map(_LE_COL[t], islice(es, nb))), m)
-                for b in _bits(m):
-                    tok[b], tier[b] = p, t
-                rest &= ~m
-                if not rest:
-                    break
-            for b in _bits(rest):
-                tok[b], tier[b] = p, 3
-        return tok, tier
+                points.append((p, k, km, les))
+        points.sort(key=_POSITION, reverse=True)  # ties keep probe order
+        return points
 
     def block_overlap(self, request: RouteRequest, worker_ids: list[str]) -> dict[str, list[int]]:
         """Per worker, consecutive leading blocks counted by their fastest tier.
@@ -499,34 +497,12 @@ class PrefixIndex:
         Returns {worker_id: [n_device, n_host, n_disk, n_remote]} (what a
         tier-weighted overlap credit needs; ignores KDA checkpoints).
         """
-        bits = {w: self.add_worker(w) for w in worker_ids}
-        counts = {b: [0, 0, 0, 0] for b in bits.values()}
-        alive = 0
-        for b in bits.values():
-            alive |= 1 << b
-        run, key = 0, None
-        for h in request.block_hashes:
-            e = self._mla.get(h)
-            if e is None:
-                break
-            d, ho, di, _re = e[:4]
-            alive &= e[6]
-            if not alive:
-                break
-            k = (alive & d, alive & ~d & ho, alive & ~d & ~ho & di, alive & ~d & ~ho & ~di)
-            if k != key:
-                _flush(counts, key, run)
-                key, run = k, 0
-            run += 1
-        _flush(counts, key, run)
-        return {w: counts[b] for w, b in bits.items()}
-
-
-def _flush(counts: dict[int, list[int]], key: tuple[int, ...] | None, run: int) -> None:
-    if key is None or run == 0:
-        return
-    for tier, mask in enumerate(key):  # masks are >= 0: each is ANDed with the candidates
-        for b in _bits(mask):
-            c = counts.get(b)
-            if c is not None:
-                c[tier] += run
+        c = self._candidates(worker_ids)
+        raw = self._mla.rec_masks(self._prefix(request)[1])  # (n, tier, word)
+        readable = raw[:, 0] | raw[:, 1] | raw[:, 2] | raw[:, 3]
+        alive = np.bitwise_and.accumulate(np.concatenate([c.words[None], readable]), axis=0)[1:]  # of blocks 0..i
+        d, ho, di = raw[:, 0], raw[:, 1], raw[:, 2]
+        by_tier = np.stack([alive & d, alive & ~d & ho, alive & ~d & ~ho & di, alive & ~(d | ho | di)])
+        counts = ((by_tier[:, :, c.word] >> c.shift) & _ONE).sum(axis=1, dtype=np.int64)  # (tier, cand)
+        rows = counts.T.tolist()
+        return {w: rows[i] for i, w in enumerate(worker_ids)}

@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -45,7 +44,6 @@ import numpy as np
 from disagg.router.context import LOAD_FIELDS, LoadColumns
 from disagg.router.types import WorkerState
 
-_STATS = attrgetter("queued_prefill_tokens", "running_decode_tokens", "running_decode_requests", "cache_utilization")
 _T = attrgetter("updated_at")
 
 
@@ -150,7 +148,9 @@ class LoadTracker:
         ids = [w.worker_id for w in workers]
         n = len(ids)
         slots = self._slots(ids)
-        base = np.fromiter(chain.from_iterable(map(_STATS, workers)), np.float64, 4 * n).reshape(n, 4).T
+        base = np.array([[w.queued_prefill_tokens for w in workers], [w.running_decode_tokens for w in workers],
+                         [w.running_decode_requests for w in workers], [w.cache_utilization for w in workers]],
+                        np.float64).reshape(4, n)  # the four live stats, one row each
         if self._prefill_pending or self._decode_pending:
             pos = dict(zip(ids, range(n), strict=True))
             updated = np.fromiter(map(_T, workers), np.float64, n)

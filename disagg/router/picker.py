@@ -44,7 +44,7 @@ class MaxScorePicker:
     def rank_array(self, totals: np.ndarray, order: list[str]) -> list[str]:
         """``pick`` for totals given as an array aligned with ``order``."""
         assert order, "picker needs at least one candidate"
-        ranked = [order[i] for i in np.argsort(-totals, kind="stable").tolist()]
+        ranked = list(map(order.__getitem__, np.argsort(-totals, kind="stable").tolist()))
         if self.epsilon > 0 and len(ranked) > 1:
             return self._choose(ranked, dict(zip(order, totals.tolist(), strict=True)))
         return ranked

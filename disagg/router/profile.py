@@ -68,7 +68,8 @@ class SchedulingProfile:
         ids = [w.worker_id for w in cands]
         n = len(ids)
         totals = np.zeros(n)
-        per: dict[str, dict[str, float]] = {}
+        per: dict[str, np.ndarray] = {}
+        checked: list[tuple[str, np.ndarray]] = []  # (scorer, values) for the range check
         weight_sum = sum(w for _, w in self.scorers) or 1.0
         for scorer, weight in self.scorers:
             fast = getattr(scorer, "score_array", None)
@@ -78,11 +79,15 @@ class SchedulingProfile:
             else:
                 s = scorer.score(ctx, cands)
                 vals = np.fromiter(map(s.get, ids, repeat(0.0)), np.float64, n)
-            if not (vals.min() >= 0.0 and vals.max() <= 1.0):
-                bad = next(i for i, v in enumerate(vals.tolist()) if not 0.0 <= v <= 1.0)
-                raise AssertionError(f"scorer {scorer.name} returned {vals[bad]} for {ids[bad]}")
             totals += (weight / weight_sum) * vals
             per[scorer.name] = vals
+            checked.append((scorer.name, vals))
+        if checked:  # the range check, once over every scorer's values
+            every = np.concatenate([v for _, v in checked])
+            if not (every.min() >= 0.0 and every.max() <= 1.0):
+                name, vals = next((k, v) for k, v in checked if not (v.min() >= 0.0 and v.max() <= 1.0))
+                bad = next(i for i, v in enumerate(vals.tolist()) if not 0.0 <= v <= 1.0)
+                raise AssertionError(f"scorer {name} returned {vals[bad]} for {ids[bad]}")
         total = dict(zip(ids, totals.tolist(), strict=True))
         rank_array = getattr(self.picker, "rank_array", None)
         ranked = rank_array(totals, ids) if rank_array is not None else self.picker.pick(total, ids)

@@ -14,9 +14,9 @@ Per request:
 Effective loads (live stats + in-flight predictions, active sessions and a
 time-averaged queue per worker) come from ``disagg.router.loads``.
 
-Per-decision work is one index walk (a few C-speed passes over the prompt's
-blocks) plus numpy over the candidates (``RoutingContext.view``): O(prompt
-blocks + workers) with small constants.
+Per-decision work is one index walk (a fixed number of numpy calls over the
+prompt's blocks, see ``disagg.router.index``) plus numpy over the candidates
+(``RoutingContext.view``): O(prompt blocks + workers) with small constants.
 
 Decision reasons are "<pd>/<cache>" with pd in {aggregated, disagg,
 local_short_suffix, local_prefill_busy, local_no_prefill_pool} and cache in
@@ -137,7 +137,7 @@ class StateAwareRouter:
         decode_id = dec.picked
         if decode_id is None:  # no healthy decode-capable worker: degrade to any healthy worker
             decode_id = ids[0] if ids else workers[0].worker_id
-        suffix = request.prompt_len - ctx.prefix(decode_id).resumable_tokens
+        suffix = request.prompt_len - ctx.match.resume(decode_id)[0]
         pool = [w for w in workers if w.healthy and w.role in ALLOWED_ROLES["prefill"] and w.role != "both"]
         pd = self.decider.decide(suffix, [ctx.load(w).prefill_tokens for w in pool])
         if not pd.disaggregate:
@@ -163,21 +163,21 @@ class StateAwareRouter:
         phase: str,
     ) -> RouteDecision:
         target = prefill_id if prefill_id is not None else decode_id
-        m = ctx.prefix(target)
+        cached, tier = ctx.match.resume(target)
         if phase == "both":  # every healthy worker is eligible: the walk's rows
             best = max(ctx.match.resumable, default=0)
         else:
             roles = ALLOWED_ROLES[phase]
-            best = max((ctx.prefix(w.worker_id).resumable_tokens for w in workers if w.healthy and w.role in roles),
+            best = max((ctx.match.resume(w.worker_id)[0] for w in workers if w.healthy and w.role in roles),
                        default=0)
-        cache = "cold" if best == 0 else "cache_hit" if m.resumable_tokens >= best else "fallback"
+        cache = "cold" if best == 0 else "cache_hit" if cached >= best else "fallback"
         return RouteDecision(
             request_id=request.request_id,
             decode_worker=decode_id,
             prefill_worker=prefill_id,
             reason=f"{pd_reason}/{cache}",
-            predicted_cached_tokens=m.resumable_tokens,
-            source_tier=m.tier,
+            predicted_cached_tokens=cached,
+            source_tier=tier,
             scores=res.totals,
         )
 

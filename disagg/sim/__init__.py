@@ -1,11 +1,20 @@
-"""Discrete-event simulator of a disaggregated cluster, running the real router code."""
+"""Discrete-event simulator of a disaggregated cluster, running the real router code.
+
+Modules, imports pointing down: ``cli`` -> ``sweep``, ``shard``, ``calibrate`` ->
+``simulator`` -> ``driver``, ``worker``, ``state`` -> ``cache``, ``cost_model``,
+``profile``, ``workload``, ``metrics``. See docs/sim.md.
+"""
 
 from disagg.sim.cost_model import CostModel, cost_profile
+from disagg.sim.driver import ReplayConfig
+from disagg.sim.profile import EngineProfile, load_profile, profile_names
+from disagg.sim.shard import simulate
 from disagg.sim.simulator import ClusterConfig, SimResult, Simulator
 from disagg.sim.workload import (
     SimRequest,
     SynthConfig,
     from_mooncake_records,
+    from_trace_records,
     load_mooncake_jsonl,
     synth_sessions,
 )
@@ -13,12 +22,18 @@ from disagg.sim.workload import (
 __all__ = [
     "ClusterConfig",
     "CostModel",
+    "EngineProfile",
+    "ReplayConfig",
     "SimRequest",
     "SimResult",
     "Simulator",
     "SynthConfig",
     "cost_profile",
     "from_mooncake_records",
+    "from_trace_records",
     "load_mooncake_jsonl",
+    "load_profile",
+    "profile_names",
+    "simulate",
     "synth_sessions",
 ]

@@ -1,66 +1,104 @@
-"""LRU block tiers of the simulator (device per worker, host and disk per node).
+"""LRU tiers of the simulator (device per worker, host and disk per node).
 
-Objects are (kind, digest) with kind "mla" (one block) or "kda" (one
-checkpoint, ``size`` blocks' worth of capacity). Every insert and eviction
-is reported through ``on_event(op, kind, digest)`` so the simulator can
-publish the same store events a real tier publishes.
+Keys are opaque hashables (the simulator uses bytes: a 16-byte block digest
+for an MLA block, a one-byte kind tag + digest for a checkpoint, see
+``disagg.sim.state``); each object has a size in capacity units (blocks).
+Every insert and eviction is reported through ``on_event(op, key)`` so the
+simulator can publish the store events a real tier publishes.
+
+Bulk operations (``present``, ``touch_many``) run as C loops over the keys
+(``map`` of dict methods), so a 1,000-block prompt costs microseconds.
 
 NOTES
 1. ``used`` == sum of sizes of resident objects <= capacity after every put.
 2. Eviction order is least-recently used first; ``touch`` refreshes.
-3. An object larger than the tier is refused (put returns False, no event).
+3. An object larger than the tier is refused (put returns None, no event).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable
 
-Key = tuple[str, bytes]
+EventFn = Callable[[str, Hashable], None]
 
 
 class LRUTier:
-    def __init__(self, name: str, capacity: int, on_event: Callable[[str, str, bytes], None] | None = None):
+    def __init__(self, name: str, capacity: int, on_event: EventFn | None = None):
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.name = name
         self.capacity = capacity
         self.used = 0
         self.on_event = on_event
-        self._items: OrderedDict[Key, int] = OrderedDict()
+        self._items: OrderedDict[Hashable, int] = OrderedDict()
         self.num_evictions = 0
 
-    def __contains__(self, key: Key) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self._items
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def touch(self, key: Key) -> None:
+    def keys(self) -> list[Hashable]:
+        """Resident keys, least recently used first."""
+        return list(self._items)
+
+    def present(self, keys: Iterable[Hashable]) -> list[bool]:
+        """Membership of each key (one C loop)."""
+        return list(map(self._items.__contains__, keys))
+
+    def touch(self, key: Hashable) -> None:
         if key in self._items:
             self._items.move_to_end(key)
 
-    def put(self, key: Key, size: int = 1) -> list[Key]:
-        """Insert (or refresh) ``key``; returns the keys evicted to make room."""
-        if key in self._items:
-            self._items.move_to_end(key)
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        """Refresh keys known to be resident, in order (the last one becomes the newest)."""
+        deque(map(self._items.move_to_end, keys), maxlen=0)
+
+    def put(self, key: Hashable, size: int = 1) -> list[Hashable] | None:
+        """Insert (or refresh) ``key``; returns the keys evicted to make room, None if refused."""
+        items = self._items
+        if key in items:
+            items.move_to_end(key)
             return []
         if size > self.capacity:
-            return []
-        evicted: list[Key] = []
+            return None
+        evicted: list[Hashable] = []
         while self.used + size > self.capacity:
-            old, old_size = self._items.popitem(last=False)
+            old, old_size = items.popitem(last=False)
             self.used -= old_size
             self.num_evictions += 1
             evicted.append(old)
             if self.on_event:
-                self.on_event("evicted", old[0], old[1])
-        self._items[key] = size
+                self.on_event("evicted", old)
+        items[key] = size
         self.used += size
         assert self.used <= self.capacity, "tier over capacity"
         if self.on_event:
-            self.on_event("stored", key[0], key[1])
+            self.on_event("stored", key)
         return evicted
+
+    def put_many(self, keys: list[Hashable], size: int = 1) -> None:
+        """``put`` every key in order: residents are refreshed in one C loop, new ones inserted."""
+        items = self._items
+        flags = list(map(items.__contains__, keys))
+        if all(flags):
+            self.touch_many(keys)
+            return
+        for key in keys:  # an insert may evict a key further down the list: check again
+            if key in items:
+                items.move_to_end(key)
+            else:
+                self.put(key, size)
+
+    def discard(self, key: Hashable) -> None:
+        """Drop ``key`` if resident (reported as an eviction)."""
+        size = self._items.pop(key, None)
+        if size is not None:
+            self.used -= size
+            if self.on_event:
+                self.on_event("evicted", key)
 
     def utilization(self) -> float:
         return self.used / self.capacity if self.capacity else 1.0

@@ -3,17 +3,25 @@
     prefill step  = a + sum_j [ b * n_j + c * n_j * (ctx_j + n_j / 2) ]
                     n_j new tokens of job j in the step, ctx_j tokens before them
     decode step   = d + e * batch + f * sum(context)
+                    or, with a batch curve [(B_i, g_i)], g(batch) + f * sum(context),
+                    g piecewise linear through the points (extrapolated linearly past the ends)
     transfer      = bytes / bandwidth[tier] + latency[tier]
     state bytes   = tokens * bytes_per_token + checkpoint_bytes
+    TTFT         += request_overhead_s          (client -> replica and back: HTTP, proxy hops)
+    disaggregated: + disagg_overhead_s          (the hop to a prefill replica and its handle)
 
 Defaults are roughly an H200 running a `small` hybrid model (a few billion
 active parameters): ~25K prefill tokens/s per GPU at short context, ~12 ms
 decode steps at moderate batch, 50 GB/s pinned host links.
 
-A JSON profile holds any subset of the fields, e.g.::
+A plain JSON cost model holds any subset of the fields, e.g.::
 
     {"prefill_per_token_s": 4e-5, "decode_base_s": 0.012,
      "bandwidth_gbps": {"host": 50, "disk": 5, "remote": 20}}
+
+Measured engine profiles (points, provenance, fitted coefficients) are the
+richer format of ``disagg.sim.profile``; ``cost_profile`` loads either, and
+the named profiles in ``disagg/sim/profiles/``.
 """
 
 from __future__ import annotations
@@ -42,8 +50,22 @@ class CostModel:
     checkpoint_bytes: float = 16e6  # one KDA checkpoint
     bandwidth_gbps: dict[str, float] = field(default_factory=_bw)  # tier -> GB/s into device
     latency_s: dict[str, float] = field(default_factory=_lat)  # tier -> per transfer
-    max_prefill_tokens_per_step: int = 8192  # chunked-prefill budget
+    max_prefill_tokens_per_step: int = 8192  # chunked-prefill budget (decode tokens count against it)
     max_decode_batch: int = 64  # decode slots
+    request_overhead_s: float = 0.0  # fixed TTFT overhead of the serving path (HTTP, proxies)
+    disagg_overhead_s: float = 0.0  # extra fixed TTFT of a remote prefill (hop, handle, publish)
+    decode_batch_curve: list[tuple[int, float]] | None = None  # [(batch, seconds at zero context)], sorted
+
+    def _curve(self, batch: int) -> float:
+        pts = self.decode_batch_curve
+        assert pts, "no batch curve"
+        if len(pts) == 1:
+            return pts[0][1]
+        i = 1
+        while i < len(pts) - 1 and pts[i][0] < batch:
+            i += 1
+        (b0, g0), (b1, g1) = pts[i - 1], pts[i]
+        return max(g0 + (g1 - g0) * (batch - b0) / (b1 - b0), 0.0)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -54,6 +76,11 @@ class CostModel:
             raise ValueError("step budgets must be positive")
         if any(bw <= 0 for bw in self.bandwidth_gbps.values()):
             raise ValueError("bandwidths must be positive")
+        if self.decode_batch_curve is not None:
+            pts = sorted((int(b), float(g)) for b, g in self.decode_batch_curve)
+            if not pts or any(g < 0 or b < 1 for b, g in pts) or len({b for b, _ in pts}) != len(pts):
+                raise ValueError("decode_batch_curve needs distinct batches >= 1 and times >= 0")
+            self.decode_batch_curve = pts
 
     def prefill_job_time(self, new_tokens: int, context: int) -> float:
         """Cost of ``new_tokens`` after ``context`` tokens, without the step's fixed cost."""
@@ -67,6 +94,8 @@ class CostModel:
     def decode_step_time(self, batch: int, sum_context: int) -> float:
         if batch == 0:
             return 0.0
+        if self.decode_batch_curve:
+            return self._curve(batch) + self.decode_per_ctx_token_s * sum_context
         return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * sum_context
 
     def transfer_time(self, nbytes: float, tier: str) -> float:
@@ -110,7 +139,10 @@ PROFILES: dict[str, dict] = {
 
 
 def cost_profile(name_or_path: str) -> CostModel:
-    """A named profile ("small", "large") or a JSON file path."""
+    """A named cost model ("small", "large"), a named engine profile (``disagg/sim/profiles``),
+    or a JSON file: an engine profile or a plain cost model."""
     if name_or_path in PROFILES:
         return CostModel.from_dict(PROFILES[name_or_path])
-    return CostModel.from_json(name_or_path)
+    from disagg.sim.profile import load_profile
+
+    return load_profile(name_or_path).cost_model()

@@ -12,7 +12,12 @@
                     shares that window, so this is max/mean of the integrals of q_w
                     (a "busy period" window common to all workers gives the same ratio)
     max/mean work = max/mean of prefill tokens computed per prefill-capable worker
-    tokens/s/GPU  = (input + output tokens) / makespan / workers
+    tokens/s/GPU  = (input + output tokens) / makespan / GPUs (workers x gpus_per_worker)
+
+``bench_summary`` gives the measured (non-warm-up) requests the benchmark's
+own ``RunSummary`` (``disagg.bench.metrics``): the same definitions of
+TTFT, ITL, P90 interactivity, window and tokens/s/GPU as a ``disagg bench``
+run against a real server, so the two can be compared line by line.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class RequestRecord:
     reason: str = ""  # router reason
     first_token: float = -1.0  # seconds
     finish: float = -1.0  # seconds
+    lane: int = -1  # closed-loop lane (-1: open loop)
+    salt: int = 0  # cache-busting salt of the replay
+    warmup: bool = False  # excluded from the benchmark metrics
 
     @property
     def ttft(self) -> float:
@@ -49,6 +57,32 @@ class RequestRecord:
         if self.output_len <= 1:
             return None
         return (self.finish - self.first_token) / (self.output_len - 1)
+
+
+def to_request_results(records: list[RequestRecord]) -> list:
+    """Benchmark ``RequestResult``s of finished records (times in simulated ns)."""
+    from disagg.bench.client import RequestResult
+
+    out = []
+    for r in records:
+        if r.finish < 0:
+            continue
+        res = RequestResult(r.request_id, int(round(r.arrival * 1e9)), int(round(r.first_token * 1e9)),
+                            int(round(r.finish * 1e9)), output_tokens=r.output_len, prompt_tokens=r.prompt_len,
+                            cached_tokens=r.cached_tokens, status=200)
+        res.session_id, res.turn, res.lane, res.salt = r.session_id, r.turn, r.lane, r.salt
+        res.input_length, res.expected_output, res.warmup = r.prompt_len, r.output_len, r.warmup
+        out.append(res)
+    return out
+
+
+def bench_summary(records: list[RequestRecord], num_gpus: int, theoretical_hit: float | None = None,
+                  usd_per_gpu_hour: float | None = None):
+    """The benchmark's ``RunSummary`` of the finished, measured records."""
+    from disagg.bench.metrics import summarize as bench_summarize
+
+    return bench_summarize(to_request_results(records), num_gpus=num_gpus, theoretical_hit=theoretical_hit,
+                           usd_per_gpu_hour=usd_per_gpu_hour)
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -6,24 +6,34 @@ inputs and seed.
 
 A request's path (the real system's, with costs from ``CostModel``):
 
-    arrival --route--> prefill worker P: resume (load missing blocks from host /
-    disk: bytes / bw + latency) -> chunked prefill -> store blocks + KDA
-    checkpoints (device, write-through to the node's host tier)
+    send --request_overhead--> route --> prefill worker P: resume (blocks and a
+    checkpoint from device / host / disk: bytes / bw + latency, off the engine's
+    critical path) -> chunked prefill -> store blocks + checkpoints (device,
+    write-through to the node's host tier)
       local (P == D):  first token at prefill end, join P's decode batch
-      disagg (P != D): state moves to D (same node: host link, else remote link);
-                       first token when it lands, join D's decode batch
+      disagg (P != D): P publishes the state to its host tier and returns the
+                       first token (+ publish time + disagg_overhead); D loads the
+                       state (same node: host link, else remote link) and joins
+                       its decode batch
     last token -> finish -> (closed loop) next turn after the think time
 
-Every cache change is published as a kv_transfer ``StoreEvent`` into the
-router's ``PrefixIndex``, so the router sees what a deployed router would
-see (and the index's event adapter is exercised on every run). Checkpoints are taken at every
-``checkpoint_every_blocks``-th block boundary and at the prompt's last full
-block (resume points are block-aligned in the simulator).
+Every cache change becomes an update of the router's ``PrefixIndex`` (see
+``disagg.sim.state``), so the router sees what a deployed router would see.
+Workers' ``WorkerState``s are updated in place (live stats); with
+``stats_period_s`` > 0 the router reads copies refreshed that often.
+
+Scale: per request the simulator does a few C-speed passes over the
+prompt's blocks (digests are extended incrementally per session), and a
+decode event costs O(log batch), so a run's cost is dominated by the
+router's own decision time (see docs/sim.md for measured rates).
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
+import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,12 +44,13 @@ from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
 from disagg.sim.cache import LRUTier
 from disagg.sim.cost_model import CostModel
-from disagg.sim.metrics import RequestRecord, summarize
+from disagg.sim.driver import Driver, ReplayConfig
+from disagg.sim.metrics import RequestRecord, bench_summary, summarize
+from disagg.sim.state import TIER_NAMES, CheckpointPolicy, PromptState, StateModel
 from disagg.sim.worker import SimJob, SimWorker
-from disagg.sim.workload import SimRequest, chain_digests
-from kv_transfer.events import StoreEvent
+from disagg.sim.workload import DigestCache, SimRequest, tail_digest
 
-TIER_NAMES = ("device", "host", "disk")
+__all__ = ["TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
 
 
 @dataclass(slots=True)
@@ -48,25 +59,42 @@ class ClusterConfig:
     num_prefill: int = 0  # P/D: prefill workers
     num_decode: int = 0  # P/D: decode workers
     workers_per_node: int = 8  # workers sharing a host (and disk) tier
+    gpus_per_worker: int = 1  # GPUs of one engine replica (TP x DCP): tokens/s/GPU divides by these
     device_blocks: int = 4096  # device cache per worker, in blocks
     host_blocks: int = 65536  # host tier per node (0 = none)
     disk_blocks: int = 0  # disk tier per node (0 = none)
-    checkpoint_every_blocks: int = 16  # periodic KDA checkpoints
+    checkpoint_every_blocks: int = 16  # periodic KDA checkpoints (0 = off)
+    checkpoint_last_full_block: bool = True  # a checkpoint at the prompt's last full block
+    checkpoint_prompt_end: bool = False  # a checkpoint at the prompt end (MLA tail when unaligned)
     stats_period_s: float = 0.0  # router sees stats this stale (0 = live)
-    macro_steps: int = 16  # decode steps per event at most
+    macro_steps: int = 64  # decode steps per event at most
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
             raise ValueError("worker counts must be positive")
         if (self.num_prefill == 0) != (self.num_decode == 0):
             raise ValueError("P/D needs both prefill and decode workers")
-        if self.workers_per_node <= 0 or self.device_blocks <= 0:
-            raise ValueError("workers_per_node and device_blocks must be positive")
+        if self.workers_per_node <= 0 or self.device_blocks <= 0 or self.gpus_per_worker <= 0:
+            raise ValueError("workers_per_node, gpus_per_worker and device_blocks must be positive")
+        if self.host_blocks < 0 or self.disk_blocks < 0 or self.stats_period_s < 0 or self.macro_steps < 1:
+            raise ValueError("tier sizes and stats_period_s must be >= 0, macro_steps >= 1")
 
     def roles(self) -> list[str]:
         if self.num_prefill:
             return ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
         return ["both"] * self.num_workers
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_prefill + self.num_decode if self.num_prefill else self.num_workers
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_engines * self.gpus_per_worker
+
+    def checkpoint_policy(self) -> CheckpointPolicy:
+        return CheckpointPolicy(self.checkpoint_every_blocks, self.checkpoint_last_full_block,
+                                self.checkpoint_prompt_end)
 
 
 def build_router(policy: str, index: PrefixIndex, clock: Callable[[], float], seed: int = 0,
@@ -81,10 +109,19 @@ def build_router(policy: str, index: PrefixIndex, clock: Callable[[], float], se
 
 @dataclass(slots=True)
 class SimResult:
-    records: list[RequestRecord]  # one per finished request
-    summary: dict[str, float]  # aggregate metrics (see disagg.sim.metrics)
+    records: list[RequestRecord]  # one per sent request (finish < 0: never finished)
+    summary: dict[str, float]  # aggregate metrics of every request (see disagg.sim.metrics)
     router_metrics: dict[str, Any] = field(default_factory=dict)  # router counters, if any
-    num_events: int = 0  # store events published
+    num_events: int = 0  # index updates published
+    num_gpus: int = 1  # GPUs of the cluster
+    theoretical_hit: float | None = None  # benchmark definition, measured requests
+    sim_events: int = 0  # events the simulator processed
+    queue_avgs: dict[str, float] = field(default_factory=dict)  # prefill-capable worker -> time-avg queue
+    prefill_work: dict[str, int] = field(default_factory=dict)  # prefill-capable worker -> tokens computed
+
+    def bench_summary(self, usd_per_gpu_hour: float | None = None):
+        """The benchmark's ``RunSummary`` of the measured (non-warm-up) requests."""
+        return bench_summary(self.records, self.num_gpus, self.theoretical_hit, usd_per_gpu_hour)
 
 
 class Simulator:
@@ -99,27 +136,37 @@ class Simulator:
         lane_stagger_s: float = 0.25,
         seed: int = 0,
         router_config: dict | None = None,
+        replay: ReplayConfig | None = None,
+        shared_ids: frozenset[int] | set[int] = frozenset(),
     ):
         if mode not in ("closed", "open"):
             raise ValueError("mode must be 'closed' or 'open'")
+        if not requests:
+            raise ValueError("no requests to simulate")
         self.requests = requests
-        self.cluster = cluster or ClusterConfig()
+        self.cluster = c = cluster or ClusterConfig()
         self.cost = cost or CostModel()
-        self.mode, self.lanes, self.lane_stagger_s = mode, lanes, lane_stagger_s
+        self.replay = replay or ReplayConfig(mode=mode, concurrency=lanes, lane_stagger_s=lane_stagger_s,
+                                             session_order="session_id", seed=seed)
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = 0
+        self.num_sim_events = 0
         self.index = PrefixIndex()
         self.router = build_router(policy, self.index, lambda: self.now, seed, router_config)
         self.records: list[RequestRecord] = []
-        self.num_events = 0
+        self.block_size = bs = requests[0].block_size
+        if any(r.block_size != bs for r in requests):
+            raise ValueError("every request of a simulated trace needs the same block_size")
+        self.state = StateModel(self.cost, c.checkpoint_policy(), bs, self.index)
+        self.digests = DigestCache(shared_ids)
         self._seen: set[bytes] = set()
+        self._theory = [0, 0]  # measured requests: blocks seen before, blocks
+        self._ends: dict[tuple[str, int], deque[int]] = {}  # (session, salt) -> recent unaligned prompt ends
         self._rid = 0
         self._snapshot: list[WorkerState] | None = None
-        bs = requests[0].block_size if requests else 256
-        self.block_size = bs
-        self.ckpt_units = max(1, round(self.cost.checkpoint_bytes / (bs * self.cost.bytes_per_token)))
         self._build_cluster()
+        self.driver = Driver(self, requests, self.replay)
 
     # ---- cluster -----------------------------------------------------------------
     def _build_cluster(self) -> None:
@@ -131,24 +178,13 @@ class Simulator:
             wid, node = f"w{i:02d}", f"n{i // c.workers_per_node}"
             self.index.add_worker(wid, node)
             if node not in self.host:
-                self.disk[node] = LRUTier("disk", c.disk_blocks, self._tier_cb("disk", wid)) if c.disk_blocks else None
-                self.host[node] = LRUTier("host", c.host_blocks, self._tier_cb("host", wid)) if c.host_blocks else None
-            dev = LRUTier("device", c.device_blocks, self._tier_cb("device", wid))
-            self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, macro_steps=c.macro_steps)
-
-    def _tier_cb(self, tier: str, wid: str) -> Callable[[str, str, bytes], None]:
-        node = f"n{int(wid[1:]) // self.cluster.workers_per_node}"
-
-        def cb(op: str, kind: str, digest: bytes) -> None:
-            self.index.apply(StoreEvent(op, f"{kind}:{digest.hex()}", kind, tier, wid, timestamp=self.now))
-            self.num_events += 1
-            if tier == "host" and op == "evicted" and self.disk.get(node) is not None:
-                self.disk[node].put((kind, digest), self._size(kind))
-
-        return cb
-
-    def _size(self, kind: str) -> int:
-        return self.ckpt_units if kind == "kda" else 1
+                disk = LRUTier("disk", c.disk_blocks, self.state.listener("disk", wid)) if c.disk_blocks else None
+                self.disk[node] = disk
+                self.host[node] = (LRUTier("host", c.host_blocks, self.state.listener("host", wid, disk))
+                                   if c.host_blocks else None)
+            dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid))
+            self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, c.macro_steps, self.block_size)
+        self._live = [w.state for w in self.workers.values()]
 
     def schedule(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         assert t >= self.now - 1e-9, "event scheduled in the past"
@@ -158,179 +194,135 @@ class Simulator:
     def worker_states(self) -> list[WorkerState]:
         if self.cluster.stats_period_s > 0 and self._snapshot is not None:
             return self._snapshot
-        return self._take_snapshot()
-
-    def _take_snapshot(self) -> list[WorkerState]:
-        return [
-            WorkerState(
-                worker_id=w.worker_id, role=w.role, node_id=w.node_id,
-                queued_prefill_tokens=w.queued_prefill_tokens,
-                queued_prefill_requests=len(w.prefill_q),
-                running_decode_tokens=w.decode_tokens(),
-                running_decode_requests=len(w.decode_run) + len(w.decode_wait),
-                cache_utilization=min(w.device.utilization(), 1.0),
-                updated_at=self.now,
-            )
-            for w in self.workers.values()
-        ]
+        return self._live
 
     def _refresh_stats(self, now: float) -> None:
-        self._snapshot = self._take_snapshot()
+        self._snapshot = [copy.copy(s) for s in self._live]
         if self._heap:
             self.schedule(now + self.cluster.stats_period_s, self._refresh_stats)
 
-    # ---- cache ground truth ----------------------------------------------------
-    def _tier_of(self, w: SimWorker, key: tuple[str, bytes]) -> int | None:
-        if key in w.device:
-            return 0
-        host, disk = self.host[w.node_id], self.disk[w.node_id]
-        if host is not None and key in host:
-            return 1
-        if disk is not None and key in disk:
-            return 2
-        return None
-
-    def resume(self, w: SimWorker, digests: list[bytes], prompt_len: int) -> tuple[int, str | None, float]:
-        """Resume a prompt on ``w``: (tokens, slowest tier, load seconds); loads into device."""
-        bs = self.block_size
-        slow, missing = 0, []
-        best: tuple[int, int, int, int | None] = (0, 0, 0, None)  # (p, tier, n_missing, ckpt tier)
-        for i, d in enumerate(digests):
-            t = self._tier_of(w, ("mla", d))
-            if t is None:
-                break
-            if t:
-                missing.append((("mla", d), t))
-                slow = max(slow, t)
-            p = (i + 1) * bs
-            if p >= prompt_len:
-                break
-            tk = self._tier_of(w, ("kda", d))
-            if tk is not None:
-                best = (p, max(slow, tk), len(missing), tk)
-        p, tier, n_missing, tk = best
-        if p == 0:
-            return 0, None, 0.0
-        loads = missing[:n_missing]
-        if tk:
-            loads.append((("kda", digests[p // bs - 1]), tk))
-        per_tier: dict[int, float] = {}
-        for key, t in loads:
-            size = self.cost.checkpoint_bytes if key[0] == "kda" else bs * self.cost.bytes_per_token
-            per_tier[t] = per_tier.get(t, 0.0) + size
-        load_s = sum(self.cost.transfer_time(nb, TIER_NAMES[t]) for t, nb in per_tier.items())
-        for i in range(p // bs):
-            w.device.put(("mla", digests[i]))
-        w.device.put(("kda", digests[p // bs - 1]), self.ckpt_units)
-        return p, TIER_NAMES[tier], load_s
-
-    def _store(self, w: SimWorker, digests: list[bytes], prompt_len: int, from_pos: int) -> None:
-        """Blocks of the prompt + checkpoints after ``from_pos`` on w's device and node host."""
-        bs, every = self.block_size, self.cluster.checkpoint_every_blocks
-        host = self.host[w.node_id]
-        n = len(digests)
-        for i, d in enumerate(digests):
-            w.device.put(("mla", d))
-            if host is not None and (i + 1) * bs > from_pos:
-                host.put(("mla", d))
-            p = (i + 1) * bs
-            if p > from_pos and p < prompt_len and ((i + 1) % every == 0 or i == n - 1):
-                w.device.put(("kda", d), self.ckpt_units)
-                if host is not None:
-                    host.put(("kda", d), self.ckpt_units)
-
     # ---- request life ----------------------------------------------------------
-    def arrive(self, now: float, req: SimRequest) -> None:
+    def send(self, now: float, req: SimRequest, salt: int = 0, lane: int = -1, warmup: bool = False) -> None:
+        """A client sends ``req``: it reaches the router after the serving path's overhead."""
         self._rid += 1
         rid = f"r{self._rid:06d}"
-        digests = chain_digests(req.hash_ids, req.num_full_blocks)
-        n = 0
-        for d in digests:
-            if d not in self._seen:
-                break
-            n += 1
-        self._seen.update(digests)
         rec = RequestRecord(rid, req.session_id, req.turn, req.input_length, req.output_length, now,
-                            theoretical_tokens=min(n * req.block_size, req.input_length - 1))
-        rr = RouteRequest(rid, req.session_id, digests, req.input_length, req.block_size,
-                          output_len_hint=req.output_length)
+                            lane=lane, salt=salt, warmup=warmup)
+        self.records.append(rec)
+        delay = self.cost.request_overhead_s
+        if delay > 0:
+            self.schedule(now + delay, self.arrive, req, rec)
+        else:
+            self.arrive(now, req, rec)
+
+    def arrive(self, now: float, req: SimRequest, rec: RequestRecord | None = None) -> None:
+        if rec is None:  # called directly (tests, earlier callers): sent now
+            self._rid += 1
+            rec = RequestRecord(f"r{self._rid:06d}", req.session_id, req.turn, req.input_length,
+                                req.output_length, now)
+            self.records.append(rec)
+        bs, plen = self.block_size, req.input_length
+        skey = (req.session_id, rec.salt)
+        digests = self.digests.digests(req.session_id, rec.salt, req.hash_ids, -(-plen // bs))
+        nfull = plen // bs
+        flags = list(map(self._seen.__contains__, digests))
+        try:
+            lead = flags.index(False)
+        except ValueError:
+            lead = len(flags)
+        rec.theoretical_tokens = min(min(lead, nfull) * bs, plen - 1)
+        if not rec.warmup:
+            self._theory[0] += sum(flags)
+            self._theory[1] += len(flags)
+        self._seen.update(digests[lead:])
+        probes = []
+        ends = self._ends.get(skey)
+        if ends:
+            for p in ends:
+                k, off = divmod(p, bs)
+                if p < plen and k < len(digests):
+                    probes.append((p, tail_digest(digests[k], off)))
+        ps = PromptState(digests, plen, bs, probes)
+        rr = RouteRequest(rec.request_id, req.session_id, digests[:nfull], plen, bs,
+                          tail_probes=ps.tail_probes(), output_len_hint=req.output_length)
         decision = self.router.route(rr, self.worker_states())
         self.router.on_routed(rr, decision)
         target = self.workers[decision.prefill_target]
         dec = self.workers[decision.decode_worker]
-        cached, tier, load_s = self.resume(target, digests, req.input_length)
-        rec.predicted_tokens, rec.cached_tokens, rec.cached_tier = decision.predicted_cached_tokens, cached, tier
+        res = self.state.resume(ps, target.device, self.host[target.node_id], self.disk[target.node_id])
+        rec.predicted_tokens, rec.cached_tokens, rec.cached_tier = decision.predicted_cached_tokens, res.tokens, res.tier
         rec.prefill_worker, rec.decode_worker, rec.reason = target.worker_id, dec.worker_id, decision.reason
-        job = SimJob(rid, req.input_length, req.output_length, digests, rec, cached, cached, load_s,
+        job = SimJob(rec.request_id, plen, req.output_length, ps, rec, req, res.tokens, res.tokens,
                      None if dec is target else dec)
-        job.record = (rec, req)
-        self.records.append(rec)
-        target.enqueue_prefill(job, now)
+        if res.load_s > 0:  # the state loads off the engine's step loop
+            self.schedule(now + res.load_s, target.enqueue_prefill, job)
+        else:
+            target.enqueue_prefill(now, job)
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
-        self._store(w, job.digests, job.prompt_len, job.cached)
+        ps = job.prompt
+        job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id])
+        if self.cluster.checkpoint_prompt_end:
+            end = self.state.prompt_end_key(ps)
+            if end is not None:
+                self._ends.setdefault((job.record.session_id, job.record.salt), deque(maxlen=4)).append(end[0])
         if job.decode_worker is None:
             self._start_decode(job, w, now)
             return
         d = job.decode_worker
+        cost = self.cost
+        nbytes = cost.state_bytes(job.prompt_len)
+        first = now + cost.transfer_time(nbytes, "host") + cost.disagg_overhead_s  # publish, then the handle
+        job.record.first_token = first
         tier = "host" if d.node_id == w.node_id else "remote"
-        t = self.cost.transfer_time(self.cost.state_bytes(job.prompt_len), tier)
-        self.schedule(now + t, self._arrive_decode, job, d)
+        self.schedule(first + cost.transfer_time(nbytes, tier), self._arrive_decode, job, d)
 
     def _arrive_decode(self, now: float, job: SimJob, d: SimWorker) -> None:
-        self._store(d, job.digests, job.prompt_len, 0)
+        self.state.store(job.prompt, 0, d.device, self.host[d.node_id], job.ckpts)
         self._start_decode(job, d, now)
 
     def _start_decode(self, job: SimJob, w: SimWorker, now: float) -> None:
-        rec, _ = job.record
-        rec.first_token = now
-        job.decoded, job.context = 1, job.prompt_len + 1
+        rec = job.record
+        if rec.first_token < 0:
+            rec.first_token = now
         if job.output_len <= 1:
-            self.finish(job, w, now)
-        else:
-            w.enqueue_decode(job, now)
+            self.finish(job, w, max(now, rec.first_token))
+            return
+        job.context, job.remaining = job.prompt_len + 1, job.output_len - 1
+        w.enqueue_decode(now, job)
 
     def finish(self, job: SimJob, w: SimWorker, now: float) -> None:
-        rec, req = job.record
+        rec = job.record
         rec.finish = now
         self.router.on_finished(job.rid, job.cached)
-        if self.mode == "closed":
-            self._next_turn(now, req.session_id)
+        self.driver.on_finished(now, rec.lane)
 
-    # ---- workload drivers ---------------------------------------------------------
-    def _next_turn(self, now: float, session_id: str) -> None:
-        turns = self._sessions[session_id]
-        if turns:
-            req = turns.pop(0)
-            self.schedule(now + req.delay_ms / 1000.0, self.arrive, req)
-        elif self._pending_sessions:
-            sid = self._pending_sessions.pop(0)
-            self._next_turn(now, sid)
+    def session_done(self, session_id: str, salt: int) -> None:
+        """A closed-loop session ended: drop its cached digests."""
+        self.digests.forget(session_id, salt)
+        self._ends.pop((session_id, salt), None)
 
-    def run(self) -> SimResult:
-        if self.mode == "closed":
-            self._sessions: dict[str, list[SimRequest]] = {}
-            for r in sorted(self.requests, key=lambda r: (r.session_id, r.turn)):
-                self._sessions.setdefault(r.session_id, []).append(r)
-            self._pending_sessions = list(self._sessions)
-            for lane in range(min(self.lanes, len(self._pending_sessions))):
-                sid = self._pending_sessions.pop(0)
-                req = self._sessions[sid].pop(0)
-                self.schedule(lane * self.lane_stagger_s, self.arrive, req)
-        else:
-            for r in sorted(self.requests, key=lambda r: r.timestamp_ms):
-                self.schedule(r.timestamp_ms / 1000.0, self.arrive, r)
+    # ---- run ------------------------------------------------------------------------
+    def run(self, until: float = math.inf) -> SimResult:
+        self.driver.start()
         if self.cluster.stats_period_s > 0:
             self.schedule(0.0, self._refresh_stats)
-        while self._heap:
-            t, _, fn, args = heapq.heappop(self._heap)
+        heap, pop = self._heap, heapq.heappop
+        n = 0
+        while heap:
+            t, _, fn, args = pop(heap)
+            if t > until:
+                break
             self.now = t
             fn(t, *args)
+            n += 1
+        self.num_sim_events += n
         return self._result()
 
     def _result(self) -> SimResult:
         end = self.now
-        t0 = min((r.arrival for r in self.records), default=0.0)
+        done = [r for r in self.records if r.finish >= 0]
+        t0 = min((r.arrival for r in done), default=0.0)
         span = max(end - t0, 1e-9)
         qavg, work = {}, {}
         for w in self.workers.values():
@@ -338,6 +330,8 @@ class Simulator:
             if w.role in ("prefill", "both"):
                 qavg[w.worker_id] = w.q_area / span
                 work[w.worker_id] = w.prefill_tokens_done
-        summary = summarize(self.records, qavg, work, len(self.workers))
+        summary = summarize(self.records, qavg, work, self.cluster.num_gpus)
         metrics = self.router.metrics.snapshot() if hasattr(self.router, "metrics") else {}
-        return SimResult(list(self.records), summary, metrics, self.num_events)
+        seen, total = self._theory
+        return SimResult(list(self.records), summary, metrics, self.state.num_events, self.cluster.num_gpus,
+                         seen / total if total else None, self.num_sim_events, qavg, work)

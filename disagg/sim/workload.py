@@ -8,10 +8,19 @@ the same shape the router sees from real prompts:
     d_i = H(d_{i-1} | hash_ids[i-1])        for the full blocks only
     full blocks = input_length // block_size (a trailing partial block is never shared)
 
+A trailing partial block gets a digest too (``chain_digests`` over all
+``ceil(input_length / block_size)`` ids): it names the partial block's
+content, so an unaligned resume point p (a prompt end) is named by
+``tail_digest(d_{ceil(p / bs)}, p % bs)``. Salting (cache busting on a
+replay) folds ``salt`` into every id not in the trace's shared set, as the
+benchmark's token factory does, so the shared system prefix stays shared.
+
 Synthetic agentic sessions (``synth_sessions``): every session starts with
 the same system/tool prefix (global ids), then grows turn by turn; turn k+1
 repeats turn k's full blocks and appends the previous output plus new
-user/tool content, drawn so that consecutive-turn reuse is ~96%.
+user/tool content, drawn so that consecutive-turn reuse is ~96%. The
+benchmark's AgentX-style generator (``disagg.bench.synth``) feeds the
+simulator through ``from_trace_records``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import json
 import math
 import random
 import struct
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -35,6 +45,7 @@ class SimRequest:
     output_length: int  # generated tokens
     hash_ids: list[int] = field(default_factory=list)  # one id per block (ceil)
     block_size: int = 256  # tokens per hash id
+    parent_session: str | None = None  # subagent: its parent session
 
     def __post_init__(self) -> None:
         assert self.input_length > 0 and self.output_length > 0, "empty request"
@@ -51,6 +62,10 @@ class SimRequest:
         return self.input_length // self.block_size
 
 
+_ROOT = hashlib.sha256(b"sim-root|").digest()[:16]
+_PACK = struct.Struct("<qq").pack
+
+
 def chain_digests(hash_ids: list[int], num_blocks: int, salt: str = "") -> list[bytes]:
     h = hashlib.sha256(b"sim-root|" + salt.encode()).digest()[:16]
     out: list[bytes] = []
@@ -58,6 +73,63 @@ def chain_digests(hash_ids: list[int], num_blocks: int, salt: str = "") -> list[
         h = hashlib.sha256(h + struct.pack("<q", hid)).digest()[:16]
         out.append(h)
     return out
+
+
+def extend_digests(out: list[bytes], hash_ids: list[int], upto: int, salt: int = 0,
+                   shared: frozenset[int] | set[int] = frozenset()) -> list[bytes]:
+    """Extend the chain ``out`` (digests of ``hash_ids[:len(out)]``) to ``upto`` blocks.
+
+    With ``salt == 0`` the chain is ``chain_digests``'s; otherwise every id not in
+    ``shared`` is hashed together with the salt.
+    """
+    h = out[-1] if out else _ROOT
+    sha = hashlib.sha256
+    if salt == 0:
+        for hid in hash_ids[len(out):upto]:
+            h = sha(h + struct.pack("<q", hid)).digest()[:16]
+            out.append(h)
+        return out
+    for hid in hash_ids[len(out):upto]:
+        h = sha(h + _PACK(hid, 0 if hid in shared else salt)).digest()[:16]
+        out.append(h)
+    return out
+
+
+def tail_digest(partial_block_digest: bytes, offset: int) -> bytes:
+    """Name of the unaligned position ``offset`` tokens into the block named by ``partial_block_digest``."""
+    return hashlib.sha256(b"tail|" + partial_block_digest + struct.pack("<q", offset)).digest()[:16]
+
+
+class DigestCache:
+    """Chained digests of each session's latest prompt, extended incrementally.
+
+    Consecutive turns of a session share their leading ids, so only the ids
+    after the common prefix are hashed (a turn of an agentic session hashes a
+    few new blocks, not its whole context).
+    """
+
+    def __init__(self, shared: frozenset[int] | set[int] = frozenset()):
+        self.shared = shared  # ids a salt leaves alone
+        self._last: dict[tuple[str, int], tuple[list[int], list[bytes]]] = {}
+
+    def digests(self, session_key: str, salt: int, hash_ids: list[int], num_blocks: int) -> list[bytes]:
+        """Digests of ``hash_ids[:num_blocks]`` (a new list; callers may keep it)."""
+        key = (session_key, salt)
+        prev = self._last.get(key)
+        if prev is None:
+            out: list[bytes] = []
+        else:
+            ids, digs = prev
+            n = min(len(digs), num_blocks)
+            if ids[:n] != hash_ids[:n]:
+                n = next(i for i, (a, b) in enumerate(zip(ids[:n], hash_ids[:n], strict=True)) if a != b)
+            out = digs[:n]
+        extend_digests(out, hash_ids, num_blocks, salt, self.shared)
+        self._last[key] = (hash_ids, out)
+        return out
+
+    def forget(self, session_key: str, salt: int) -> None:
+        self._last.pop((session_key, salt), None)
 
 
 def from_mooncake_records(records: Iterable[dict], block_size: int = 512) -> list[SimRequest]:
@@ -77,6 +149,27 @@ def from_mooncake_records(records: Iterable[dict], block_size: int = 512) -> lis
             )
         )
     return out
+
+
+def from_trace_records(records: Iterable, default_block_size: int = 512) -> list[SimRequest]:
+    """Convert ``disagg.bench.trace.TraceRecord``s (id lists are shared, not copied)."""
+    return [
+        SimRequest(r.session_id, r.turn, float(r.delay), float(r.timestamp), r.input_length,
+                   max(r.output_length, 1), r.hash_ids,
+                   r.block_size if r.block_size is not None else default_block_size, r.parent_session)
+        for r in records
+    ]
+
+
+def shared_ids(requests: Iterable[SimRequest]) -> frozenset[int]:
+    """Ids used by more than one session family (a session and its subagents): what a salt keeps."""
+    families: dict[str, set[int]] = {}
+    for r in requests:
+        families.setdefault(r.parent_session or r.session_id, set()).update(r.hash_ids)
+    counts: Counter[int] = Counter()
+    for ids in families.values():
+        counts.update(ids)
+    return frozenset(h for h, n in counts.items() if n > 1)
 
 
 def load_mooncake_jsonl(path: str, block_size: int = 512) -> list[SimRequest]:

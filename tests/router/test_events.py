@@ -99,7 +99,7 @@ def test_demotion_and_promotion_move_the_object_between_tiers(tmp_path):
         for h in H.block_hashes(TOKS[:32]):
             key = [str(ObjectKey("mla", h))]
             in_host, in_disk = host.contains(key)[0], disk.contains(key)[0]
-            assert idx._mla[h][1:3] == (0b011 if in_host else 0, 0b011 if in_disk else 0)  # n0's two workers
+            assert idx.tier_masks("mla", h)[1:3] == (0b011 if in_host else 0, 0b011 if in_disk else 0)  # n0's two workers
     finally:
         disk.close()
         host.close()
@@ -140,4 +140,4 @@ def test_moved_without_source_tier(tier, src_holds, expect_raw):
     for t in src_holds:
         idx.apply(_ev(str(ObjectKey("mla", D)), t))
     idx.apply(_ev(str(ObjectKey("mla", D)), tier, kind="moved"))
-    assert idx._mla[D][:4] == expect_raw
+    assert idx.tier_masks("mla", D) == expect_raw

@@ -142,7 +142,7 @@ def test_adapter_skips_nonzero_shards_and_parses_keys():
 # ---- the walk against a brute-force reference -------------------------------------
 
 
-def _reference(stored, nodes, req_, cands, common_min):
+def _reference(stored, nodes, req_, cands, common_min, hybrid=True):
     """Per worker (resumable, tier, mla_blocks) straight from the stored objects."""
     order = ("device", "host", "disk", "remote")
 
@@ -162,12 +162,12 @@ def _reference(stored, nodes, req_, cands, common_min):
             tiers.append(t)
         best = (0, None)
         for k in range(1, len(tiers) + 1):
-            t = fastest(w, "kda", hs[k - 1])
+            t = fastest(w, "kda", hs[k - 1]) if hybrid else 0  # pure attention: any block prefix resumes
             if k * bs < plen and t is not None:
                 best = (k * bs, order[max(tiers[:k] + [t])])
         for probe in req_.tail_probes:
             k = probe.position // bs
-            tt, tk = fastest(w, "tail", probe.digest), fastest(w, "kda", probe.digest)
+            tt, tk = fastest(w, "tail", probe.digest), fastest(w, "kda", probe.digest) if hybrid else 0
             if k <= len(tiers) and tt is not None and tk is not None and probe.position > best[0]:
                 best = (probe.position, order[max(tiers[:k] + [tt, tk])])
         out[w] = (*best, len(tiers))
@@ -181,11 +181,27 @@ def _reference(stored, nodes, req_, cands, common_min):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_walk_matches_reference(seed):
+    _walk_against_reference(seed)
+
+
+@pytest.mark.parametrize("hybrid, pad", [(False, 0), (True, 130), (False, 70)])
+@pytest.mark.parametrize("seed", range(12))
+def test_walk_matches_reference_attention_only_and_past_64_workers(seed, hybrid, pad):
+    _walk_against_reference(1000 + seed, hybrid, pad)
+
+
+def _walk_against_reference(seed: int, hybrid: bool = True, pad: int = 0) -> None:
+    """Random stores and evictions over 5 workers on 3 nodes; ``pad`` workers registered first push
+    their bits past the first 64-bit mask word."""
     import random
 
     rng = random.Random(seed)
     nodes = {"a": "n0", "b": "n0", "c": "n1", "d": "n1", "e": "n2"}
-    idx = _index(nodes)
+    idx = PrefixIndex(hybrid=hybrid)
+    for i in range(pad):
+        idx.add_worker(f"pad{i}", "n0" if i % 2 else f"pad-node{i}")  # some share n0 (node masks span words)
+    for w, n in nodes.items():
+        idx.add_worker(w, n)
     h = chain(10, f"ref{seed}")
     tails = [bytes([seed % 251, i]) * 8 for i in range(3)]
     stored = []
@@ -210,7 +226,35 @@ def test_walk_matches_reference(seed):
                      if p < plen]
     cands = ["a", "b", "c", "d", "e"][: rng.randint(1, 5)]
     common_min = rng.randint(1, 3)
-    want, want_common = _reference(stored, nodes, r, cands, common_min)
+    want, want_common = _reference(stored, nodes, r, cands, common_min, hybrid)
     got = idx.match(r, cands, common_min)
     assert got.common_blocks == want_common
     assert {w: (m.resumable_tokens, m.tier, m.mla_blocks) for w, m in got.matches.items()} == want
+
+
+def test_popcount_fallback_matches_numpy():
+    import numpy as np
+
+    from disagg.router.index import _popcount_swar
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**63, size=(64, 3), dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, (64, 3), np.uint64)
+    x[0, 0], x[1, 1] = 0, np.uint64(2**64 - 1)
+    want = [[bin(int(v)).count("1") for v in row] for row in x]
+    assert _popcount_swar(x).tolist() == want
+
+
+def test_remove_worker_objects_and_tier_masks_past_64_workers():
+    idx, h = PrefixIndex(), chain(4)
+    for i in range(70):
+        idx.add_worker(f"w{i}", f"n{i // 8}")
+    _blocks(idx, h, "device", "w66")
+    store(idx, "kda", h[3], "device", "w66")
+    store(idx, "mla", h[0], "host", "w65")  # node n8: w64..w69
+    store(idx, "mla", h[1], "remote", "w1")
+    assert idx.tier_masks("mla", h[0]) == (1 << 66, 0b111111 << 64, 0, 0)
+    assert idx.tier_masks("mla", h[1])[3] == -1 and idx.tier_masks("kda", h[0]) is None
+    assert idx.resumable(req(h, 4 * BS + 1), "w66") == (4 * BS, "device")
+    idx.remove_worker_objects("w66")
+    assert idx.resumable(req(h, 4 * BS + 1), "w66") == (0, None)
+    assert idx.num_objects() == {"mla": 2, "kda": 0, "tail": 0}  # h[0] stays on n8's host, h[1] remote

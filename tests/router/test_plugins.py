@@ -231,3 +231,26 @@ def test_profile_checks_array_scorers_and_ranks_ties_in_order():
         SchedulingProfile("t", [], [(_BadArray(), 1.0)]).run(_ctx(), W3)
     p = MaxScorePicker()
     assert p.rank_array(np.array([0.5, 0.7, 0.7]), ["a", "b", "c"]) == ["b", "c", "a"]
+
+
+def test_prefix_scorer_few_and_many_earners_score_alike():
+    """Up to 4 earning workers are scored in Python floats, more with numpy: the same values, bit for bit."""
+    tiers = ["device", "host", "disk", "remote", "host", "device"]
+    ws = [WorkerState(f"w{i}", node_id=f"n{i}") for i in range(6)]
+    matches = {f"w{i}": PrefixMatch(40 + 7 * i, t, 12) for i, t in enumerate(tiers)}
+    scorer = PrefixScorer(bytes_per_token=4608.0, checkpoint_bytes=16e6)
+    many = scorer.score_array(_ctx(matches, 2), ws)  # 6 earners: the numpy path
+    for i in range(6):  # one earner each: the Python path
+        one = scorer.score_array(_ctx({f"w{i}": matches[f"w{i}"]}, 2), ws)
+        assert one[i] == many[i] and one.sum() == one[i]
+    assert many.tolist() == pytest.approx([scorer.credit(_ctx(matches, 2), w.worker_id) / (101 - 8) for w in ws])
+
+
+def test_view_is_reused_for_the_same_list_only():
+    ctx = _ctx({"c": PrefixMatch(40, "disk", 10)})
+    cands = [W3[0], W3[2]]
+    v = ctx.view(cands)
+    assert ctx.view(cands) is v
+    other = [W3[0], W3[1]]  # same length, another last element: another view
+    assert ctx.view(other).worker_ids == ["a", "b"]
+    assert ctx.view(list(cands)) is v  # an equal list: the per-id cache

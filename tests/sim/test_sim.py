@@ -66,13 +66,24 @@ def test_open_loop_and_tiers():
 
 def test_lru_tier_eviction_order_and_events():
     log = []
-    t = LRUTier("device", 3, lambda op, k, d: log.append((op, d)))
+    t = LRUTier("device", 3, lambda op, key: log.append((op, key)))
     for d in (b"a", b"b", b"c"):
-        t.put(("mla", d))
-    t.touch(("mla", b"a"))
-    assert t.put(("kda", b"k"), 2) == [("mla", b"b"), ("mla", b"c")]
+        t.put(d)
+    t.touch(b"a")
+    assert t.put(b"k", 2) == [b"b", b"c"]
     assert log[-3:] == [("evicted", b"b"), ("evicted", b"c"), ("stored", b"k")]
-    assert t.put(("kda", b"big"), 4) == [] and t.used == 3
+    assert t.put(b"big", 4) is None and t.used == 3
+    assert t.keys() == [b"a", b"k"]
+
+
+def test_lru_tier_put_many_refreshes_and_survives_self_eviction():
+    t = LRUTier("device", 3)
+    t.put_many([b"a", b"b", b"c"])
+    t.put_many([b"d", b"a"])  # inserting d evicts b (LRU), then a is refreshed
+    assert t.keys() == [b"c", b"d", b"a"]
+    t.put_many([b"x", b"y", b"c"])  # x evicts c, y evicts d, c must be re-inserted (evicting a)
+    assert t.keys() == [b"x", b"y", b"c"] and t.used == 3
+    assert t.present([b"x", b"a"]) == [True, False]
 
 
 def test_synthetic_sessions_reuse_and_mooncake_conversion():
@@ -94,3 +105,45 @@ def test_cost_model_profiles(tmp_path):
     assert cost_profile("large").prefill_per_token_s > cost_profile("small").prefill_per_token_s
     with pytest.raises(ValueError):
         CostModel.from_dict({"nope": 1})
+
+
+def test_cli_run_with_a_profile_and_the_bench_summary(capsys):
+    from disagg.sim.cli import main as sim_main
+
+    assert sim_main(["sim", "run", "--agentic", "6", "--scale", "0.1", "--turn-scale", "0.1", "--profile",
+                     "h200-small", "--workers", "2", "--concurrency", "3", "--bench", "--gpu-cost", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "state_aware (simulated)" in out and "tokens/$" in out and "P90 interactivity" in out
+
+
+def test_cli_calibrate_from_saved_engine_figures(tmp_path, capsys):
+    from pathlib import Path
+
+    from disagg.sim.cli import main as sim_main
+    from disagg.sim.profile import load_profile
+
+    h200 = Path(__file__).resolve().parents[2] / "docs" / "perf" / "h200-2026-11-29"
+    out = tmp_path / "h200.json"
+    assert sim_main(["sim", "calibrate", "--from-engine-bench", str(h200 / "engine_fla.json"), "--transfer",
+                     str(h200 / "transfer.json"), "--name", "mine", "-o", str(out)]) == 0
+    assert "max error" in capsys.readouterr().out
+    assert load_profile(out).name == "mine"
+    assert sim_main(["sim", "calibrate"]) == 2
+
+
+def test_hand_computed_disaggregated_request():
+    """P != D: first token at prefill end + publish (host link) + disagg overhead; decode after the load."""
+    cost = CostModel(prefill_base_s=0.01, prefill_per_token_s=0.001, prefill_attn_s=0.0, decode_base_s=0.02,
+                     decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0, bytes_per_token=1000.0,
+                     checkpoint_bytes=1e6, bandwidth_gbps={"host": 1.0, "disk": 1.0, "remote": 0.5},
+                     latency_s={"host": 0.0, "remote": 0.0}, request_overhead_s=0.1, disagg_overhead_s=0.05)
+    r = SimRequest("s", 0, 0, 0, 4000, 5, list(range(16)), 256)
+    cl = ClusterConfig(num_prefill=1, num_decode=1, workers_per_node=1)  # P and D on different nodes
+    res = Simulator([r], "round_robin", cl, cost).run()
+    rec = res.records[0]
+    state = (4000 * 1000.0 + 1e6) / 1e9
+    prefill_end = 0.1 + 0.01 + 4000 * 0.001
+    assert (rec.prefill_worker, rec.decode_worker) == ("w00", "w01")
+    assert rec.first_token == pytest.approx(prefill_end + state / 1.0 + 0.05)
+    assert rec.finish == pytest.approx(rec.first_token + state / 0.5 + 4 * 0.02)  # remote load, 4 more tokens
+    assert rec.ttft == pytest.approx(rec.first_token)  # sent at 0

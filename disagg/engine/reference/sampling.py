@@ -15,13 +15,14 @@ from disagg.engine.protocol import SamplingParams
 def sample(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
     """Pick one token from ``logits`` [vocab] (any float dtype)."""
     logits = logits.float()
-    if params.temperature == 0.0:
+    if params.temperature < 1e-5:  # greedy; a tinier temperature would overflow logits / temperature
         return int(torch.argmax(logits).item())
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
-        keep = cum - sorted_p < params.top_p  # always keeps the top token
+        keep = cum - sorted_p < params.top_p
+        keep[0] = True  # always keep the top token (a top_p below the dtype's resolution keeps nothing else)
         sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         probs = probs / probs.sum()

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from disagg.router.context import RoutingContext
 from disagg.router.types import WorkerState
 
@@ -55,13 +57,13 @@ class LoadGuardFilter:
         v = ctx.view(workers)
         n = len(workers)
         q = v.prefill
-        ok = q <= cfg.prefill_ratio * float(q.sum()) / n + cfg.prefill_slack_tokens
+        ok = q <= cfg.prefill_ratio * float(np.add.reduce(q)) / n + cfg.prefill_slack_tokens
         if ctx.session_worker is None:  # a new session: also the session guard
             s = v.sessions
-            ok &= s <= cfg.session_ratio * float(s.sum()) / n + cfg.session_slack
-        kept = ok.tolist()
-        if all(kept):
+            ok &= s <= cfg.session_ratio * float(np.add.reduce(s)) / n + cfg.session_slack
+        if np.logical_and.reduce(ok):
             return list(workers)
+        kept = ok.tolist()
         if any(kept):
             return [w for w, keep in zip(workers, kept, strict=True) if keep]
         least = min(range(len(workers)), key=lambda i: (q[i], workers[i].worker_id))

@@ -14,7 +14,7 @@ Config example (YAML)::
 from __future__ import annotations
 
 from disagg.router.context import PHASES, RoutingContext
-from disagg.router.types import WorkerState
+from disagg.router.types import ROLES, WorkerState
 
 ALLOWED_ROLES = {
     "prefill": ("prefill", "both"),
@@ -33,4 +33,6 @@ class RoleFilter:
 
     def filter(self, ctx: RoutingContext, workers: list[WorkerState]) -> list[WorkerState]:
         roles = ALLOWED_ROLES[self.phase or ctx.phase]
+        if len(roles) == len(ROLES):  # aggregated placement: every role runs it
+            return list(workers)
         return [w for w in workers if w.role in roles]

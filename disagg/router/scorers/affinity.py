@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from disagg.router.context import RoutingContext
+from disagg.router.scorers.base import ArrayScorer
 from disagg.router.types import WorkerState
 
 
@@ -30,15 +33,15 @@ class AffinityScorerConfig:
             raise ValueError("node_score must be in [0, 1]")
 
 
-class AffinityScorer:
+class AffinityScorer(ArrayScorer):
     name = "affinity"
 
     def __init__(self, config: AffinityScorerConfig | None = None, **params: object):
         self.config = config or AffinityScorerConfig(**params)  # type: ignore[arg-type]
 
-    def score(self, ctx: RoutingContext, workers: list[WorkerState]) -> dict[str, float]:
+    def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
         sw, sn = ctx.session_worker, ctx.session_node
         if sw is None:
-            return dict.fromkeys((w.worker_id for w in workers), 0.0)
+            return np.zeros(len(workers))
         mate = self.config.node_score if sn is not None else 0.0
-        return {w.worker_id: 1.0 if w.worker_id == sw else mate if w.node_id == sn else 0.0 for w in workers}
+        return np.array([1.0 if w.worker_id == sw else mate if w.node_id == sn else 0.0 for w in workers])

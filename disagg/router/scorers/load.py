@@ -83,7 +83,7 @@ class LoadScorer(ArrayScorer):
     def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
         x = ctx.view(workers).loads
         terms = x[self._rows]
-        pressure = (self._weights / np.maximum(terms.max(axis=1), self._floors)) @ terms
+        pressure = (self._weights / np.maximum(np.maximum.reduce(terms, axis=1), self._floors)) @ terms
         if self._cache_weight:
-            pressure += self._cache_weight * np.clip(x[LOAD_ROW["cache_utilization"]], 0.0, 1.0)
-        return np.clip(1.0 - pressure, 0.0, 1.0)
+            pressure += self._cache_weight * np.minimum(np.maximum(x[LOAD_ROW["cache_utilization"]], 0.0), 1.0)
+        return np.minimum(np.maximum(1.0 - pressure, 0.0), 1.0)  # clip, without its Python wrapper

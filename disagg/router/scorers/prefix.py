@@ -81,6 +81,7 @@ class PrefixScorer(ArrayScorer):
             [1.0 / (cfg.bandwidth_gbps[t] * 1e9) if m else 0.0 for t, m in zip(TIERS, moved, strict=True)] + [0.0],
             [cfg.latency_s.get(t, 0.0) if m else 0.0 for t, m in zip(TIERS, moved, strict=True)] + [0.0],
         ])
+        self._tier_rows = [tuple(col) for col in self._tier_params.T.tolist()]  # tier index -> (weight, 1/bw, lat)
 
     def tier_factor(self, tier: str | None, cached_tokens: int) -> float:
         """tier_weight * max(1 - transfer_time / saved_compute_time, 0)."""
@@ -110,10 +111,22 @@ class PrefixScorer(ArrayScorer):
         common = ctx.common_tokens() if cfg.discount_common else 0
         denom = max(ctx.request.prompt_len - common, 1)
         v = ctx.view(workers)
-        c = v.resumable
-        weight, inv_bw, lat = self._tier_params[:, v.tier]
+        out = np.zeros(len(v.resumable))
+        earn = np.flatnonzero(v.resumable > common)  # usually a few workers: compute only theirs
+        if not earn.size:
+            return out
+        if earn.size <= 4:  # the same formula in Python floats (the same IEEE operations, in order)
+            rows, bpt, ckpt, rate = self._tier_rows, cfg.bytes_per_token, cfg.checkpoint_bytes, cfg.prefill_tokens_per_s
+            for i, c, t in zip(earn.tolist(), v.resumable[earn].tolist(), v.tier[earn].tolist(), strict=True):
+                weight, inv_bw, lat = rows[t]
+                xfer = (c * bpt + ckpt) * inv_bw + lat
+                factor = weight * max(1.0 - xfer / (max(c, 1.0) / rate), 0.0)
+                out[i] = min((c - common) * factor / denom, 1.0)
+            return out
+        c = v.resumable[earn]
+        weight, inv_bw, lat = self._tier_params[:, v.tier[earn]]
         xfer = (c * cfg.bytes_per_token + cfg.checkpoint_bytes) * inv_bw + lat
         saved = np.maximum(c, 1.0) / cfg.prefill_tokens_per_s
         factor = weight * np.maximum(1.0 - xfer / saved, 0.0)
-        credit = np.where(c > common, (c - common) * factor, 0.0)
-        return np.minimum(credit / denom, 1.0)
+        out[earn] = np.minimum((c - common) * factor / denom, 1.0)
+        return out

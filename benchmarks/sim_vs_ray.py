@@ -1,0 +1,169 @@
+"""The simulator against the real system: same trace, same router, tiny model, one local Ray cluster.
+
+    python benchmarks/sim_vs_ray.py --out results/sim_vs_ray [--concurrency 1,2,4] [--requests 40]
+
+1. Times the reference engine alone in this process (``disagg sim calibrate
+   --engine tiny``: one torch thread, as a replica runs it).
+2. Serves the embedded default (``deployments/configs/local-cpu.yaml``: one
+   prefill + one decode replica of the tiny model, a shared host tier) on a
+   local Ray cluster and replays the CPU-sized agentic trace of
+   ``benchmarks/e2e_pareto.py`` with ``disagg bench``: first a calibration run
+   (``--calibrate-concurrency``, its own salt), then the validation sweep
+   (``--concurrency``, new salts).
+3. Fits the serving path's overheads and the engine's in-replica slowdown
+   from the calibration run (``disagg sim calibrate --from-bench``).
+4. Replays the validation sweep in the simulator: the same trace, the same
+   closed-loop settings (lanes, think time, warm-up, start turns, salts, the
+   benchmark's own ``RunConfig``s), the same router policy and P/D decider
+   threshold, the same checkpoint positions (prompt ends) and tier sizes.
+5. Prints, per concurrency, real vs simulated TTFT (mean, P50, P90), ITL
+   P90, total tok/s/GPU and cache hit, with sim / real ratios; the goal is
+   TTFT and throughput within 15%.
+
+The CPU is shared: the real runs' absolute times move with the machine's
+load (printed with the results); the calibration comes from the same
+machine and the same session of the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from e2e_pareto import CONFIG, FIRST_TOKEN_ID, VOCAB_SIZE, cpu_trace, engine_replicas, warm_up
+
+from disagg.bench.report import load_sweep
+from disagg.bench.sweep import BenchParams, run_bench_sync
+from disagg.bench.tokens import shared_hash_ids
+from disagg.bench.trace import save_trace
+from disagg.config import load_config
+from disagg.local import free_port, local_app, wait_healthy
+from disagg.sim.calibrate import from_bench_runs, time_engine
+from disagg.sim.driver import ReplayConfig
+from disagg.sim.profile import EngineProfile, load_profile
+from disagg.sim.simulator import ClusterConfig, Simulator
+from disagg.sim.workload import from_trace_records
+
+METRICS = [("TTFT mean ms", lambda s: s["ttft_ms"]["mean"]), ("TTFT P50 ms", lambda s: s["ttft_ms"]["p50"]),
+           ("TTFT P90 ms", lambda s: s["ttft_ms"]["p90"]), ("ITL P90 ms", lambda s: s["itl_ms"]["p90"]),
+           ("tok/s/GPU", lambda s: s["total_tps_per_gpu"]), ("cache hit", lambda s: s["cache_hit_usage"] or 0.0)]
+GATED = ("TTFT mean ms", "TTFT P50 ms", "tok/s/GPU")
+
+
+def params(url: str, trace: Path, out: Path, conc: list[int], salt: int, num_gpus: int, args) -> BenchParams:
+    return BenchParams(url=url, trace=str(trace), out=str(out), concurrency=conc, max_requests=args.requests,
+                       think_cap_ms=args.think_cap_ms, think_scale=args.think_scale, sample_start_turn=True,
+                       salt=salt, seed=args.seed, num_gpus=num_gpus, vocab_size=VOCAB_SIZE,
+                       first_token_id=FIRST_TOKEN_ID, default_block_size=64, progress=not args.quiet, quiet=args.quiet,
+                       plots=False)
+
+
+def sim_cluster(cfg, prof: EngineProfile) -> ClusterConfig:
+    """The served stack as a simulated cluster: tier sizes in 64-token blocks of the tiny model."""
+    from disagg.engine.factory import build_reference_engine
+
+    geo = build_reference_engine(cfg).geometry
+    block_bytes = cfg.engine.block_size * prof.state["bytes_per_token"]
+    host_blocks = int(cfg.transfer.host.capacity_mb * 2**20 // block_bytes)
+    d = cfg.deployment
+    return ClusterConfig(num_prefill=d.prefill.num_replicas, num_decode=d.decode.num_replicas, workers_per_node=8,
+                         device_blocks=int(geo.num_blocks), host_blocks=host_blocks,
+                         checkpoint_every_blocks=cfg.engine.checkpoint_interval // cfg.engine.block_size,
+                         checkpoint_last_full_block=False, checkpoint_prompt_end=True)
+
+
+def simulate_sweep(records, bp: BenchParams, cluster: ClusterConfig, prof: EngineProfile, cfg) -> dict[str, dict]:
+    reqs = from_trace_records(records, 64)
+    shared = shared_hash_ids(records)
+    router = {"decider": {"local_prefill_max_tokens": cfg.router.local_prefill_max_tokens}}
+    out = {}
+    for rc in bp.run_configs():
+        sim = Simulator(reqs, "state_aware", cluster, prof.cost_model(), replay=ReplayConfig.from_run_config(rc),
+                        router_config=router, shared_ids=shared)
+        out[rc.label] = sim.run().bench_summary().to_dict()
+    return out
+
+
+def compare(real: dict[str, dict], sim: dict[str, dict]) -> tuple[str, list[dict]]:
+    lines = ["| run | metric | real | simulated | sim / real |", "|---|---|---|---|---|"]
+    rows = []
+    for label, r in real.items():
+        s = sim[label]
+        for name, get in METRICS:
+            a, b = get(r), get(s)
+            ratio = b / a if a else float("nan")
+            ok = abs(ratio - 1) <= 0.15 if name in GATED else None
+            rows.append({"run": label, "metric": name, "real": a, "sim": b, "ratio": ratio, "within_15pct": ok})
+            flag = "" if ok is None else (" ok" if ok else " **off**")
+            lines.append(f"| {label} | {name} | {a:,.1f} | {b:,.1f} | {ratio:.2f}{flag} |")
+    return "\n".join(lines), rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/sim_vs_ray")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    ap.add_argument("--calibrate-concurrency", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=40, help="measured requests per run")
+    ap.add_argument("--sessions", type=int, default=24)
+    ap.add_argument("--think-cap-ms", type=float, default=2000.0)
+    ap.add_argument("--think-scale", type=float, default=0.05)
+    ap.add_argument("--base", help="engine profile to start from (default: time the engine now)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--analyze-only", action="store_true",
+                    help="no serving: refit and re-simulate from a previous run's --out")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    load = [os.getloadavg()[0]]
+    records = cpu_trace(args.sessions, args.seed)
+    trace = out / "trace.jsonl"
+    cfg = load_config(CONFIG)
+    cfg.http.port = free_port()
+    gpus = engine_replicas(cfg)
+    val = params("http://unused", trace, out / "validation", args.concurrency, 11, gpus, args)
+    if args.analyze_only:
+        base = load_profile(out / "engine_profile.json")
+        real_doc = load_sweep(out / "validation")
+        prev = json.loads((out / "comparison.json").read_text()) if (out / "comparison.json").exists() else {}
+        load = prev.get("load_avg", load)
+    else:
+        base = load_profile(args.base) if args.base else time_engine("tiny", threads=1, progress=not args.quiet)
+        base.save(out / "engine_profile.json")
+        save_trace(records, trace)
+        with local_app(cfg) as url:
+            wait_healthy(url)
+            warm_up(url, cfg.model.openai_name)
+            load.append(os.getloadavg()[0])
+            cal = params(url, trace, out / "calibration", [args.calibrate_concurrency], 1, gpus, args)
+            run_bench_sync(cal, records)
+            val.url = url
+            real_doc = run_bench_sync(val, records)
+            load.append(os.getloadavg()[0])
+    fitted = from_bench_runs([out / "calibration"], base, cfg.router.local_prefill_max_tokens, name="cpu-tiny-served")
+    fitted.save(out / "fitted_profile.json")
+    real = {e["label"]: e["summary"] for e in real_doc["runs"]}
+    sim = simulate_sweep(records, val, sim_cluster(cfg, fitted), fitted, cfg)
+    table, rows = compare(real, sim)
+    elapsed = time.monotonic() - t0
+    notes = "\n".join(f"- {n}" for n in fitted.source["notes"])
+    text = (f"{table}\n\ncalibration (concurrency {args.calibrate_concurrency}, its own salt):\n{notes}\n\n"
+            f"load average (1 min) at start / serving / end: {', '.join(f'{x:.1f}' for x in load)}; "
+            f"total {elapsed:.0f} s\n")
+    print(text)
+    (out / "table.md").write_text(text)
+    (out / "comparison.json").write_text(json.dumps({"rows": rows, "load_avg": load, "elapsed_s": round(elapsed, 1),
+                                                     "real": real, "sim": sim}, indent=2, default=str))
+    gated = [r for r in rows if r["within_15pct"] is not None]
+    print(f"{sum(r['within_15pct'] for r in gated)}/{len(gated)} gated figures within 15%", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

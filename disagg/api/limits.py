@@ -1,0 +1,329 @@
+"""Admission at the HTTP edge: API keys, per-key limits, bounded queueing with load shedding.
+
+    request (/v1/*)
+      -> Content-Length over max_body_bytes ...................... 413
+      -> API key (constant-time, see KeyTable) ................... 401
+      -> body read, at most max_body_bytes + 1 bytes ............. 413
+      generation endpoints only:
+      -> the key's token bucket (rate_limit_per_key) ............. 429 + Retry-After
+      -> the key's requests in flight (max_concurrent_per_key) ... 429 + Retry-After
+      -> AdmissionGate: a running slot, or a bounded wait ........ 503 + Retry-After
+      -> the app; the slot and the key's count are released once the response has been
+         sent, streamed or not, whether it finished, failed or the client went away.
+
+``EdgeMiddleware`` is a plain ASGI middleware around the FastAPI app so that it sees the whole
+life of a streamed response. With no API keys configured every client shares one key.
+
+Config example (the ``http:`` section)::
+
+    http: {api_keys: [...], max_concurrent_per_key: 8, rate_limit_per_key: 5, rate_burst_per_key: 10,
+           max_inflight: 256, max_queued: 512, queue_timeout_s: 30}
+
+NOTES
+1. Memory is bounded: at most ``max_inflight`` generations run and ``max_queued`` wait; a body is
+   buffered only after the key checked out and never beyond ``max_body_bytes`` + 1 bytes, chunked
+   or not. Per-key state exists only for configured keys (plus the shared anonymous key).
+2. Key checks take the same time whichever key matched and whatever the keys' lengths: the
+   presented token and every key are compared as HMAC-SHA256 digests, all of them, with
+   ``hmac.compare_digest``.
+3. A refused request holds nothing afterwards: no running slot, no in-flight count. (One refused
+   for concurrency has spent a rate token: it was a request all the same.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from disagg.api.errors import APIError
+
+ANONYMOUS = "anonymous"  # the shared key when no API keys are configured
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_SALT_CONTEXT = b"disagg-cache-salt"
+
+
+def tenant_salt(api_key: str) -> str:
+    """The cache salt of an API key's tenant: stable across replicas and restarts, not the key."""
+    return hmac.new(_SALT_CONTEXT, api_key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def request_salt(tenant: str, explicit: str | None) -> str:
+    """The salt a request's state keys carry: the tenant's, narrowed by an explicit ``cache_salt``.
+
+    An explicit salt only partitions within its tenant: two keys sending the same ``cache_salt``
+    still never share state.
+    """
+    if not tenant:
+        return explicit or ""
+    if not explicit:
+        return tenant
+    return hmac.new(tenant.encode(), explicit.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+class KeyTable:
+    """The configured API keys; ``identify`` maps an Authorization header to a key id (NOTE 2)."""
+
+    def __init__(self, keys: list[str]):
+        if any(not k for k in keys):
+            raise ValueError("an API key must not be empty")
+        self._secret = os.urandom(32)  # per process: digests are never stored or sent
+        self._digests = [self._digest(k.encode()) for k in keys]
+        self._keys = list(keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def _digest(self, token: bytes) -> bytes:
+        return hmac.new(self._secret, token, hashlib.sha256).digest()
+
+    def identify(self, authorization: str) -> str | None:
+        """The matching key, or None. Same work whichever key (or none) matches."""
+        scheme, _, token = authorization.partition(" ")
+        presented = self._digest(token.strip().encode() if scheme.lower() == "bearer" else b"")
+        match = None
+        for key, digest in zip(self._keys, self._digests, strict=True):
+            if hmac.compare_digest(presented, digest):
+                match = key
+        return match
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """``rate`` tokens per second, at most ``burst`` banked."""
+
+    rate: float
+    burst: float
+    tokens: float = -1.0  # current tokens (starts full)
+    stamp: float = 0.0  # time of the last refill
+
+    def take(self, now: float) -> float:
+        """Take a token; returns 0.0, or the seconds until one is available (nothing taken)."""
+        if self.tokens < 0:
+            self.tokens, self.stamp = self.burst, now
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+@dataclass(slots=True)
+class _KeyState:
+    bucket: TokenBucket | None  # None: no rate limit
+    num_inflight: int = 0  # admitted generations of this key not yet finished
+
+
+@dataclass(slots=True)
+class KeyLimiter:
+    """Per-key rate (token bucket) and concurrency limits. 0 disables a limit."""
+
+    rate: float = 0.0
+    burst: int = 0
+    max_concurrent: int = 0
+    _keys: dict[str, _KeyState] = field(default_factory=dict)
+
+    def _state(self, key: str) -> _KeyState:
+        st = self._keys.get(key)
+        if st is None:
+            bucket = TokenBucket(self.rate, float(self.burst or max(1, math.ceil(self.rate)))) if self.rate else None
+            st = self._keys[key] = _KeyState(bucket)
+        return st
+
+    def admit(self, key: str, now: float) -> APIError | None:
+        """Count one request of ``key`` in, or say why not (429 with Retry-After)."""
+        st = self._state(key)
+        if st.bucket is not None:
+            wait = st.bucket.take(now)
+            if wait > 0:
+                return APIError(429, f"rate limit of {self.rate:g} requests/s for this API key exceeded",
+                                code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        if self.max_concurrent and st.num_inflight >= self.max_concurrent:
+            return APIError(429, f"at most {self.max_concurrent} concurrent requests per API key",
+                            code="concurrency_limit_exceeded", headers={"Retry-After": "1"})
+        st.num_inflight += 1
+        return None
+
+    def done(self, key: str) -> None:
+        st = self._keys[key]
+        assert st.num_inflight > 0, "released a request that was not admitted"
+        st.num_inflight -= 1
+
+
+class AdmissionGate:
+    """At most ``max_inflight`` holders; up to ``max_queued`` wait in FIFO order, each at most
+    ``timeout_s``; the rest are shed. One event loop only (the HTTP app's).
+
+    NOTES
+    1. A released slot passes straight to the oldest waiter (``num_running`` stays), so a waiter
+       is never overtaken by a newcomer.
+    2. A waiter that gives up (timeout, cancellation) leaves the queue; one that was handed a
+       slot as it gave up keeps it (timeout) or passes it on (cancellation).
+    """
+
+    def __init__(self, max_inflight: int, max_queued: int, timeout_s: float):
+        if max_inflight < 1 or max_queued < 0 or timeout_s <= 0:
+            raise ValueError("need max_inflight >= 1, max_queued >= 0, timeout_s > 0")
+        self.max_inflight = max_inflight
+        self.max_queued = max_queued
+        self.timeout_s = timeout_s
+        self.num_running = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self.num_shed = 0  # refused: queue full
+        self.num_timed_out = 0  # refused: waited too long
+
+    @property
+    def num_queued(self) -> int:
+        return sum(not f.done() for f in self._waiters)
+
+    async def acquire(self) -> bool:
+        """Take a running slot (True), or be shed (False)."""
+        if self.num_running < self.max_inflight and not self._waiters:
+            self.num_running += 1
+            return True
+        if len(self._waiters) >= self.max_queued:
+            self.num_shed += 1
+            return False
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            if fut.done() and not fut.cancelled():
+                return True  # handed a slot just as the wait ended
+            self._forget(fut)
+            self.num_timed_out += 1
+            return False
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()
+            else:
+                self._forget(fut)
+            raise
+
+    def _forget(self, fut: asyncio.Future) -> None:
+        fut.cancel()
+        try:
+            self._waiters.remove(fut)
+        except ValueError:
+            pass
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(True)  # the slot passes on (NOTE 1)
+                return
+        assert self.num_running > 0, "released more slots than taken"
+        self.num_running -= 1
+
+
+class EdgeMiddleware:
+    """ASGI middleware applying the checks in the module docstring to ``/v1/*`` requests.
+
+    It records the caller's key in ``scope["state"]["api_key"]`` (None without auth) for the app.
+    """
+
+    def __init__(self, app, max_body_bytes: int, keys: KeyTable, limiter: KeyLimiter, gate: AdmissionGate,
+                 on_reject=None):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.keys = keys
+        self.limiter = limiter
+        self.gate = gate
+        self.on_reject = on_reject or (lambda reason: None)  # metrics hook: reason -> None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await self._refuse(scope, receive, send, self._too_large(), "body_too_large")
+            return
+        api_key = None
+        if self.keys:
+            api_key = self.keys.identify(headers.get("authorization", ""))
+            if api_key is None:
+                err = APIError(401, "missing or invalid API key", type="authentication_error",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await self._refuse(scope, receive, send, err, "unauthorized")
+                return
+        scope.setdefault("state", {})["api_key"] = api_key
+        if scope["method"] == "POST":
+            body = await self._read_body(receive)
+            if body is None:
+                await self._refuse(scope, receive, send, self._too_large(), "body_too_large")
+                return
+            receive = _replay(body, receive)
+        if scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        key = api_key or ANONYMOUS
+        err = self.limiter.admit(key, time.monotonic())
+        if err is not None:
+            await self._refuse(scope, receive, send, err, err.code or "rate_limited")
+            return
+        try:
+            if not await self.gate.acquire():
+                err = APIError(503, "the server is overloaded; retry shortly", type="server_error",
+                               code="overloaded", headers={"Retry-After": "1"})
+                await self._refuse(scope, receive, send, err, "overloaded")
+                return
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.gate.release()
+        finally:
+            self.limiter.done(key)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+
+    async def _read_body(self, receive) -> bytes | None:
+        """The whole body, or None once it passes ``max_body_bytes`` (NOTE 1)."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected: let the app see an empty body
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(parts)
+
+    async def _refuse(self, scope, receive, send, err: APIError, reason: str) -> None:
+        self.on_reject(reason)
+        body = json.dumps({"error": err.body()}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that hands the buffered body once, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,105 @@
+"""Checkpoint placement, resume across tiers, and prompt-end (tail) resume points."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.router.index import PrefixIndex
+from disagg.sim.cache import LRUTier
+from disagg.sim.cost_model import CostModel
+from disagg.sim.state import CheckpointPolicy, PromptState, StateModel
+from disagg.sim.workload import extend_digests, tail_digest
+
+BS = 64
+COST = CostModel(bytes_per_token=100.0, checkpoint_bytes=3 * 64 * 100.0,  # a checkpoint = 3 blocks of capacity
+                 bandwidth_gbps={"host": 1.0, "disk": 0.1, "remote": 1.0}, latency_s={"host": 0.0, "disk": 0.0})
+
+
+def prompt(ids: list[int], plen: int, probes=()) -> PromptState:
+    return PromptState(extend_digests([], ids, -(-plen // BS)), plen, BS, list(probes))
+
+
+def model(policy: CheckpointPolicy) -> StateModel:
+    return StateModel(COST, policy, BS, PrefixIndex())
+
+
+@pytest.mark.parametrize(
+    ("policy", "plen", "from_pos", "expected"),
+    [
+        (CheckpointPolicy(every_blocks=2, last_full_block=False), 6 * BS + 10, 0, [2, 4, 6]),
+        (CheckpointPolicy(every_blocks=2, last_full_block=False), 6 * BS, 0, [2, 4]),  # p < plen only
+        (CheckpointPolicy(every_blocks=2, last_full_block=False), 6 * BS + 10, 3 * BS, [4, 6]),
+        (CheckpointPolicy(every_blocks=4, last_full_block=True), 6 * BS + 10, 0, [4, 6]),
+        (CheckpointPolicy(every_blocks=0, last_full_block=True), 6 * BS, 0, []),  # aligned: no last full block
+    ],
+)
+def test_aligned_checkpoint_positions(policy, plen, from_pos, expected):
+    ps = prompt(list(range(10)), plen)
+    keys = model(policy).checkpoint_keys(ps, from_pos)
+    assert keys == [b"K" + ps.digests[nb - 1] for nb in expected]
+
+
+def test_prompt_end_checkpoint_is_a_tail_when_unaligned():
+    pol = CheckpointPolicy(every_blocks=0, last_full_block=False, prompt_end=True)
+    ps = prompt(list(range(10)), 3 * BS + 5)
+    assert model(pol).checkpoint_keys(ps, 0) == [b"T" + tail_digest(ps.digests[3], 5)]
+    aligned = prompt(list(range(10)), 3 * BS)
+    assert model(pol).checkpoint_keys(aligned, 0) == [b"K" + aligned.digests[2]]
+
+
+def test_resume_reads_device_then_host_and_charges_the_slow_part():
+    sm = model(CheckpointPolicy(every_blocks=2, last_full_block=False))
+    dev, host = LRUTier("device", 100), LRUTier("host", 100)
+    first = prompt(list(range(5)), 5 * BS)
+    sm.store(first, 0, dev, host)  # blocks 0..4, checkpoints at 2 and 4 blocks
+    dev.discard(first.digests[0])  # block 0 only on the host now
+    nxt = prompt(list(range(5)) + [50, 51], 7 * BS)
+    res = sm.resume(nxt, dev, host, None)
+    assert (res.tokens, res.tier) == (4 * BS, "host")
+    assert res.nbytes == BS * 100.0  # one block from the host; the checkpoint is on the device
+    assert res.load_s == pytest.approx(BS * 100.0 / 1e9)
+    assert first.digests[0] in dev  # resumed blocks are copied into the device tier
+
+
+def test_resume_stops_at_the_first_missing_block_and_needs_a_checkpoint():
+    sm = model(CheckpointPolicy(every_blocks=2, last_full_block=False))
+    dev = LRUTier("device", 100)
+    first = prompt(list(range(6)), 6 * BS + 1)
+    sm.store(first, 0, dev, None)  # checkpoints at 2, 4 and 6 blocks
+    dev.discard(first.digests[3])
+    assert sm.resume(prompt(list(range(6)), 6 * BS + 30), dev, None, None).tokens == 2 * BS
+    dev.discard(b"K" + first.digests[1])  # the checkpoint at 2 blocks evicted too
+    assert sm.resume(prompt(list(range(6)), 6 * BS + 30), dev, None, None).tokens == 0
+
+
+def test_resume_at_an_unaligned_prompt_end_through_a_probe():
+    pol = CheckpointPolicy(every_blocks=0, last_full_block=False, prompt_end=True)
+    sm = model(pol)
+    dev, host, disk = LRUTier("device", 100), LRUTier("host", 100), LRUTier("disk", 100)
+    first = prompt([1, 2, 3, 4], 3 * BS + 20)
+    sm.store(first, 0, dev, host)
+    end = sm.prompt_end_key(first)
+    assert end == (3 * BS + 20, tail_digest(first.digests[3], 20))
+    grown = [1, 2, 3, 4, 9, 9]  # the partial block keeps its id, so its first 20 tokens are equal
+    ps = prompt(grown, 5 * BS, [(end[0], tail_digest(extend_digests([], grown, 4)[3], 20))])
+    fresh = LRUTier("device", 100)  # another worker of the node: everything from the host
+    res = sm.resume(ps, fresh, host, disk)
+    assert (res.tokens, res.tier) == (3 * BS + 20, "host")
+    assert res.nbytes == 3 * BS * 100.0 + COST.checkpoint_bytes
+    no_probe = prompt(grown, 5 * BS)
+    assert sm.resume(no_probe, LRUTier("device", 100), host, disk).tokens == 0
+
+
+def test_index_sees_what_the_tiers_hold():
+    index = PrefixIndex()
+    sm = StateModel(COST, CheckpointPolicy(every_blocks=2, last_full_block=False), BS, index)
+    index.add_worker("w0", "n0")
+    dev = LRUTier("device", 9, sm.listener("device", "w0"))
+    first = prompt(list(range(4)), 4 * BS + 3)
+    sm.store(first, 0, dev, None)  # 4 blocks + 2 checkpoints x 3 units = 10 > 9: block 0 evicted
+    assert first.digests[0] not in dev
+    from disagg.router.types import RouteRequest
+
+    rr = RouteRequest("r", "s", first.full(), first.prompt_len, BS)
+    assert index.resumable(rr, "w0") == (0, None)  # the index saw the eviction of block 0
+    assert sm.num_events == 4 + 2 + 1
