@@ -87,6 +87,19 @@ def saturation(rows: list[dict], frac: float = 0.99) -> dict | None:
     return next((r for r in rows if r["hit"] >= frac * top), rows[-1])
 
 
+def _finish(doc: dict) -> None:
+    """Host-tier rows sorted, with the Pareto run at the same lanes and the default tier; saturation."""
+    host = {r["host_blocks"]: r for r in doc["host_tier"]}
+    lanes = doc["host_tier"][0]["lanes"] if doc["host_tier"] else None
+    for r in doc["pareto"]:
+        if r["policy"] == "state_aware" and r["lanes"] == lanes:
+            host.setdefault(r["host_blocks"], r)
+    doc["host_tier"] = sorted(host.values(), key=lambda r: r["host_blocks"])
+    sat = saturation(doc["host_tier"])
+    bb = doc["setup"]["block_bytes"]
+    doc["saturation"] = None if sat is None else {"host_blocks": sat["host_blocks"], "host_gb": sat["host_blocks"] * bb / 1e9}
+
+
 def plot(out: Path, doc: dict, targets: list[float]) -> None:
     import matplotlib
 
@@ -188,11 +201,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--extend-host", type=lambda s: [float(x) for x in s.split(",")],
+                    help="run more host-tier sizes (GB per node) for an existing --out")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
         doc = json.loads((out / "results.json").read_text())
+    elif args.extend_host:  # more host-tier points for an existing run
+        doc = json.loads((out / "results.json").read_text())
+        prof = load_profile(doc["setup"]["profile"])
+        recs = synthesize(doc["setup"]["sessions"], args.seed, block_size=args.block_size, turn_scale=args.turn_scale)
+        reqs = from_trace_records(recs, args.block_size)
+        shared = shared_ids(reqs)
+        bb = doc["setup"]["block_bytes"]
+        doc["host_tier"] += [run_point(reqs, shared, args, prof, "state_aware", args.host_lanes, int(gb * 1e9 // bb))
+                             for gb in args.extend_host]
+        _finish(doc)
+        (out / "results.json").write_text(json.dumps(doc, indent=2, default=lambda x: None))
     else:
         t0 = time.monotonic()
         prof = load_profile(args.profile)
@@ -212,10 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                   for pol in args.policies for lanes in args.lanes]
         host = [run_point(reqs, shared, args, prof, "state_aware", args.host_lanes, int(gb * 1e9 // block_bytes))
                 for gb in args.host_gb]
-        sat = saturation(host)
-        doc = {"setup": setup, "pareto": pareto, "host_tier": host, "elapsed_s": round(time.monotonic() - t0, 1),
-               "saturation": None if sat is None else {"host_blocks": sat["host_blocks"],
-                                                       "host_gb": sat["host_blocks"] * block_bytes / 1e9}}
+        doc = {"setup": setup, "pareto": pareto, "host_tier": host, "elapsed_s": round(time.monotonic() - t0, 1)}
+        _finish(doc)
         (out / "results.json").write_text(json.dumps(doc, indent=2, default=lambda x: None))
     plot(out, doc, args.targets)
     text = table(doc, args.targets)
