@@ -73,7 +73,8 @@ def sim_cluster(cfg, prof: EngineProfile) -> ClusterConfig:
     return ClusterConfig(num_prefill=d.prefill.num_replicas, num_decode=d.decode.num_replicas, workers_per_node=8,
                          device_blocks=int(geo.num_blocks), host_blocks=host_blocks,
                          checkpoint_every_blocks=cfg.engine.checkpoint_interval // cfg.engine.block_size,
-                         checkpoint_last_full_block=False, checkpoint_prompt_end=True)
+                         checkpoint_last_full_block=False, checkpoint_prompt_end=True,
+                         node_compute_slots=float(prof.limits.get("node_compute_slots", 0.0)))
 
 
 def simulate_sweep(records, bp: BenchParams, cluster: ClusterConfig, prof: EngineProfile, cfg) -> dict[str, dict]:

@@ -20,10 +20,13 @@ NOTE 1: a read's stamp is when its newest byte arrived: the kernel merges
 queued segments and keeps the newest stamp. Events that arrived earlier in
 the same read are stamped late by at most the read's span; a client that
 keeps up reads each event alone.
-NOTE 2: one connection carries one exchange at a time. Idle connections stay
-registered for reading, so a server closing one (keep-alive timeout) is seen
-and it leaves the pool; a reused connection that fails before any response
-byte is retried once on a new one.
+NOTE 2: one connection carries one exchange at a time. The caller gets its
+answer at ``[DONE]``; the connection reads the body's end (the chunked
+terminator) and then rejoins the pool, and a request that finds no idle
+connection waits for such a draining one rather than opening another. Idle
+connections stay registered for reading, so a server closing one
+(keep-alive timeout) is seen and it leaves the pool; a reused connection
+that fails before any response byte is retried once on a new one.
 NOTE 3: without ``SO_TIMESTAMPNS`` (not Linux) reads are stamped with
 ``perf_counter_ns()`` when the callback runs (``kernel_stamps`` is False).
 Plain ``http://`` only; TLS and proxies go through aiohttp (``client.py``).
@@ -37,6 +40,7 @@ import socket
 import struct
 import sys
 import time
+from collections import deque
 from typing import Protocol
 
 # Linux socket options Python does not export (asm-generic values; alpha, mips, parisc and
@@ -182,7 +186,7 @@ class _Connection:
         self.got_bytes = False  # any response byte for the current exchange
         self.status_seen = False
         self.last_ns = 0  # last read (perf_counter_ns), for the read timeout
-        self.draining = False  # the exchange has its answer; waiting for the body to end
+        self.draining = False  # the exchange has its answer; reading the rest of the body
         self.closed = False
         self.timer: asyncio.TimerHandle | None = None
         pool.loop.add_reader(self.fd, self._on_readable)
@@ -204,14 +208,14 @@ class _Connection:
 
     def _check_timeout(self) -> None:
         self.timer = None
-        if self.closed or self.exchange is None:
+        if self.closed or (self.exchange is None and not self.draining):
             return
         limit = self.pool.drain_timeout_s if self.draining else self.pool.read_timeout_s
         idle = (time.perf_counter_ns() - self.last_ns) / 1e9
         if idle < limit:
             self._arm(limit - idle)
-        elif self.draining:  # the answer is complete; only the body's end is missing
-            self._fail(None, "")
+        elif self.draining:  # the body's end never came: the connection cannot be reused
+            self.close()
         else:
             self._fail("timeout", f"no data for {idle:.1f} s")
 
@@ -227,7 +231,7 @@ class _Connection:
     def _complete(self) -> None:
         """The response body ended."""
         self._resolve((None, ""))
-        self.draining = False
+        self._stop_draining()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -237,15 +241,24 @@ class _Connection:
         else:
             self.close()
 
+    def _stop_draining(self) -> None:
+        if self.draining:
+            self.draining = False
+            self.pool.num_draining -= 1
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        was_draining = self.draining
+        self._stop_draining()
         if self.timer is not None:
             self.timer.cancel()
         self.pool.loop.remove_reader(self.fd)
         self.pool._forget(self)
         self.sock.close()
+        if was_draining:  # a request waiting for it opens a new connection now
+            self.pool._hand_to_waiter(self)
         if self.future is not None:
             self._resolve(("stream_broken" if self.status_seen else "connect", "connection closed"))
 
@@ -273,7 +286,7 @@ class _Connection:
             self._lost("")
             return
         self.last_ns = now
-        if self.exchange is None:
+        if self.exchange is None and not self.draining:
             self.close()  # bytes nobody asked for: the connection's state is unknown
             return
         self.got_bytes = True
@@ -281,14 +294,14 @@ class _Connection:
             self._feed(pool.view[:n].tobytes(), arrived)
         except Exception as exc:  # a malformed response (or a parser bug)
             if self.draining:  # after the answer was complete: only the connection is lost
-                self._fail(None, "")
+                self.close()
             else:
                 self._fail("stream_broken" if self.status_seen else "other", repr(exc)[:300])
 
     def _lost(self, detail: str) -> None:
         """EOF (detail '') or a socket error."""
-        if self.exchange is not None and (
-            self.draining or (self.state == _UNTIL_CLOSE and not detail)
+        if self.draining or (
+            self.exchange is not None and self.state == _UNTIL_CLOSE and not detail
         ):
             self.keep_alive = False
             self._complete()
@@ -341,9 +354,11 @@ class _Connection:
                 self.keep_alive = False  # more bytes than announced: do not reuse
         else:
             body, complete = data, False
-        if body and not self.draining and self.exchange is not None:
+        if body and self.exchange is not None:
             if self.exchange.on_body(body, arrived) and not complete:
-                self.draining = True  # the answer is complete: wait (briefly) for the body's end
+                self._resolve((None, ""))  # the caller has its answer ([DONE]) now
+                self.draining = True  # the body's end follows (briefly: drain_timeout_s)
+                self.pool.num_draining += 1
                 self._arm(self.pool.drain_timeout_s)
         if complete:
             self._complete()
@@ -427,6 +442,8 @@ class RawHTTPPool:
         self.read_lags_ns: list[int] | None = None  # set to [] to record read - arrival gaps
         self._idle: list[_Connection] = []
         self._all: set[_Connection] = set()
+        self.num_draining = 0  # connections reading the end of an answered response
+        self._waiters: deque[asyncio.Future[_Connection]] = deque()  # for a draining one
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
         self._addr: tuple | None = None
         self._family = socket.AF_INET
@@ -436,7 +453,16 @@ class RawHTTPPool:
         return len(self._all)
 
     def _release(self, conn: _Connection) -> None:
-        self._idle.append(conn)
+        if not self._hand_to_waiter(conn):
+            self._idle.append(conn)
+
+    def _hand_to_waiter(self, conn: _Connection) -> bool:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return True
+        return False
 
     def _forget(self, conn: _Connection) -> None:
         self._all.discard(conn)
@@ -470,12 +496,22 @@ class RawHTTPPool:
         self._all.add(conn)
         return conn
 
-    async def _acquire(self) -> _Connection:
+    async def _acquire(self) -> tuple[_Connection, bool]:
+        """An idle connection, a draining one once free, or a new one; (conn, waited)."""
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed:
-                return conn
-        return await self._connect()
+                return conn, False
+        if self.num_draining > len(self._waiters):  # one is about to be free: no new socket
+            waiter: asyncio.Future[_Connection] = self.loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                conn = await asyncio.wait_for(waiter, self.drain_timeout_s)
+                if not conn.closed:
+                    return conn, True
+            except asyncio.TimeoutError:
+                pass
+        return await self._connect(), False
 
     def _tx_stamp(self, sock: socket.socket) -> int | None:
         """perf_counter_ns of the kernel's transmit stamp of the last send, if queued."""
@@ -487,8 +523,9 @@ class RawHTTPPool:
 
         ``stamp`` receives ``[send_ns, kernel_tx_ns]``: perf_counter_ns when
         the request starts (before a connection is taken from the pool or
-        opened: a new connection's setup counts, as a user would see it), and
-        the kernel's transmit time of the request's last byte (None without
+        opened: a new connection's setup counts, as a user would see it; a
+        wait for this pool's own draining connection does not), and the
+        kernel's transmit time of the request's last byte (None without
         ``send_stamps``). Never raises on network errors: the outcome carries
         the error class.
         """
@@ -499,7 +536,12 @@ class RawHTTPPool:
         try:
             for attempt in range(2):  # the retry goes out on a new connection
                 try:
-                    conn = await (self._acquire() if attempt == 0 else self._connect())
+                    if attempt == 0:
+                        conn, waited = await self._acquire()
+                        if waited:  # the client's own bookkeeping, not the request's latency
+                            stamp[0] = time.perf_counter_ns()
+                    else:
+                        conn = await self._connect()
                 except asyncio.TimeoutError:
                     return "connect", f"connect timed out after {self.connect_timeout_s:g} s"
                 except OSError as exc:

@@ -181,9 +181,9 @@ def _wire_size(payload_len: int, chunked: bool) -> int:
 
 
 async def _sleep_until(deadline_ns: int) -> None:
-    delay = (deadline_ns - time.perf_counter_ns()) / 1e9
-    if delay > 0:
-        await asyncio.sleep(delay)
+    """Never returns before the deadline (uvloop's timers are in ms and may fire early)."""
+    while (delay := deadline_ns - time.perf_counter_ns()) > 0:
+        await asyncio.sleep(delay / 1e9)
 
 
 def build_app(config: TestServerConfig) -> web.Application:

@@ -90,6 +90,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-prompt-end", action="store_true", help="checkpoints at prompt ends (engine style)")
     g.add_argument("--no-last-full-block", action="store_true", help="no checkpoint at the last full block")
     g.add_argument("--stats-period", type=float, default=0.0, help="seconds between worker stats (0 = live)")
+    g.add_argument("--node-compute-slots", type=float,
+                   help="engines a node runs at full speed at once (default: the profile's; 0 = no sharing)")
     g.add_argument("--profile", "--cost-profile", dest="profile", default="small",
                    help=f"cost model ({', '.join(PROFILES)}), engine profile ({', '.join(profile_names())}) or file")
     g.add_argument("--request-overhead-ms", type=float, help="override the profile's serving-path TTFT overhead")
@@ -154,7 +156,9 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             host_blocks=host_blocks, disk_blocks=args.disk_blocks,
                             checkpoint_every_blocks=args.checkpoint_every,
                             checkpoint_last_full_block=not args.no_last_full_block,
-                            checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period)
+                            checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
+                            node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None
+                            else float((prof.limits if prof else {}).get("node_compute_slots", 0.0)))
     return cluster, cost
 
 

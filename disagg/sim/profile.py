@@ -170,7 +170,8 @@ class EngineProfile:
     decode: list[DecodePoint] = field(default_factory=list)
     transfer: dict[str, dict[str, float]] = field(default_factory=dict)  # tier -> {gbps, latency_s}
     state: dict[str, float] = field(default_factory=dict)  # bytes_per_token, checkpoint_bytes
-    limits: dict[str, int] = field(default_factory=dict)  # max_prefill_tokens_per_step, max_decode_batch
+    limits: dict[str, float] = field(default_factory=dict)  # max_prefill_tokens_per_step, max_decode_batch,
+    # node_compute_slots (engines a node runs at full speed at once: a cluster setting, see ClusterConfig)
     overheads: dict[str, float] = field(default_factory=dict)  # request_s, disagg_s
     memory: dict[str, float] = field(default_factory=dict)  # device_bytes, host_bytes (per node), ...
     coefficients: dict[str, Any] = field(default_factory=dict)  # CostModel fields overriding the fit
@@ -250,7 +251,7 @@ class EngineProfile:
         for key in ("bytes_per_token", "checkpoint_bytes"):
             if key in self.state:
                 cfg[key] = float(self.state[key])
-        for key in ("max_prefill_tokens_per_step", "max_decode_batch"):
+        for key in ("max_prefill_tokens_per_step", "max_decode_batch"):  # node_compute_slots: not a cost
             if key in self.limits:
                 cfg[key] = int(self.limits[key])
         if "request_s" in self.overheads:

@@ -68,6 +68,7 @@ class ClusterConfig:
     checkpoint_prompt_end: bool = False  # a checkpoint at the prompt end (MLA tail when unaligned)
     stats_period_s: float = 0.0  # router sees stats this stale (0 = live)
     macro_steps: int = 64  # decode steps per event at most
+    node_compute_slots: float = 0.0  # engines a node runs at full speed at once (0: no sharing; CPU nodes)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -78,6 +79,8 @@ class ClusterConfig:
             raise ValueError("workers_per_node, gpus_per_worker and device_blocks must be positive")
         if self.host_blocks < 0 or self.disk_blocks < 0 or self.stats_period_s < 0 or self.macro_steps < 1:
             raise ValueError("tier sizes and stats_period_s must be >= 0, macro_steps >= 1")
+        if self.node_compute_slots < 0:
+            raise ValueError("node_compute_slots must be >= 0")
 
     def roles(self) -> list[str]:
         if self.num_prefill:
@@ -185,6 +188,17 @@ class Simulator:
             dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid))
             self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, c.macro_steps, self.block_size)
         self._live = [w.state for w in self.workers.values()]
+        self._node_workers: dict[str, list[SimWorker]] = {}
+        for w in self.workers.values():
+            self._node_workers.setdefault(w.node_id, []).append(w)
+
+    def node_slowdown(self, w: SimWorker) -> float:
+        """Step-time factor of ``w`` from the busy engines of its node (1 without compute sharing)."""
+        slots = self.cluster.node_compute_slots
+        if slots <= 0:
+            return 1.0
+        busy = sum(1 for x in self._node_workers[w.node_id] if x.busy)
+        return max(1.0, busy / slots)
 
     def schedule(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         assert t >= self.now - 1e-9, "event scheduled in the past"

@@ -34,6 +34,9 @@ NOTES
 4. ``state`` (the ``WorkerState`` the router reads) is updated in place after
    every change of this worker; ``running_decode_tokens`` is exact at step
    boundaries.
+5. Engines of one node may share its compute (``node_compute_slots``, e.g. CPU
+   replicas on one machine): a step that starts while n engines of the node
+   are busy takes max(1, n / slots) times its cost (fixed for that step).
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class SimWorker:
         self.step_n = 0  # decode steps in the current step
         self.step_s0 = 0.0  # sum context at the start of the current step
         self.step_dt = 0.0  # first decode step's time in the current step
+        self.step_a = 0.0  # growth of each further decode step's time, halved (f * batch / 2, NOTE 5 applied)
         self.step_prefill_s = 0.0  # prefill part of the current step
         self.step_prefill: list[tuple[SimJob, int]] = []  # (job, tokens) in the current step
         self.q_area = 0.0  # integral of queued_prefill_tokens over time
@@ -163,15 +167,14 @@ class SimWorker:
 
     # ---- steps -------------------------------------------------------------------
     def _decode_time(self, k: int) -> float:
-        b = len(self._batch)
-        return k * self.step_dt + self.cost.decode_per_ctx_token_s * b * k * (k - 1) / 2
+        return k * self.step_dt + self.step_a * k * (k - 1)
 
     def _steps_by(self, elapsed: float) -> int:
         """Decode steps of the current macro step completed ``elapsed`` seconds after it started.
 
         The largest j with time(j) <= elapsed, time(j) = j * dt + a * j * (j - 1), a = f * B / 2.
         """
-        dt, a = self.step_dt, self.cost.decode_per_ctx_token_s * len(self._batch) / 2
+        dt, a = self.step_dt, self.step_a
         if dt <= 0:
             return self.step_n
         if a <= 0:
@@ -221,13 +224,15 @@ class SimWorker:
             self.busy = False
             return
         s0 = self._ctx_offset + batch * self.steps
-        dt = cost.decode_step_time(batch, s0) if batch else 0.0
+        self.busy = True
+        slow = self.sim.node_slowdown(self)  # engines of a node sharing its compute (NOTE 5)
+        dt = cost.decode_step_time(batch, s0) * slow if batch else 0.0
+        self.step_a = cost.decode_per_ctx_token_s * batch / 2 * slow
         if chunks:
-            prefill_s += cost.prefill_base_s
+            prefill_s = (prefill_s + cost.prefill_base_s) * slow
             n_steps = 1 if batch else 0
         else:
             n_steps = min(self.macro_steps, self._batch[0][0] - self.steps)
-        self.busy = True
         self.step_start = now
         self.step_dt = dt
         self.step_s0 = s0

@@ -77,14 +77,14 @@ class ScriptedServer:
 
     def _connection(self, conn: socket.socket) -> None:
         with conn:
-            while True:
-                head = _read_request(conn)
-                if head is None:
-                    return
-                self.heads.append(head)
-                self.requests += 1
-                if not self.script(conn, self.requests):
-                    return
+            try:
+                while (head := _read_request(conn)) is not None:
+                    self.heads.append(head)
+                    self.requests += 1
+                    if not self.script(conn, self.requests):
+                        return
+            except OSError:  # the client went away mid-answer (it may: it has [DONE])
+                return
 
     def close(self) -> None:
         self.listener.close()
@@ -223,6 +223,33 @@ def test_server_closing_an_idle_connection(scripted) -> None:
     results, _ = asyncio.run(_complete(scripted(script).url, n=3))
     for r in results:
         _check_ok(r)
+
+
+def test_answer_at_done_and_a_body_that_never_ends(scripted) -> None:
+    """[DONE] answers the request; a missing chunked terminator costs the connection only."""
+
+    def script(conn: socket.socket, n: int) -> bool:
+        if n == 1:
+            conn.sendall(SSE_HEAD + chunked(EVENTS)[:-5])  # everything but 0\r\n\r\n
+            time.sleep(0.6)
+            return False
+        conn.sendall(SSE_HEAD + chunked(EVENTS))
+        return True
+
+    async def run(url: str) -> tuple[list[RequestResult], list[int], int]:
+        async with OpenAIClient(url, model="m", read_timeout_s=0.2) as client:
+            results, returned = [], []
+            for _ in range(2):
+                results.append(await client.complete([1, 2, 3], 3))
+                returned.append(time.perf_counter_ns())
+            return results, returned, client.pool.num_connections
+
+    server = scripted(script)
+    results, returned, conns = asyncio.run(run(server.url))
+    for r in results:
+        _check_ok(r)
+    assert returned[0] - results[0].end_ns < 100_000_000  # at [DONE], not after 0.2 s
+    assert server.connections == 2 and conns == 1  # the stalled one was dropped
 
 
 def test_broken_stream_malformed_response_and_timeout(scripted) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from disagg.bench.cli import main
@@ -101,10 +102,13 @@ def test_duration_bound_and_open_loop(server_factory) -> None:
     open_cfg = RunConfig(mode="open", speedup=2.0, recycle=False, progress=False)
     out = asyncio.run(_replay(server.url, records, open_cfg))
     assert len(out.results) == 12 and all(r.lane == -1 for r in out.results)
+    late_ms = []  # send time - timestamp / speedup (timestamps span 0-230 ms)
     for r in out.results:
         rec = next(x for x in records if x.session_id == r.session_id and x.turn == r.turn)
-        sent_ms = (r.send_ns - out.started_ns) / 1e6
-        assert sent_ms == pytest.approx(rec.timestamp / 2.0, abs=15)
+        late_ms.append((r.send_ns - out.started_ns) / 1e6 - rec.timestamp / 2.0)
+    # On time but for scheduling delays (a loaded host delays a few sends by tens of ms);
+    # no speedup would put the last sends 115 ms late, sending all at once 115 ms early.
+    assert abs(float(np.median(late_ms))) < 15 and max(map(abs, late_ms)) < 50
 
 
 def test_bench_writes_summary_jsonl_and_plots(server_factory, tmp_path: Path) -> None:

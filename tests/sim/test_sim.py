@@ -147,3 +147,15 @@ def test_hand_computed_disaggregated_request():
     assert rec.first_token == pytest.approx(prefill_end + state / 1.0 + 0.05)
     assert rec.finish == pytest.approx(rec.first_token + state / 0.5 + 4 * 0.02)  # remote load, 4 more tokens
     assert rec.ttft == pytest.approx(rec.first_token)  # sent at 0
+
+
+def test_engines_of_a_node_share_its_compute():
+    """With one compute slot per node, a step that starts while the other engine is busy takes twice as long."""
+    a = SimRequest("a", 0, 0, 0, 1000, 1, list(range(4)), 256)
+    b = SimRequest("b", 0, 0, 0, 1000, 1, list(range(10, 14)), 256)
+    shared = ClusterConfig(num_workers=2, workers_per_node=2, node_compute_slots=1.0)
+    res = Simulator([a, b], "round_robin", shared, HAND, lanes=2, lane_stagger_s=0.0).run()
+    assert sorted(r.ttft for r in res.records) == pytest.approx([1.01, 2 * 1.01])
+    apart = ClusterConfig(num_workers=2, workers_per_node=1, node_compute_slots=1.0)  # one engine per node
+    res = Simulator([a, b], "round_robin", apart, HAND, lanes=2, lane_stagger_s=0.0).run()
+    assert [r.ttft for r in res.records] == pytest.approx([1.01, 1.01])
