@@ -6,7 +6,9 @@ consecutive-turn reuse) are replayed closed-loop with every policy. Printed
 per policy: hit rate as a fraction of the infinite-cache theoretical reuse,
 max/mean time-averaged queued prefill (see ``disagg.sim.metrics``), P90 TTFT,
 P90 ITL. Then decision latency of ``StateAwareRouter.route`` with 64 workers
-and ~1M indexed blocks (wall time of each call, p50 / p99 over 2000 calls).
+and ~1M indexed blocks (wall and thread-CPU time of each call, p50 / p90 / p99
+over 2000 calls; the walk's share; what the slowest 1% of calls spent their
+time on: CPU, GC pauses, or neither, i.e. the process was not running).
 
 Goals: >= 0.95 of theoretical reuse with max/mean <= 1.25 at 16 workers and a
 lower P90 TTFT than every baseline; decision p99 <= 1 ms.
@@ -104,17 +106,22 @@ def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int 
     keys = sorted(sessions)
     out = {"workers": num_workers, "indexed_blocks": idx.num_objects()["mla"], "calls": n,
            "checkpoints": idx.num_objects()["kda"], "build_s": round(build_s, 1), "reps": []}
+    _time_routes(router, sessions, keys, ws, min(n, 200), rng)  # warm-up: the first walk flushes the build
     gc.collect()
     gc.freeze()  # what a long-lived router process does after loading its index
     for _ in range(reps):
-        wall, cpu, probe = _time_routes(router, sessions, keys, ws, n, rng)
-        out["reps"].append({"p50_ms": float(np.percentile(wall, 50)), "p99_ms": float(np.percentile(wall, 99)),
-                            "cpu_p50_ms": float(np.percentile(cpu, 50)), "cpu_p99_ms": float(np.percentile(cpu, 99)),
-                            "probe_p50_ms": float(np.percentile(probe, 50)),
-                            "probe_p99_ms": float(np.percentile(probe, 99)),
-                            "load_average": os.getloadavg()[0]})
+        t = _time_routes(router, sessions, keys, ws, n, rng)
+        rep = {f"{prefix}p{q}_ms": float(np.percentile(t[col], q))
+               for col, prefix in (("wall", ""), ("cpu", "cpu_"), ("probe", "probe_"), ("walk", "walk_"))
+               for q in (50, 90, 99)}
+        slow = t["wall"] >= np.percentile(t["wall"], 99)  # the tail: what its calls spent their time on
+        rep.update(load_average=os.getloadavg()[0], tail_calls=int(slow.sum()),
+                   tail_wall_ms=float(t["wall"][slow].mean()), tail_cpu_ms=float(t["cpu"][slow].mean()),
+                   tail_walk_cpu_ms=float(t["walk"][slow].mean()), tail_gc_ms=float(t["gc"][slow].mean()),
+                   gc_runs=int(t["gc_runs"].sum()), gc_ms_total=float(t["gc"].sum()))
+        out["reps"].append(rep)
     gc.unfreeze()
-    for key in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "probe_p50_ms", "probe_p99_ms"):
+    for key in out["reps"][0]:
         out[key] = float(np.median([r[key] for r in out["reps"]]))
     return out
 
@@ -127,35 +134,69 @@ def _probe_work() -> int:
     return acc
 
 
-def _time_routes(router, sessions, keys, ws, n, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Wall and thread-CPU ms of n ``route`` calls, and wall ms of the noise probe run between them."""
-    wall, cpu, probe = [], [], []
-    for i in range(n):
-        digs = sessions[keys[rng.randrange(len(keys))]]
-        extra = chain_digests([i, i + 1, i + 2, i + 3], 4, f"new{i}")  # new turn: 4 new blocks
-        rr = RouteRequest(f"q{i}", f"sess{i}", digs + extra, (len(digs) + 4) * 256 + 17, 256)
-        for w in ws:
-            w.queued_prefill_tokens = rng.randrange(0, 50_000)
-        c, t = time.thread_time(), time.perf_counter()
-        router.route(rr, ws)
-        wall.append(time.perf_counter() - t)
-        cpu.append(time.thread_time() - c)
-        t = time.perf_counter()
-        _probe_work()
-        probe.append(time.perf_counter() - t)
-    return np.array(wall) * 1e3, np.array(cpu) * 1e3, np.array(probe) * 1e3
+def _time_routes(router, sessions, keys, ws, n, rng) -> dict[str, np.ndarray]:
+    """Per ``route`` call: wall and thread-CPU ms, the walk's CPU ms (``PrefixIndex.match``), GC
+    pauses inside the call (ms, and how many collections), and the wall ms of the noise probe
+    run between calls."""
+    cols = {k: np.zeros(n) for k in ("wall", "cpu", "walk", "gc", "gc_runs", "probe")}
+    index, walk_cpu, gc_t = router.index, [0.0], [0.0, 0.0, 0]
+    match = index.match
+
+    def timed_match(*a, **k):
+        c = time.thread_time()
+        try:
+            return match(*a, **k)
+        finally:
+            walk_cpu[0] += time.thread_time() - c
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_t[0] = time.perf_counter()
+        else:
+            gc_t[1] += time.perf_counter() - gc_t[0]
+            gc_t[2] += 1
+
+    index.match = timed_match
+    gc.callbacks.append(on_gc)
+    try:
+        for i in range(n):
+            digs = sessions[keys[rng.randrange(len(keys))]]
+            extra = chain_digests([i, i + 1, i + 2, i + 3], 4, f"new{i}")  # new turn: 4 new blocks
+            rr = RouteRequest(f"q{i}", f"sess{i}", digs + extra, (len(digs) + 4) * 256 + 17, 256)
+            for w in ws:
+                w.queued_prefill_tokens = rng.randrange(0, 50_000)
+            walk_cpu[0], gc_t[1], gc_t[2] = 0.0, 0.0, 0
+            c, t = time.thread_time(), time.perf_counter()
+            router.route(rr, ws)
+            cols["wall"][i] = time.perf_counter() - t
+            cols["cpu"][i] = time.thread_time() - c
+            cols["walk"][i], cols["gc"][i], cols["gc_runs"][i] = walk_cpu[0], gc_t[1], gc_t[2]
+            t = time.perf_counter()
+            _probe_work()
+            cols["probe"][i] = time.perf_counter() - t
+    finally:
+        del index.match
+        gc.callbacks.remove(on_gc)
+    for k in ("wall", "cpu", "walk", "gc", "probe"):
+        cols[k] *= 1e3
+    return cols
 
 
 def latency_text(lat: dict) -> str:
     lines = [f"decision latency, {lat['workers']} workers, {lat['indexed_blocks']:,} indexed blocks, "
              f"{lat['checkpoints']:,} checkpoints, median of {len(lat['reps'])} repetition(s) of "
-             f"{lat['calls']} calls: p50 {lat['p50_ms']:.3f} ms, p99 {lat['p99_ms']:.3f} ms "
-             f"(thread CPU p50 {lat['cpu_p50_ms']:.3f}, p99 {lat['cpu_p99_ms']:.3f}; "
-             f"fixed-work probe p50 {lat['probe_p50_ms']:.3f}, p99 {lat['probe_p99_ms']:.3f})"]
+             f"{lat['calls']} calls (ms): wall p50 {lat['p50_ms']:.3f} p90 {lat['p90_ms']:.3f} "
+             f"p99 {lat['p99_ms']:.3f} | thread CPU p50 {lat['cpu_p50_ms']:.3f} p90 {lat['cpu_p90_ms']:.3f} "
+             f"p99 {lat['cpu_p99_ms']:.3f} | walk CPU p50 {lat['walk_p50_ms']:.3f} p99 {lat['walk_p99_ms']:.3f} "
+             f"| fixed-work probe p50 {lat['probe_p50_ms']:.3f} p99 {lat['probe_p99_ms']:.3f}"]
     for i, r in enumerate(lat["reps"]):
-        lines.append(f"  rep {i}: p50 {r['p50_ms']:.3f} p99 {r['p99_ms']:.3f} ms | cpu p50 {r['cpu_p50_ms']:.3f} "
-                     f"p99 {r['cpu_p99_ms']:.3f} | probe p50 {r['probe_p50_ms']:.3f} p99 {r['probe_p99_ms']:.3f} "
-                     f"| load average {r['load_average']:.1f}")
+        lines.append(
+            f"  rep {i}: wall p50 {r['p50_ms']:.3f} p90 {r['p90_ms']:.3f} p99 {r['p99_ms']:.3f} | cpu p50 "
+            f"{r['cpu_p50_ms']:.3f} p90 {r['cpu_p90_ms']:.3f} p99 {r['cpu_p99_ms']:.3f} | probe p50 "
+            f"{r['probe_p50_ms']:.3f} p99 {r['probe_p99_ms']:.3f} | load average {r['load_average']:.1f}\n"
+            f"         slowest 1% ({r['tail_calls']} calls): wall {r['tail_wall_ms']:.3f}, cpu "
+            f"{r['tail_cpu_ms']:.3f} (walk {r['tail_walk_cpu_ms']:.3f}), gc {r['tail_gc_ms']:.3f} ms; "
+            f"gc ran {r['gc_runs']} times in all calls, {r['gc_ms_total']:.1f} ms total")
     return "\n".join(lines)
 
 

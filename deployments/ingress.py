@@ -6,6 +6,8 @@ A client that disconnects cancels the replica-side generator, which aborts the
 request in the engine and frees its state. A decode replica lost mid-stream is
 replaced: the stream continues on another replica from the tokens already sent
 (``disagg.worker.continue_params``), at most ``deployment.max_stream_resumes`` times.
+The ingress keeps its recent requests' first-token stamps (``timings``, see
+``deployments.timings``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from deployments.request_router import report_finished, router_stats
+from deployments.timings import CURRENT, RecentTimings, TimedASGI, stamp
 from disagg.api.app import create_app
 from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig, load_config
@@ -37,6 +40,7 @@ class ServeBackend:
     def __init__(self, config: AppConfig, decode, prefill=None):
         self.config = config
         self.decode = decode
+        self._decode_stream = decode.options(stream=True)  # built once, not per request
         self.prefill = prefill
         self.tokenizer = build_tokenizer(config)
         limits = engine_limits(config)
@@ -48,6 +52,10 @@ class ServeBackend:
     async def stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
         streamed: list[int] = []  # output tokens the client has been sent
         current = params
+        stamps = CURRENT.get()
+        if stamps is not None:
+            stamps["request_id"] = params.request_id
+        stamp("handler")
         for attempt in range(1, self.config.deployment.max_stream_resumes + 2):
             try:
                 async with aclosing(self._stream_once(current)) as chunks:  # a disconnect cancels the replica call
@@ -68,10 +76,13 @@ class ServeBackend:
                 current = continue_params(params, streamed, attempt)
 
     async def _stream_once(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
-        gen = self.decode.options(stream=True).generate.remote(params)
+        stamp("call")
+        gen = self._decode_stream.generate.remote(params)
         done = False
         try:
             async for chunk in gen:
+                if chunk.token_ids:
+                    stamp("chunk_in")
                 done = chunk.finished
                 if done:
                     report_finished(params.request_id, chunk.num_cached_tokens)
@@ -94,6 +105,13 @@ class Ingress:
     def __init__(self, config: dict, decode, prefill=None):
         self.config = load_config(config)
         self.backend = ServeBackend(self.config, decode, prefill)
+        self._timings = RecentTimings()
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.backend, self.config.http)
+        app = create_app(self.backend, self.config.http)
+        app.add_middleware(TimedASGI, log=self._timings)  # outermost: stamps the arrival
+        return app
+
+    async def timings(self, request_ids: list[str]) -> dict[str, dict]:
+        """First-token stamps of recent requests through this ingress (``deployments.timings``)."""
+        return self._timings.get(request_ids)

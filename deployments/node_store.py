@@ -10,21 +10,38 @@ go through the actor.
     replica A --+                     +-- arena (/dev/shm, pinned where a GPU exists)
                 +-- unix socket ----> NodeStoreActor -- index, eviction
     replica B --+                     +-- disk tier (write-behind segments)
+                                      +-- gRPC state service (transfer.grpc.enabled)
+
+Cross-node (``transfer.grpc.enabled``): each node store serves its host tier to
+the other nodes (``kv_transfer.transport.StateServer``: the shared token from
+``$token_env``, TLS/mTLS from the PEM paths, ``max_message_mb`` on both ends,
+bound to ``bind``). A decode replica whose prefill ran on another node loads the
+published state through ``PeerStores``: its own tiers first, then that node's
+service (``RemoteStore``); what it fetches is promoted into its own host tier.
+
+    node A: prefill replica -> host tier A --gRPC (token, TLS)--> decode replica on node B
+                                                                  (host tier B, then peer A)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from disagg.config import AppConfig
+from disagg.config import AppConfig, GrpcConfig
+
+if TYPE_CHECKING:
+    from kv_transfer.store import StateStore
 
 log = logging.getLogger(__name__)
 NAMESPACE = "disagg"
 _PREFIX = "disagg-node-store-"
+_ANY_HOST = ("0.0.0.0", "::", "[::]")  # bind hosts that listen on every interface
 
 
 @ray.remote(num_cpus=0)
@@ -50,9 +67,23 @@ class NodeStoreActor:
         self.host = HostTier(cfg.host.capacity_mb << 20, eviction=cfg.host.policy, pin_memory=cfg.host.pin_memory,
                              on_evict=on_evict, event_log=self.events, worker_id=node_id)
         self.server = HostTierServer(self.host)
+        self.state_server = None  # the gRPC state service (transfer.grpc.enabled)
+        self.grpc_address_: str | None = None  # host:port peers dial
+        if cfg.grpc.enabled:
+            from kv_transfer.transport import StateServer
+
+            node_ip = ray.util.get_node_ip_address()
+            self.state_server = StateServer(self.host, grpc_server_config(cfg.grpc, node_ip))
+            port = self.state_server.start()
+            self.grpc_address_ = advertised_address(self.state_server.config.address, port, node_ip)
+            log.info("node %s serves its host tier to peers on %s", node_id[:12], self.grpc_address_)
 
     def address(self) -> str:
         return self.server.socket_path
+
+    def grpc_address(self) -> str | None:
+        """``host:port`` of this node's gRPC state service (None when transfer.grpc is off)."""
+        return self.grpc_address_
 
     def disk_get(self, key: str) -> bytes | None:
         return None if self.disk is None else self.disk.get_bytes(key)
@@ -66,13 +97,25 @@ class NodeStoreActor:
     def take_events(self) -> list:
         return self.events.take()
 
+    def clear(self) -> int:
+        """Drop every host-tier object no reader holds (e.g. weights changed under the same model
+        id, so stored state no longer matches); returns how many were dropped. Router indexes
+        hear of each as an eviction."""
+        return sum(self.host.delete(key) for key in self.host.keys())
+
     def stats(self) -> dict:
         out = {"host": self.host.stats()}
         if self.disk is not None:
             out["disk"] = self.disk.stats()
+        if self.state_server is not None:
+            from dataclasses import asdict
+
+            out["grpc"] = {"address": self.grpc_address_, **asdict(self.state_server.stats())}
         return out
 
     def shutdown(self) -> None:
+        if self.state_server is not None:
+            self.state_server.stop(grace=1.0)
         self.server.close()
         self.host.close()
         if self.disk is not None:
@@ -117,6 +160,121 @@ def connect_node_store(cfg: AppConfig, node_id: str, layout):
     if cfg.transfer.disk.enabled:
         tiers.append(ActorDiskStore(actor))
     return StateStore(tiers, layout, write_behind=False, worker_id=node_id)
+
+
+# -- the cross-node state service (transfer.grpc) ----------------------------------------------
+def _token(g: GrpcConfig) -> str:
+    token = os.environ.get(g.token_env, "")
+    if not token:
+        raise ValueError(f"transfer.grpc.enabled needs the shared secret in ${g.token_env} on every node")
+    return token
+
+
+def _pem(path: str, field: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"transfer.grpc.{field} {path!r} cannot be read: {exc}") from exc
+
+
+def _sizes(g: GrpcConfig) -> tuple[int, int]:
+    """(chunk_bytes, max_message_bytes): the configured message limit, chunks that fit under it."""
+    from kv_transfer.transport.framing import frame_overhead_bytes
+    from kv_transfer.transport.grpc_protocol import DEFAULT_CHUNK_BYTES
+
+    max_message = g.max_message_mb << 20
+    return min(DEFAULT_CHUNK_BYTES, max_message - frame_overhead_bytes()), max_message
+
+
+def grpc_server_config(g: GrpcConfig, node_ip: str):
+    """The ``StateServerConfig`` of a node's state service: token, TLS (mutual: peers present their
+    node certificate), message limits, and ``g.bind`` (an empty host binds ``node_ip``).
+
+    Raises:
+        ValueError: the token is not in the environment, or a PEM file cannot be read.
+    """
+    from kv_transfer.transport import StateServerConfig, TlsServerConfig
+
+    host, _, port = g.bind.rpartition(":")
+    tls = None
+    if g.tls_cert:
+        tls = TlsServerConfig(_pem(g.tls_cert, "tls_cert"), _pem(g.tls_key, "tls_key"), _pem(g.tls_ca, "tls_ca"))
+    chunk, max_message = _sizes(g)
+    return StateServerConfig(token=_token(g), address=f"{host or node_ip}:{port}", chunk_bytes=chunk,
+                             max_message_bytes=max_message, tls=tls)
+
+
+def grpc_client_config(g: GrpcConfig, address: str):
+    """The ``RemoteStoreConfig`` for reaching a peer's service at ``address`` (same token, TLS
+    material and limits as the server side; ``deadline_s`` per call)."""
+    from kv_transfer.transport import RemoteStoreConfig, TlsClientConfig
+
+    tls = None
+    if g.tls_cert:
+        tls = TlsClientConfig(_pem(g.tls_ca, "tls_ca"), _pem(g.tls_cert, "tls_cert"), _pem(g.tls_key, "tls_key"))
+    chunk, max_message = _sizes(g)
+    return RemoteStoreConfig(address, token=_token(g), timeout_s=g.deadline_s, chunk_bytes=chunk,
+                             max_message_bytes=max_message, tls=tls)
+
+
+def advertised_address(bind: str, port: int, node_ip: str) -> str:
+    """The address peers dial: the bound host, or ``node_ip`` when bound to every interface."""
+    host = bind.rpartition(":")[0]
+    return f"{node_ip if host in _ANY_HOST else host}:{port}"
+
+
+class PeerStores:
+    """``node_id -> StateStore`` reading that node's host tier through its gRPC service.
+
+    Each store holds this replica's own tiers first, then the peer's ``RemoteStore``, so a
+    load takes what is already here and fetches the rest; fetched objects are promoted into
+    this node's host tier. ``None`` for this node, or a node that serves no state.
+
+    NOTES
+    1. One ``RemoteStore`` (one channel) per peer node for the life of the replica.
+    2. Looking up a peer is a Ray call: call from a worker thread, never the event loop.
+    """
+
+    def __init__(self, cfg: AppConfig, node_id: str, local: StateStore):
+        self.grpc = cfg.transfer.grpc
+        self.node_id = node_id
+        self.layout = local.layout
+        self.tiers = list(local.tiers)  # the replica's own tiers (before any fault wrapper)
+        self._stores: dict[str, StateStore | None] = {}
+        self._remotes: list = []  # RemoteStore per peer (closed by ``close``)
+        self._lock = threading.Lock()
+
+    def __call__(self, node_id: str) -> StateStore | None:
+        if not node_id or node_id == self.node_id:
+            return None
+        with self._lock:
+            if node_id in self._stores:
+                return self._stores[node_id]
+        from kv_transfer.store import StateStore
+        from kv_transfer.transport import RemoteStore
+
+        actor = ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE)
+        address = ray.get(actor.grpc_address.remote(), timeout=self.grpc.deadline_s)
+        store = None
+        if address is not None:
+            peer = RemoteStore(grpc_client_config(self.grpc, address))
+            store = StateStore([*self.tiers, peer], self.layout, write_behind=False, worker_id=self.node_id)
+        with self._lock:
+            if node_id in self._stores:  # another thread got there first
+                if store is not None:
+                    peer.close()
+                return self._stores[node_id]
+            self._stores[node_id] = store
+            if store is not None:
+                self._remotes.append(peer)
+            return store
+
+    def close(self) -> None:
+        with self._lock:
+            remotes, self._remotes, self._stores = self._remotes, [], {}
+        for remote in remotes:
+            remote.close()
 
 
 def shutdown_node_stores() -> None:

@@ -11,9 +11,13 @@ score, so Serve falls back down the list when the pick is full or gone.
 What each replica reports (``record_routing_stats``, every
 ``request_routing_stats_period_s``): role, node, load figures, and a snapshot
 of its device-resident sessions as block digests (the newest snapshot
-replaces the previous one in the index). A resident session resumes at its
-turn end; the index is told about its last full block, a conservative
-approximation of where it resumes.
+replaces the previous one in the index, see ``DeviceSnapshots``). A resident
+session resumes at its turn end. Without more, the index is told about its
+last full block; a replica that also reports ``device_tails`` (per session,
+``[position, tail digest hex]`` of an unaligned turn end, or null) gets the
+session credited up to that position: the index stores the tail and its
+checkpoint, and each request probes the reported turn ends its own prompt
+passes through (``DeviceSnapshots.tail_probes``).
 
 The node-shared tiers reach the index as events: ``NodeEventFeed`` drains each
 node's ``NodeStoreActor`` event log (host tier stores and evictions, disk
@@ -49,7 +53,7 @@ import disagg.router.metrics as router_metrics
 from disagg.messages import GenerateParams
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.router import RouterConfig, StateAwareRouter
-from disagg.router.types import RouteRequest, WorkerState
+from disagg.router.types import RouteRequest, TailProbe, WorkerState
 from kv_transfer.keys import BlockHasher, KeyExtras
 
 log = logging.getLogger("ray.serve")
@@ -143,12 +147,69 @@ class NodeEventFeed:
         return n
 
 
+class DeviceSnapshots:
+    """Replicas' device-resident sessions in a prefix index, turn ends included.
+
+    ``apply`` replaces a replica's device tier with a snapshot: each session's
+    block digests (MLA blocks, a checkpoint at the last full block) and, when
+    reported, its unaligned turn end (tail + checkpoint at the tail digest).
+    ``tail_probes`` lists the turn ends a prompt passes through (same parent
+    block, position inside the prompt), the probes the walk needs to credit
+    them; it costs one dict lookup per distinct reported position.
+    """
+
+    def __init__(self, index: PrefixIndex):
+        self._index = index
+        self._ends: dict[str, set[tuple[int, bytes]]] = {}  # replica -> {(turn-end position, tail digest)}
+        self._by_pos: dict[int, dict[bytes, int]] = {}  # position -> tail digest -> replicas reporting it
+
+    def apply(self, worker_id: str, sessions: list[list[str]], tails: list | None = None) -> None:
+        idx = self._index
+        idx.remove_worker_objects(worker_id)
+        for pos, tail in self._ends.pop(worker_id, ()):
+            left = self._by_pos[pos][tail] - 1
+            if left:
+                self._by_pos[pos][tail] = left
+            else:
+                del self._by_pos[pos][tail]
+        ends: set[tuple[int, bytes]] = set()
+        for i, blocks in enumerate(sessions):
+            for hexd in blocks:
+                idx.apply_update(IndexUpdate("stored", "mla", bytes.fromhex(hexd), "device", worker_id))
+            if blocks:
+                idx.apply_update(IndexUpdate("stored", "kda", bytes.fromhex(blocks[-1]), "device", worker_id))
+            end = tails[i] if tails is not None and i < len(tails) else None
+            if end:  # the unaligned turn end: tail rows and the checkpoint there, both named by the tail digest
+                pos, tail = int(end[0]), bytes.fromhex(end[1])
+                for kind in ("tail", "kda"):
+                    idx.apply_update(IndexUpdate("stored", kind, tail, "device", worker_id))
+                ends.add((pos, tail))
+        for pos, tail in ends:
+            per = self._by_pos.setdefault(pos, {})
+            per[tail] = per.get(tail, 0) + 1
+        self._ends[worker_id] = ends
+
+    def tail_probes(self, hasher: BlockHasher, tokens: list[int], hashes: list[bytes]) -> list[TailProbe]:
+        """Probes at the reported turn ends inside ``tokens`` (whose full-block digests are ``hashes``)."""
+        bs = hasher.block_size
+        out = []
+        for pos, tails in self._by_pos.items():
+            n_full = pos // bs
+            if not tails or pos >= len(tokens) or n_full > len(hashes) or not pos % bs:
+                continue
+            tail = hasher.tail_digest(hashes[n_full - 1] if n_full else hasher.root, tokens[n_full * bs:pos])
+            if tail in tails:
+                out.append(TailProbe(pos, tail))
+        return out
+
+
 class StateAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: dict | None = None, node_events_period_s: float = 1.0, **_):
         self._hasher: BlockHasher | None = None  # built from the first replica's model id and block size
         self._index = PrefixIndex()
         self._policy = StateAwareRouter(self._index, RouterConfig.from_dict(policy or {}))
         self._versions: dict[str, int] = {}
+        self._snapshots = DeviceSnapshots(self._index)
         self._node_events = NodeEventFeed(self._index, node_events_period_s)  # fed by decode routers only
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
@@ -165,12 +226,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
             self._node_events.watch(stats.get("node_id", ""))
         version = stats.get("device_version", -1)
         if version != self._versions[rid]:
-            self._index.remove_worker_objects(rid)
-            for blocks in stats.get("device_sessions", []):
-                for hexd in blocks:
-                    self._index.apply_update(IndexUpdate("stored", "mla", bytes.fromhex(hexd), "device", rid))
-                if blocks:
-                    self._index.apply_update(IndexUpdate("stored", "kda", bytes.fromhex(blocks[-1]), "device", rid))
+            self._snapshots.apply(rid, stats.get("device_sessions", []), stats.get("device_tails"))
             self._versions[rid] = version
         load = stats.get("load", {})
         return WorkerState(rid, "both", stats.get("node_id") or rid,
@@ -190,8 +246,10 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         if self._hasher is None:  # no replica has reported yet: spread by load alone
             return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
         hasher = self._hasher.with_salt(params.cache_salt)
-        req = RouteRequest(params.request_id, params.session_id or "", hasher.block_hashes(params.prompt_token_ids),
-                           len(params.prompt_token_ids), hasher.block_size, cache_salt=params.cache_salt,
+        tokens = params.prompt_token_ids
+        hashes = hasher.block_hashes(tokens)
+        req = RouteRequest(params.request_id, params.session_id or "", hashes, len(tokens), hasher.block_size,
+                           self._snapshots.tail_probes(hasher, tokens, hashes), cache_salt=params.cache_salt,
                            output_len_hint=params.sampling.max_tokens)
         decision = self._policy.route(req, workers)
         self._policy.on_routed(req, decision)

@@ -7,7 +7,9 @@ short (conditional disaggregation) or asks a prefill replica, then loads the
 published state by handle and streams tokens.
 
 Replicas report ``record_routing_stats`` (queue, cache and state summaries) to
-the request router, answer ``check_health`` and drain on shutdown.
+the request router, answer ``check_health`` and drain on shutdown. A decode
+replica keeps its recent requests' first-token stamps (``timings``, see
+``deployments.timings``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import time
 
 from ray import serve
 
-from deployments.node_store import connect_node_store
+from deployments.node_store import PeerStores, connect_node_store
+from deployments.timings import RecentTimings
 from disagg.config import AppConfig, load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
@@ -51,9 +54,12 @@ class _ServerBase:
             self.engine = AsyncEngine(build_reference_engine(self.config))
             self.store = connect_node_store(self.config, self.node_id, self.engine.layout)
             faults = FaultInjector(self.config.faults, self.replica_id, self.role, kill=exit_process)  # off by default
+            # other nodes' host tiers over their gRPC state service (transfer.grpc; deployments.node_store)
+            peers = PeerStores(self.config, self.node_id, self.store) if self.config.transfer.grpc.enabled else None
             self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
                                          self.config.router.local_prefill_max_tokens,
-                                         load_deadline_s=self.config.transfer.load_deadline_s, faults=faults)
+                                         load_deadline_s=self.config.transfer.load_deadline_s, faults=faults,
+                                         peer_stores=peers)
         self._draining = False
         self._inflight = 0
         self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)
@@ -86,12 +92,25 @@ class _ServerBase:
         return out
 
     async def __del__(self):
+        """Graceful drain. Serve calls this once the replica has no ongoing request (a stream in
+        flight when the stop came has run to its end; deployment.graceful_shutdown_timeout_s
+        bounds the whole stop). Streams still counted here, then the turn-end publishes they left
+        running in the background, get the rest of that budget; the engine stops last."""
         self._draining = True
         deadline = time.monotonic() + self.config.deployment.graceful_shutdown_timeout_s
-        while self._inflight and time.monotonic() < deadline:  # graceful drain
-            await asyncio.sleep(0.05)
-        await asyncio.wait_for(self.worker.drain(), max(0.1, deadline - time.monotonic()))
-        self.engine.shutdown()
+        try:
+            while self._inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            try:
+                await asyncio.wait_for(self.worker.drain(), max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                log.warning("%s %s: background state publishes still running at the drain deadline; "
+                            "those turns will be recomputed", self.role, self.replica_id)
+        finally:
+            peers = getattr(self.worker, "peer_stores", None)
+            if peers is not None:
+                peers.close()
+            self.engine.shutdown()
 
 
 class PrefillServer(_ServerBase):
@@ -111,19 +130,30 @@ class DecodeServer(_ServerBase):
     def __init__(self, config: dict | AppConfig, prefill_handle=None):
         super().__init__(config)
         self.prefill_handle = prefill_handle
+        self._timings = RecentTimings()
 
     async def _prefill(self, params: GenerateParams) -> PrefillHandle:
         return await self.prefill_handle.prefill.remote(params)
 
     async def generate(self, params: GenerateParams):
         """Stream ``StreamChunk``s for one request (a Serve streaming method)."""
+        stamps = {"entry": time.perf_counter()}
         self._inflight += 1
         try:
             fn = self._prefill if self.prefill_handle is not None else None
             try:
                 async for chunk in self.worker.generate(params, fn):
+                    if chunk.token_ids and "first_yield" not in stamps:
+                        stamps["first_yield"] = time.perf_counter()
                     yield chunk
             except ValueError as exc:  # refused by the engine: the client's fault
                 yield StreamChunk(finished=True, finish_reason="invalid", error=str(exc), replica_id=self.replica_id)
         finally:
             self._inflight -= 1
+            engine_trace = getattr(self.engine, "trace", None)  # the reference engine's (disagg.engine.async_engine)
+            stamps.update((engine_trace and engine_trace(f"{params.request_id}/decode")) or {})
+            self._timings.put(params.request_id, stamps)
+
+    async def timings(self, request_ids: list[str]) -> dict[str, dict]:
+        """First-token stamps of recent requests on this replica (``deployments.timings``)."""
+        return self._timings.get(request_ids)

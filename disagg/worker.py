@@ -25,6 +25,16 @@ NOTES
 4. A resumed request (``resumed_output_tokens > 0``: its prompt ends with its own
    earlier output, after its decode replica was lost) samples output index
    ``resumed_output_tokens`` next, so seeded sampling continues where it stopped.
+5. Device hand-off (a prefill and a decode engine on two GPUs of one host):
+   the prefill worker gathers the state into buffers on its GPU and returns
+   their IPC descriptor in the handle; the decode worker copies them onto its
+   GPU (one peer copy each, fingerprint-checked), then releases them. The
+   prefill keeps the prefix resident on its device for the session's next
+   turn; the decode's turn-end checkpoint still goes to the host tier.
+6. A host-tier handle from a prefill replica on another node is loaded through
+   ``peer_stores(handle.node_id)`` (this node's tiers, then that node's gRPC state
+   service); with no peer store for that node, from this node's tiers (a miss
+   there is a recompute, NOTE 3).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from disagg import faults as fault_injection
 from disagg.engine.protocol import EngineRequest
@@ -41,9 +52,14 @@ from disagg.faults import FaultInjector, LoadFault
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
 
+if TYPE_CHECKING:
+    from kv_transfer.store import StateStore
+
 log = logging.getLogger(__name__)
 
 PrefillFn = Callable[[GenerateParams], Awaitable[PrefillHandle]]
+ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
+PeerStoresFn = Callable[[str], "StateStore | None"]  # node_id -> a store that reads that node (NOTE 6)
 
 
 @dataclass(slots=True)
@@ -58,7 +74,8 @@ class _Resume:
 class StatefulWorker:
     def __init__(self, engine, store=None, replica_id: str = "local", node_id: str = "local",
                  local_prefill_max_tokens: int = 512, prefill_retries: int = 2, load_deadline_s: float = 5.0,
-                 faults: FaultInjector | None = None, retry_backoff_s: float = 0.25):
+                 faults: FaultInjector | None = None, retry_backoff_s: float = 0.25, device_shares=None,
+                 peer_stores: PeerStoresFn | None = None):
         self.engine = engine  # AsyncEngine
         self.store = store  # kv_transfer.store.StateStore (node-shared tiers) or None
         self.replica_id = replica_id
@@ -70,12 +87,16 @@ class StatefulWorker:
         self.faults = faults if faults is not None and faults.enabled else None
         if self.faults is not None and store is not None:
             self.faults.install(store)
+        self.peer_stores = peer_stores  # node_id -> StateStore reading that node (NOTE 6); may block
+        # a prefill worker with ``device_shares`` (kv_transfer.transport.device_ipc.DeviceShares) hands state
+        # over device to device (NOTE 5) instead of publishing it to the host tier
+        self.device_shares = device_shares
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight
         self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,
                          "load_failures": 0, "load_timeouts": 0, "prefill_failures": 0, "published_bytes": 0,
-                         "resumed_requests": 0}
+                         "resumed_requests": 0, "peer_loads": 0, "peer_load_failures": 0}
 
     # -- state lookup ---------------------------------------------------------------
     async def _plan_resume(self, tokens: list[int], hasher: BlockHasher, params: GenerateParams) -> _Resume:
@@ -101,12 +122,15 @@ class StatefulWorker:
         return _Resume(None, device_len, "device" if device_len else "computed")
 
     async def _load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
-                    deadline: float | None = None) -> _Resume | None:
+                    deadline: float | None = None, node_id: str | None = None) -> _Resume | None:
+        """Load the state at ``position`` (held by node ``node_id`` when given, NOTE 6)."""
         t0 = time.perf_counter()
         budget = self.load_deadline_s if deadline is None else deadline - time.monotonic()
         fault = self.faults.on_load(params) if self.faults is not None else None
+        remote = self.peer_stores is not None and node_id is not None and node_id != self.node_id
         try:
-            state = await asyncio.wait_for(self._load_state(tokens, position, hasher, fault), max(0.0, budget))
+            state = await asyncio.wait_for(
+                self._load_state(tokens, position, hasher, fault, node_id if remote else None), max(0.0, budget))
         except asyncio.TimeoutError:  # a stalled tier or peer: recompute rather than wait (NOTE 3)
             self.counters["load_timeouts"] += 1
             log.warning("state load passed its %.1f s deadline; recomputing", self.load_deadline_s)
@@ -114,6 +138,8 @@ class StatefulWorker:
         except Exception:  # a tier that fails is a miss (NOTE 3)
             log.exception("state load failed; recomputing")
             state = None
+        if remote:
+            self.counters["peer_loads" if state is not None else "peer_load_failures"] += 1
         if state is None:
             self.counters["load_failures"] += 1
             if fault is not None:
@@ -123,16 +149,27 @@ class StatefulWorker:
         nbytes += sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
         return _Resume(state, position, "host", nbytes, time.perf_counter() - t0)
 
-    async def _load_state(self, tokens: list[int], position: int, hasher: BlockHasher, fault: LoadFault | None):
+    async def _load_state(self, tokens: list[int], position: int, hasher: BlockHasher, fault: LoadFault | None,
+                          node_id: str | None = None):
         if fault is not None and fault.kind == "delay":
             await asyncio.sleep(fault.delay_s)  # an injected stall that holds no thread
 
         def load():
+            store = self._store_for(node_id)
             with fault_injection.active(fault):  # the store's tier reads see the fault (disagg.faults)
-                return self.store.load_state(tokens, position, hasher, self.engine.layout, contiguous=True)
+                return store.load_state(tokens, position, hasher, self.engine.layout, contiguous=True)
 
         # the store is thread-safe: no engine lock (steps go on while state loads)
         return await asyncio.to_thread(load)
+
+    def _store_for(self, node_id: str | None):
+        """The store that reads state held by node ``node_id`` (blocking: runs on a load thread)."""
+        store = self.peer_stores(node_id) if node_id is not None and self.peer_stores is not None else None
+        if store is None:
+            return self.store
+        if self.faults is not None:
+            self.faults.install(store)  # injected transfer faults reach peer loads too
+        return store
 
     async def _publish(self, request_id: str, tokens: list[int], hasher: BlockHasher,
                        also_at: tuple[int, ...] = ()) -> tuple[int, float]:
@@ -181,13 +218,27 @@ class StatefulWorker:
             last = out
         assert last is not None and last.new_token_ids, "prefill produced no token"
         compute_s = time.perf_counter() - t0
-        nbytes, pub_s = await self._publish(rid, tokens, hasher)
+        shared = None
+        if self.device_shares is not None:  # NOTE 5
+            t1 = time.perf_counter()
+            try:
+                state = await self.engine.export_state(rid, None, 0, on_device=True)
+                shared = await asyncio.to_thread(self.device_shares.share, state)
+            finally:
+                await self.engine.release(rid)  # the prefix stays resident on this device for the next turn
+            nbytes, pub_s = shared.nbytes, time.perf_counter() - t1
+        else:  # the prompt end, and its aligned checkpoint (engine NOTE 5) for a next prompt that only shares blocks
+            positions = await self.engine.call(getattr(self.engine.engine, "checkpoint_positions", lambda _: []), rid)
+            earlier = tuple(sorted((p for p in positions if p < len(tokens)), reverse=True))
+            nbytes, pub_s = await self._publish(rid, tokens, hasher, earlier)
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
-                             self.replica_id, self.node_id, nbytes, pub_s, compute_s)
+                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared)
 
     # -- generate (runs on a decode worker) -----------------------------------------------------
-    async def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
+    async def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None,
+                       release_fn: ReleaseFn | None = None) -> AsyncIterator[StreamChunk]:
+        """``release_fn(handle)`` tells a prefill replica that its device hand-off was copied (NOTE 5)."""
         pending = self._publishing.get(_session_key(params))
         if pending:  # this session's previous turn end is being published: let it land first
             await asyncio.wait(list(pending), timeout=1.0)
@@ -216,7 +267,10 @@ class StatefulWorker:
             yield first
             if kill_after == 1:
                 await self._injected_kill(params, 1)
-            loaded = await self._load(tokens, handle.position, hasher, params)
+            if handle.device_state is not None:
+                loaded = await self._open_device_state(handle, release_fn)
+            else:
+                loaded = await self._load(tokens, handle.position, hasher, params, node_id=handle.node_id)
             plan = loaded or _Resume(None, 0, "computed")
             transfer_bytes, transfer_s = plan.nbytes, plan.seconds
             tokens = tokens + [handle.first_token]
@@ -246,6 +300,28 @@ class StatefulWorker:
             if not finished:
                 await self.engine.release(rid, False)
             self.counters["decodes"] += 1
+
+    async def _open_device_state(self, handle: PrefillHandle, release_fn: ReleaseFn | None) -> _Resume | None:
+        """Copy a prefill replica's device hand-off onto this engine's device (NOTE 5)."""
+        from kv_transfer.transport.device_ipc import open_shared
+
+        t0 = time.perf_counter()
+        desc = handle.device_state
+        try:
+            state = await asyncio.to_thread(open_shared, desc, self.engine.engine.device)
+        except Exception:  # a bad or vanished hand-off is a miss: recompute (NOTE 3)
+            self.counters["load_failures"] += 1
+            log.exception("device hand-off %s failed; recomputing", desc.share_id)
+            state = None
+        finally:
+            if release_fn is not None:
+                try:
+                    await release_fn(handle)
+                except Exception:  # the producer expires it anyway (device_ipc NOTE 1)
+                    log.warning("could not release device hand-off %s", desc.share_id)
+        if state is None:
+            return None
+        return _Resume(state, handle.position, "peer", desc.nbytes, time.perf_counter() - t0)
 
     async def _injected_kill(self, params: GenerateParams, num_streamed: int) -> None:
         await asyncio.sleep(0.2)  # let the streamed tokens leave the replica: the death is mid-stream

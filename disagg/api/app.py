@@ -209,12 +209,14 @@ class _Run:
         self.created = int(time.time())
         self.ids: list[int] = []
         self.text = ""
+        self._text_ids = 0  # tokens whose text is in ``self.text``
         self.finish_reason: str | None = None
         self.last: StreamChunk | None = None
 
     async def _pieces(self) -> AsyncIterator[str]:
         """Yields new text; stops at a stop string; raises APIError on engine errors."""
         tok = self.backend.tokenizer
+        incomplete = getattr(tok, "incomplete_tail", None)
         t0 = time.perf_counter()
         t_prev = None
         agen = _guarded(self.backend.stream(self.params))
@@ -236,10 +238,14 @@ class _Run:
                     t_prev = now
                     self.ids.extend(chunk.token_ids)
                     full = tok.decode(self.ids)
-                    if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-                        new = ""
+                    if incomplete is not None:  # the tokenizer knows whether its bytes end mid-character
+                        held = incomplete(self.ids)
                     else:
-                        new, self.text = full[len(self.text):], full
+                        held = full.endswith("\ufffd") and len(self.ids) - self._text_ids < _MAX_HELD_TOKENS
+                    if held:
+                        new = ""  # an incomplete UTF-8 sequence: wait for more bytes
+                    else:
+                        new, self.text, self._text_ids = full[len(self.text):], full, len(self.ids)
                     cut = _find_stop(self.text, self.stops)
                     if cut is not None:
                         new = new[: max(0, len(new) - (len(self.text) - cut))]
@@ -314,6 +320,12 @@ async def _guarded(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamCh
                        code="backend_unavailable", headers={"Retry-After": "1"}) from exc
     finally:
         await chunks.aclose()
+
+
+# A UTF-8 character is at most 4 bytes, so 4 tokens past the last emitted text settle it: a replacement
+# character still at the end then stands for invalid bytes (e.g. a random model's output), and holding
+# it longer would hold every later token back until the end of the stream.
+_MAX_HELD_TOKENS = 4
 
 
 def _sse(obj: dict) -> bytes:

@@ -11,6 +11,11 @@ NOTES
 1. Every engine call happens under ``_lock``; the stepping thread holds it only
    for one step, so exports and admissions interleave with steps.
 2. A request's queue receives exactly one final ``TokenOutput`` (finished=True).
+3. ``trace(request_id)``: first-token stamps of the newest ``TRACE_CAPACITY``
+   requests (``time.perf_counter`` seconds): ``admit``, ``step_start`` /
+   ``step_end`` / ``step_cpu`` (CPU seconds) of the step that produced the
+   first token, ``first_out`` (the consumer got it). Set by both threads, one
+   key each, before the consumer reads them.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from disagg.engine.protocol import EngineRequest, TokenOutput
+
+TRACE_CAPACITY = 1024  # requests whose first-token stamps are kept (NOTE 3)
 
 
 class AsyncEngine:
@@ -36,6 +44,8 @@ class AsyncEngine:
         self._stop = False
         self._idle_wait_s = idle_wait_s
         self.step_times: list[float] = []
+        self._live_traces: dict[str, dict[str, float]] = {}  # request id -> stamps, until its first token
+        self._traces: OrderedDict[str, dict[str, float]] = OrderedDict()  # finished requests (NOTE 3)
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -45,12 +55,15 @@ class AsyncEngine:
             with self._lock:
                 busy = self.engine.has_work()
                 if busy:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     try:
                         outputs = self.engine.step()
                     except Exception as exc:  # an engine bug must not hang its callers
                         outputs = self._fail_all(exc)
-                    self.step_times.append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    self.step_times.append(t1 - t0)
+                    if self._live_traces:
+                        self._stamp_first_step(outputs, t0, t1, time.thread_time() - c0)
                     if len(self.step_times) > 4096:
                         del self.step_times[:2048]
             if busy:
@@ -59,6 +72,12 @@ class AsyncEngine:
             else:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
+
+    def _stamp_first_step(self, outputs: list[TokenOutput], t0: float, t1: float, cpu: float) -> None:
+        for out in outputs:
+            trace = self._live_traces.pop(out.request_id, None) if out.new_token_ids else None
+            if trace is not None:
+                trace.update(step_start=t0, step_end=t1, step_cpu=cpu)
 
     def _fail_all(self, exc: Exception) -> list[TokenOutput]:
         outs = []
@@ -83,9 +102,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._queues[request.request_id] = (loop, q)
+        trace: dict[str, float] = {}
         try:
             with self._lock:
                 self.engine.add_request(request)
+                trace["admit"] = time.perf_counter()
+                self._live_traces[request.request_id] = trace
         except Exception:
             self._queues.pop(request.request_id, None)
             raise
@@ -95,11 +117,17 @@ class AsyncEngine:
             while True:
                 out = await q.get()
                 finished = out.finished
+                if out.new_token_ids and "first_out" not in trace:
+                    trace["first_out"] = time.perf_counter()
                 yield out
                 if finished:
                     return
         finally:
             self._queues.pop(request.request_id, None)
+            self._live_traces.pop(request.request_id, None)
+            self._traces[request.request_id] = trace
+            while len(self._traces) > TRACE_CAPACITY:
+                self._traces.popitem(last=False)
             if not finished:
                 await self.call(self.engine.abort, request.request_id)
 
@@ -112,11 +140,18 @@ class AsyncEngine:
 
         return await asyncio.to_thread(locked)
 
-    async def export_state(self, request_id: str, position: int | None = None, first_block: int = 0):
+    async def export_state(self, request_id: str, position: int | None = None, first_block: int = 0,
+                           on_device: bool = False):
+        if on_device:  # only engines that gather into device buffers take the flag
+            return await self.call(self.engine.export_state, request_id, position, first_block, on_device=True)
         return await self.call(self.engine.export_state, request_id, position, first_block)
 
     async def release(self, request_id: str, keep_resident: bool = True) -> None:
         await self.call(self.engine.release, request_id, keep_resident)
+
+    def trace(self, request_id: str) -> dict[str, float] | None:
+        """First-token stamps of a finished request (NOTE 3), None when unknown or dropped."""
+        return self._traces.get(request_id)
 
     def num_live(self) -> int:
         return len(self._queues)

@@ -160,6 +160,20 @@ class RoutingContext:
             self._last = (workers, workers[-1], v)
         return v
 
+    def subset(self, workers: list[WorkerState], view: CandidateView, keep: np.ndarray) -> list[WorkerState]:
+        """``workers[i]`` for each i with ``keep[i]`` (a filter's result), with its view ready.
+
+        ``view`` is ``self.view(workers)``; the kept rows of it become the kept
+        list's view (recognized by identity), so the scorers after the filter
+        pay no per-worker lookup.
+        """
+        rows = np.flatnonzero(keep)
+        kept = list(map(workers.__getitem__, rows.tolist()))
+        if kept:
+            v = CandidateView([w.worker_id for w in kept], view.loads[:, rows], view.resumable[rows], view.tier[rows])
+            self._last = (kept, kept[-1], v)
+        return kept
+
     def _subset_view(self, ids: list[str]) -> CandidateView | None:
         """Rows of the first view built, when it holds every id (filters only remove)."""
         base = self._base
@@ -177,13 +191,14 @@ class RoutingContext:
     def _match_columns(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         m = self.match
         if ids == m.worker_ids:
-            return np.asarray(m.resumable, np.float64), np.asarray(m.tiers, np.int64)
+            return m.columns()
         if self._match_rows is None:
             self._match_rows = {wid: i for i, wid in enumerate(m.worker_ids)}
         n = len(ids)
         rows = np.fromiter(map(self._match_rows.get, ids, repeat(-1, n)), np.intp, n)
-        res = np.append(np.asarray(m.resumable, np.float64), 0.0)[rows]  # row -1: the appended "no match"
-        tier = np.append(np.asarray(m.tiers, np.int64), -1)[rows]
+        res_all, tier_all = m.columns()
+        res = np.append(res_all, 0.0)[rows]  # row -1: the appended "no match"
+        tier = np.append(tier_all, -1)[rows]
         return res, tier
 
     def _load_matrix(self, workers: list[WorkerState], ids: list[str]) -> np.ndarray:

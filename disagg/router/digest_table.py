@@ -3,9 +3,9 @@
 Each stored object (an MLA block, a tail or a KDA checkpoint, keyed by its
 16-byte digest) owns a row. A row is one uint64 record:
 
-    rec[row] = | hi | link + 1 | masks[tier 0] ... masks[tier 3] |     (2 + 4 * num_words words)
+    rec[row] = | lo | hi | link + 1 | masks[tier 0] ... masks[tier 3] |     (3 + 4 * num_words words)
 
-    hi         high 64 bits of the digest (verifies a lookup)
+    lo, hi     the digest's two 64-bit halves (a lookup verifies both)
     link       a row of another table (PrefixIndex: the KDA checkpoint at an MLA
                block's digest); stored + 1, 0 = none
     masks[t]   num_words words: bit b of word j set when worker 64 j + b can read the
@@ -24,9 +24,12 @@ Two ways in:
     One gather of a bucket per digest, then one gather of the rows' records
     (cache lines fetched in parallel by numpy's C loop) finds a 500-block
     prompt in a table of a million digests in a dozen numpy calls, where a
-    dict lookup per block pays several dependent cache misses. A digest not
-    found in a bucket that spilled (or whose lo matched another digest's) is
-    looked up in the dict, so the answer is always exact.
+    dict lookup per block pays several dependent cache misses. The record's
+    own lo and hi confirm the row (an empty entry reads row 0, which the
+    check rejects unless the digest is row 0's). A digest not found in a
+    bucket that spilled (or whose lo matched another digest's) is looked up
+    in the dict, so the answer is always exact. ``find_prefix`` stops at the
+    first absent digest (what the walk needs) and asks the dict only there.
 
 Digests of another length than 16 bytes are folded to 16 bytes with
 blake2b, the same way on both paths (a request's digests share one length).
@@ -48,6 +51,8 @@ NOTES
    whose masks become zero); a freed row's record is zero and the row is reused.
 4. After ``flush``, ``rec[row] == _ints[row]`` (as uint64 words) for every row;
    rows changed since are listed in ``_dirty``.
+5. A free row's record is zero, so the record check cannot confirm the
+   all-zero digest: lookups of it always go to the dict.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ WORD_BITS = 64
 FULL_WORD = (1 << WORD_BITS) - 1
 NUM_TIER_COLUMNS = 4
 BUCKET_SLOTS = 8  # entries per hash bucket
-REC_HI, REC_LINK, REC_MASKS = 0, 1, 2  # record columns (masks from REC_MASKS on)
+REC_LO, REC_HI, REC_LINK, REC_MASKS = 0, 1, 2, 3  # record columns (masks from REC_MASKS on)
+_ZERO_KEY = bytes(DIGEST_BYTES)
 _HALVES = struct.Struct("=QQ").unpack  # (lo, hi) in native order, as numpy's uint64 view reads them
 _OFFSETS = np.arange(BUCKET_SLOTS, 4096 * 2 * BUCKET_SLOTS, 2 * BUCKET_SLOTS)  # row i's "row + 1" part
 
@@ -109,7 +115,7 @@ class DigestTable:
         self._row: dict[bytes, int] = {}  # key -> row (the event path; every digest)
         self._digest_of: list[bytes | None] = []  # row -> key (None: free)
         self._free: list[int] = []  # freed rows, reused first
-        self._ints: list[list[int] | None] = []  # row -> [hi, link + 1, mask_0 .. mask_3] (NOTE 4)
+        self._ints: list[list[int] | None] = []  # row -> [lo, hi, link + 1, mask_0 .. mask_3] (NOTE 4)
         self._dirty: list[int] = []  # rows changed since the last flush (repeats allowed)
         self._new: dict[int, int] = {}  # row -> lo of digests inserted since the last flush (not in buckets)
         self._gone: list[tuple[int, int]] = []  # (bucket, row + 1) of placed digests deleted since
@@ -171,8 +177,8 @@ class DigestTable:
         self._dirty.append(row)
 
     # ---- vectorized lookup -----------------------------------------------------------
-    def find(self, digests: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of ``digests`` (int64, -1 where absent) and their records (zeros where absent)."""
+    def _probe(self, digests: list[bytes]) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """One vectorized round: (joined keys, buckets, rows, records, found) without the dict fallback."""
         self.flush()
         n = len(digests)
         buf = b"".join(digests)
@@ -181,25 +187,55 @@ class DigestTable:
         keys = np.frombuffer(buf, np.uint64).reshape(n, 2)
         b = keys.view(np.int64)[:, 0] & self._bucket_mask  # bucket of each digest (an index array)
         got = self._buckets.take(b, axis=0)  # (n, 2 * slots)
-        same_lo = got[:, :BUCKET_SLOTS] == keys[:, :1]
-        at = same_lo.argmax(axis=1)
-        at += _entry_offsets(n)  # flat index of the matching entry's row + 1
+        at = (got[:, :BUCKET_SLOTS] == keys[:, :1]).argmax(axis=1)  # first entry with the same lo (else 0)
+        at += _entry_offsets(n)  # flat index of that entry's row + 1
         rows = got.view(np.int64).take(at)
-        rows -= 1
+        rows -= 1  # an empty entry: -1, read as row 0 below and rejected by the check (NOTE 5)
         recs = self._rec.take(rows, axis=0, mode="clip")
-        found = (recs[:, REC_HI] == keys[:, 1]) & (rows >= 0) & same_lo.any(axis=1)
+        found = (recs[:, :REC_LINK] == keys).all(axis=1)  # the record holds this very digest
+        if _ZERO_KEY in buf:  # NOTE 5 (a byte search; aligned hits are checked here)
+            found &= keys.any(axis=1)
+        return buf, b, rows, recs, found
+
+    def _unsure(self, buf: bytes, b: int, i: int) -> bool:
+        """Whether digest i, not confirmed by the probe, may still be held (spilled bucket or shared lo)."""
+        if self._spill[b] > 0 or buf[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)] == _ZERO_KEY:
+            return True
+        lo = np.frombuffer(buf, np.uint64, 1, DIGEST_BYTES * i)[0]
+        return bool((self._buckets[b, :BUCKET_SLOTS] == lo).any())
+
+    def find(self, digests: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``digests`` (int64, -1 where absent) and their records (zeros where absent)."""
+        if not digests:
+            return np.empty(0, np.int64), self._rec[:0]
+        buf, b, rows, recs, found = self._probe(digests)
         if found.all():
             return rows, recs
         miss = np.flatnonzero(~found)
         rows[miss] = -1
         recs[miss] = 0
-        unsure = (self._spill.take(b[miss]) > 0) | same_lo[miss].any(axis=1)
-        if unsure.any():  # a spilled bucket, or another digest with the same lo: ask the dict
-            get = self._row.get
-            for i in miss[unsure].tolist():
+        get = self._row.get
+        for i, bi in zip(miss.tolist(), b[miss].tolist(), strict=True):
+            if self._unsure(buf, bi, i):  # a spilled bucket, or another digest with the same lo: ask the dict
                 r = get(buf[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)], -1)
                 if r >= 0:
                     rows[i], recs[i] = r, self._rec[r]
+        return rows, recs
+
+    def find_prefix(self, digests: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """``find`` cut before the first absent digest: the rows and records of the leading present run."""
+        if not digests:
+            return np.empty(0, np.int64), self._rec[:0]
+        buf, b, rows, recs, found = self._probe(digests)
+        n = len(digests)
+        i = n if found.all() else int(found.argmin())
+        while i < n:  # digest i is not confirmed: only the dict can still have it
+            r = self._row.get(buf[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)], -1) if self._unsure(buf, int(b[i]), i) else -1
+            if r < 0:
+                return rows[:i], recs[:i]
+            rows[i], recs[i] = r, self._rec[r]
+            found[i] = True
+            i = n if found.all() else int(found.argmin())
         return rows, recs
 
     def lookup(self, digests: list[bytes]) -> np.ndarray:
@@ -239,7 +275,7 @@ class DigestTable:
         if 2 * (len(self._row) + 1) > self._buckets.size // 2:  # NOTE 2
             self._rehash(2 * len(self._buckets))
         lo, hi = _HALVES(key)
-        ints = [hi, 0, 0, 0, 0, 0]
+        ints = [lo, hi, 0, 0, 0, 0, 0]
         if self._free:
             row = self._free.pop()
             self._digest_of[row] = key

@@ -31,10 +31,10 @@ The walk is numpy over the prompt's blocks, a fixed number of calls whatever
 the prompt length or the index size:
 
     rows, recs = find(h_1 .. h_n)                    one vectorized hash probe, cut at the first miss
-    le[i, t]   = dev | ... | tier t  of block i      "readable no slower than t" (OR along tiers)
-    cum[k, t]  = cand & AND_{i<k} le[i, t]           (AND along blocks)
-    alive(k)   = cum[k, any]                         candidates reading blocks 0..k-1
-    tier(w, p) = min t with w in cum[p / bs, t] & le_t(checkpoint) [& le_t(tail)]
+    le[t, i]   = dev | ... | tier t  of block i      "readable no slower than t" (OR along tiers)
+    cum[t, k]  = cand & AND_{i<=k} le[t, i]          (AND along blocks, one accumulate)
+    alive(k)   = cum[any, k - 1]                     candidates reading blocks 0..k-1
+    tier(w, p) = min t with w in cum[t, p / bs - 1] & le_t(checkpoint) [& le_t(tail)]
 
 The resume points (a linked checkpoint at block k, or a probed tail) are then
 visited furthest first as Python ints: each worker takes the first point it
@@ -88,7 +88,6 @@ OBJECT_KINDS = ("mla", "tail", "kda")
 _ANY = 3  # tier column of "readable from any tier" in le / cum
 _NO_TIER = -1
 _ONE = np.uint64(1)
-_EMPTY_ROWS = np.empty(0, np.int64)
 _POSITION = itemgetter(0)
 
 
@@ -164,6 +163,15 @@ def _ints(words: np.ndarray) -> list[int]:
     if words.shape[-1] == 1:
         return words[..., 0].ravel().tolist()
     return [words_mask(w) for w in words.reshape(-1, words.shape[-1])]
+
+
+def _le(masks: np.ndarray) -> np.ndarray:
+    """Tier masks (n, tier, word) -> le (tier, n, word): readable no slower than tier t (an OR along tiers)."""
+    le = np.empty((len(TIERS), *masks.shape[::2]), np.uint64)
+    le[0] = masks[:, 0]
+    for t in range(1, len(TIERS)):  # three ORs instead of bitwise_or.accumulate along the short tier axis
+        np.bitwise_or(le[t - 1], masks[:, t], out=le[t])
+    return le
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -354,13 +362,7 @@ class PrefixIndex:
 
     def _prefix(self, request: RouteRequest) -> tuple[np.ndarray, np.ndarray]:
         """MLA rows and records of the prompt's blocks, up to the first block no tier holds."""
-        if not request.block_hashes:
-            return _EMPTY_ROWS, self._mla.rec[:0]
-        rows, recs = self._mla.find(request.block_hashes)
-        missing = np.flatnonzero(rows < 0)
-        if missing.size:
-            return rows[: missing[0]], recs[: missing[0]]
-        return rows, recs
+        return self._mla.find_prefix(request.block_hashes)
 
     def match(self, request: RouteRequest, worker_ids: list[str], common_min: int | None = None) -> MatchResult:
         """Walk the request's blocks once for all ``worker_ids``.
@@ -374,21 +376,25 @@ class PrefixIndex:
         c = self._candidates(worker_ids)
         bs, plen = request.block_size, request.prompt_len
         rows, recs = self._prefix(request)
-        cum = np.bitwise_or.accumulate(self._mla.rec_masks(recs), axis=1)  # (n, tier, word): le
+        cum = _le(self._mla.rec_masks(recs))  # (tier, n, word): le
         common = 0
         if common_min is not None:
-            held = _popcount(cum[:, _ANY] & c.words)
-            short = np.flatnonzero((held if held.shape[1] == 1 else held.sum(axis=1, keepdims=True)) < common_min)
+            held = _popcount(cum[_ANY] & c.words)
+            short = np.flatnonzero((held[:, 0] if held.shape[1] == 1 else held.sum(axis=1)) < common_min)
             common = int(short[0]) if short.size else len(rows)
         n = len(rows)
-        if n:  # cum[i] = cand & le[0] & ... & le[i]: who reads blocks 0..i, per tier
-            cum[0] &= c.words
-            np.bitwise_and.accumulate(cum, axis=0, out=cum)
-            if not cum[n - 1, _ANY].any():  # nobody reads the whole run: cut it where the last reader stops
-                n = int(np.argmin(cum[:, _ANY].any(axis=1)))
-                cum, recs = cum[:n], recs[:n]
-        alive = cum[:, _ANY]  # alive[k - 1] = candidates reading blocks 0..k-1 (alive(0) = cand)
-        resumable, tiers = self._resolve(c, request, recs, cum, bs, plen)
+        if n:  # cum[t, i] = cand & le[t, 0] & ... & le[t, i]: who reads blocks 0..i, per tier
+            cum[:, 0] &= c.words
+            np.bitwise_and.accumulate(cum, axis=1, out=cum)
+            if not cum[_ANY, n - 1].any():  # nobody reads the whole run: cut it where the last reader stops
+                n = int(np.argmin(cum[_ANY].any(axis=1)))
+                cum, recs = cum[:, :n], recs[:n]
+        alive = cum[_ANY]  # alive[k - 1] = candidates reading blocks 0..k-1 (alive(0) = cand)
+        resumable, tiers, got = self._resolve(c, request, recs, cum, bs, plen)
+        res_a, tier_a = np.zeros(len(resumable)), np.full(len(resumable), _NO_TIER, np.int64)
+        if got:  # the few candidates with a resume point: set them in the columns too
+            res_a[got] = [resumable[x] for x in got]
+            tier_a[got] = [tiers[x] for x in got]
         return MatchResult(
             None,
             common,
@@ -396,38 +402,42 @@ class PrefixIndex:
             resumable=resumable,
             tiers=tiers,
             mla_blocks=_Lengths(alive, c.word, c.shift),
+            arrays=(res_a, tier_a),
         )
 
     def _resolve(self, c: _Candidates, request: RouteRequest, recs: np.ndarray, cum: np.ndarray, bs: int,
-                 plen: int) -> tuple[list[int], list[int]]:
-        """Furthest resume point and its slowest tier per candidate (0 and -1: none).
+                 plen: int) -> tuple[list[int], list[int], list[int]]:
+        """Furthest resume point and its slowest tier per candidate (0 and -1: none), and who has one.
 
         Resume points (position p, blocks read k, workers able to resume there,
         the le masks of the extra objects read) are visited furthest first; a
         worker takes the first one it can read, at the fastest tier t with the
-        worker in ``cum[k - 1, t]`` and in every extra object's le_t. Masks
+        worker in ``cum[t, k - 1]`` and in every extra object's le_t. Masks
         become Python ints here: few points are ever resolved.
         """
         n = len(recs)
         limit = max(min(n, (plen - 1) // bs), 0)  # aligned points p = k * bs < plen
+        kda = self._kda
         if self.hybrid:
             ck = recs[:limit, REC_LINK]  # checkpoint row + 1, 0: none
             at = np.flatnonzero(ck)  # block i ends at a checkpoint: a point with k = i + 1
-            obj_le = np.bitwise_or.accumulate(  # the checkpoints' le masks, (point, tier, word)
-                self._kda.rec_masks(self._kda.rec.take(ck.take(at).view(np.int64) - 1, axis=0)), axis=1)
-            kms = cum[at, _ANY] & obj_le[:, _ANY]
+            ck_rows = ck.take(at).view(np.int64) - 1
+            obj = kda.rec_masks(kda.rec.take(ck_rows, axis=0))  # the checkpoints' masks, (point, tier, word)
+            kms = cum[_ANY].take(at, axis=0) & (obj[:, 0] | obj[:, 1] | obj[:, 2] | obj[:, 3])
+            ck_l = ck_rows.tolist()
         else:  # any block prefix resumes: a point where a run of alive ends
-            alive = cum[:, _ANY]
+            alive = cum[_ANY]
             ends = np.flatnonzero((alive[1:] != alive[:-1]).any(axis=1))  # alive[i] > alive[i + 1]
             ends = np.append(ends, n - 1) if n else ends
             kms = alive[ends] & ~np.concatenate([alive[ends[:-1] + 1], np.zeros_like(alive[:1])]) if n else alive[:0]
             at = np.minimum(ends, limit - 1)
             keep = at >= 0
-            at, kms, obj_le = at[keep], kms[keep], None
+            at, kms, ck_l = at[keep], kms[keep], None
         at_l, km_l = at.tolist(), _ints(kms)  # points nobody reads have km 0: skipped below
         tails = self._tail_points(c, request, cum, bs, plen, n)
         n_c = len(c.bits)
         res, tier = [0] * n_c, [_NO_TIER] * n_c
+        got: list[int] = []  # candidate positions given a point
         todo = 0  # workers with a point, not yet given their furthest
         for km in km_l:
             todo |= km
@@ -441,13 +451,13 @@ class PrefixIndex:
             else:
                 k, km = at_l[j] + 1, km_l[j]
                 p = k * bs
-                objs = [_ints(obj_le[j, :remote])] if obj_le is not None else []
+                objs = [list(accumulate(kda.int_masks(ck_l[j]), or_))] if ck_l is not None else []
                 j -= 1
             new = km & todo
             if not new:
                 continue
             todo &= ~new
-            fast = _ints(cum[k - 1, :remote]) if k else [c.mask] * remote  # readers of blocks 0..k-1 per tier
+            fast = _ints(cum[:remote, k - 1]) if k else [c.mask] * remote  # readers of blocks 0..k-1 per tier
             rest = new
             for t in range(remote):
                 m = rest & fast[t]
@@ -456,13 +466,15 @@ class PrefixIndex:
                 for b in _bits(m):
                     for x in rank[b]:
                         res[x], tier[x] = p, t
+                        got.append(x)
                 rest &= ~m
                 if not rest:
                     break
             for b in _bits(rest):
                 for x in rank[b]:
                     res[x], tier[x] = p, remote
-        return res, tier
+                    got.append(x)
+        return res, tier, got
 
     def _tail_points(self, c: _Candidates, request: RouteRequest, cum: np.ndarray, bs: int, plen: int, n: int
                      ) -> list[tuple[int, int, int, list[list[int]]]]:
@@ -483,7 +495,7 @@ class PrefixIndex:
                     continue
                 objs.append(self._kda.int_masks(kr))
             les = [list(accumulate(o, or_)) for o in objs]  # readable no slower than t, per object
-            km = c.mask if k == 0 else _ints(cum[k - 1, _ANY:])[0]
+            km = c.mask if k == 0 else _ints(cum[_ANY, k - 1])[0]
             for le in les:
                 km &= le[_ANY]
             if km:

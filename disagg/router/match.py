@@ -34,7 +34,7 @@ class MatchResult:
     first use. Either form may be given to the constructor.
     """
 
-    __slots__ = ("worker_ids", "resumable", "tiers", "mla_blocks", "common_blocks", "_matches")
+    __slots__ = ("worker_ids", "resumable", "tiers", "mla_blocks", "common_blocks", "_matches", "_arrays")
 
     def __init__(
         self,
@@ -45,6 +45,7 @@ class MatchResult:
         resumable: list[int] | None = None,
         tiers: list[int] | None = None,
         mla_blocks: list[int] | None = None,
+        arrays: tuple[np.ndarray, np.ndarray] | None = None,
     ):
         self.common_blocks = common_blocks  # leading blocks readable by >= common_min candidates
         self._matches = matches
@@ -59,6 +60,13 @@ class MatchResult:
         self.tiers: list[int] = tiers or []  # slowest tier index per row (-1: no resume)
         self.mla_blocks: list[int] = mla_blocks if mla_blocks is not None else []  # readable leading blocks per row
         assert len(self.worker_ids) == len(self.resumable) == len(self.tiers) == len(self.mla_blocks)
+        self._arrays = arrays  # (resumable float64, tiers int64) equal to the lists, when the walk made them
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(resumable tokens as float64, tier index as int64), row order."""
+        if self._arrays is None:
+            self._arrays = (np.array(self.resumable, np.float64), np.array(self.tiers, np.int64))
+        return self._arrays
 
     @property
     def matches(self) -> dict[str, PrefixMatch]:

@@ -11,7 +11,7 @@ from helm_python import HelmError, HelmValuesError, chart
 
 from disagg.config import AppConfig, load_config
 from disagg.deploy import synced_values_schema, validate_serve_config
-from disagg.local import SERVE_ENV
+from disagg.local import NODE_ENV, SERVE_ENV
 from tests.deploy.chart import (
     CHART,
     EXAMPLES,
@@ -44,10 +44,10 @@ def test_lints_clean(example):
 
 
 @pytest.mark.parametrize("example, kinds", [
-    ("defaults", ["NetworkPolicy", "RayService"]),
-    ("cpu-smoke", ["NetworkPolicy", "RayService", "Secret"]),
-    ("mi355x", ["ConfigMap", "Ingress", "NetworkPolicy", "RayService", "ServiceMonitor"]),
-    ("mi355x-dedicated", ["ConfigMap", "Ingress", "NetworkPolicy", "RayService", "ServiceMonitor"]),
+    ("defaults", ["ConfigMap", "NetworkPolicy", "RayService"]),
+    ("cpu-smoke", ["ConfigMap", "NetworkPolicy", "RayService", "Secret"]),
+    ("mi355x", ["ConfigMap", "ConfigMap", "Ingress", "NetworkPolicy", "RayService", "ServiceMonitor"]),
+    ("mi355x-dedicated", ["ConfigMap", "ConfigMap", "Ingress", "NetworkPolicy", "RayService", "ServiceMonitor"]),
 ])
 def test_renders_expected_objects(rendered, example, kinds):
     assert sorted(o["kind"] for o in rendered[example]) == kinds
@@ -234,7 +234,20 @@ def test_api_key_secret_is_mounted_where_the_app_reads_it(rendered, tmp_path):
 def test_ray_env_is_the_serve_env_of_disagg_serve(rendered, example):
     for name, tpl in pod_templates(one(rendered[example], "RayService")).items():
         env = {e["name"]: e["value"] for e in tpl["spec"]["containers"][0]["env"]}
-        assert env == SERVE_ENV, name
+        shim = env.pop("RAY_SERVE_HAPROXY_BINARY_PATH")
+        assert env == {**SERVE_ENV, **NODE_ENV}, name  # the settings `disagg serve` uses
+        mount = next(m for m in tpl["spec"]["containers"][0]["volumeMounts"] if m["name"] == "haproxy-front")
+        assert shim == mount["mountPath"] + "/haproxy-front" and mount["readOnly"] is True, name
+
+
+@pytest.mark.parametrize("example", list(EXAMPLES))
+def test_haproxy_starts_through_the_mounted_loopback_stats_shim(rendered, example):
+    cm = next(o for o in rendered[example] if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-haproxy"))
+    assert cm["data"]["haproxy-front"] == (CHART.parents[1] / "deployments" / "cluster" / "haproxy-front").read_text()
+    for name, tpl in pod_templates(one(rendered[example], "RayService")).items():
+        volume = next(v for v in tpl["spec"]["volumes"] if v["name"] == "haproxy-front")["configMap"]
+        assert volume["name"] == cm["metadata"]["name"], name
+        assert volume["defaultMode"] == 0o555, name  # executable: Serve runs it as HAProxy
 
 
 def test_ingress_and_service_monitor_point_at_the_serve_service(rendered):
@@ -264,7 +277,7 @@ def test_disk_tier_volume(rendered):
 
 
 def test_dashboard_config_map_carries_the_dashboard(rendered):
-    cm = one(rendered["mi355x"], "ConfigMap")
+    cm = next(o for o in rendered["mi355x"] if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard"))
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["disagg.json"]) == json.loads((CHART / "dashboards" / "disagg.json").read_text())
 

@@ -22,7 +22,7 @@ from ray.scripts.scripts import start as ray_start
 
 from disagg.config import AppConfig
 from disagg.deploy import build_serve_config
-from disagg.local import SERVE_ENV
+from disagg.local import NODE_ENV, SERVE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_DIR = ROOT / "deployments" / "cluster"
@@ -103,8 +103,12 @@ def test_start_commands_parse_and_export_the_serve_env(path):
     workers = _ray_starts(cluster["worker_start_ray_commands"])
     assert len(heads) == 1 and heads[0][1]["head"] is True
     assert len(workers) == 1 and workers[0][1]["address"] == "$RAY_HEAD_IP:6379"
+    mount = next(remote for remote, local in cluster["file_mounts"].items() if local == ".")
     for env, params in heads + workers:
-        assert env == SERVE_ENV  # the same Serve settings `disagg serve` uses
+        shim = env.pop("RAY_SERVE_HAPROXY_BINARY_PATH")
+        assert env == {**SERVE_ENV, **NODE_ENV}  # the same settings `disagg serve` uses
+        assert shim == f"{mount}/deployments/cluster/haproxy-front"  # HAProxy's stats page on loopback
+        assert (ROOT / "deployments" / "cluster" / "haproxy-front").is_file()
         assert params["metrics_export_port"] == 8080
         if params["resources"]:
             json.loads(params["resources"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
 import re
 import time
@@ -113,6 +114,45 @@ def test_client_disconnect_cancels_and_frees(cluster):
             break
         time.sleep(0.5)
     assert running == 0, "the abandoned request is still running"
+
+
+def test_first_token_stamps_line_up_along_the_path(cluster):
+    """The stamps serve_bench's hop table is built from: every hop present and in path order."""
+    from ray import serve
+
+    body = {"model": MODEL, "prompt": _ids(80, 11), "max_tokens": 4, "ignore_eos": True, "stream": True}
+    t_send = time.perf_counter()
+    with httpx.stream("POST", cluster["agg"] + "/v1/completions", json=body, timeout=300) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    t_recv = time.perf_counter()
+    rid = events[0]["id"]
+    stamps = {}
+    for deployment in ("Ingress", "DecodeServer"):
+        found = serve.get_deployment_handle(deployment, app_name="agg").timings.remote([rid]).result()
+        stamps.update(found[rid])
+    order = ["http_in", "handler", "call", "entry", "admit", "step_start", "step_end", "first_out", "first_yield",
+             "chunk_in", "body_out"]
+    times = [t_send, *(stamps[k] for k in order), t_recv]
+    assert times == sorted(times), dict(zip(order, times[1:-1], strict=True))
+    assert 0 < stamps["step_cpu"] <= stamps["step_end"] - stamps["step_start"] + 0.01  # CPU within the wall
+
+
+def test_haproxy_stats_page_listens_on_loopback_only(cluster):
+    import os
+
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        pytest.skip("Serve's Python proxy is the HTTP front here (no HAProxy binary)")
+    port = int(os.environ["RAY_SERVE_HAPROXY_STATS_PORT"])
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                addr, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+                    listening.add(addr)
+    assert listening == {"0100007F"}, listening  # 127.0.0.1 and nothing else (no 0.0.0.0, no ::)
+    assert httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).status_code == 200
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

@@ -13,6 +13,7 @@ from disagg.router.digest_table import (
     BUCKET_SLOTS,
     REC_HI,
     REC_LINK,
+    REC_LO,
     REC_MASKS,
     DigestTable,
     digest_key,
@@ -30,6 +31,17 @@ def _check(t: DigestTable, ref: dict[bytes, int], queries: list[bytes]) -> None:
         else:
             assert rec.tolist() == t.rec[row].tolist()
             assert rec[REC_HI] == int.from_bytes(digest_key(q)[8:], sys.byteorder)
+            assert rec[REC_LO] == int.from_bytes(digest_key(q)[:8], sys.byteorder)
+    for start in range(0, len(queries), 37):  # find_prefix: the leading run of present digests, exactly
+        chunk = queries[start:start + 37]
+        want = next((i for i, q in enumerate(chunk) if q not in ref), len(chunk))
+        p_rows, p_recs = t.find_prefix(chunk)
+        assert p_rows.tolist() == [ref[q] for q in chunk[:want]]
+        assert p_recs.tolist() == [t.rec[ref[q]].tolist() for q in chunk[:want]]
+    held = [q for q in queries if q in ref]
+    for tail in ([], [os.urandom(16)], [os.urandom(16)] + held[:3]):  # a long run, then a miss
+        p_rows, _ = t.find_prefix(held + tail)
+        assert p_rows.tolist() == [ref[q] for q in held]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -26,6 +26,13 @@ NOTES
    threads in the same process, the default 5 ms GIL switch interval makes it
    wait in a convoy; an engine lowers the process's interval to 0.5 ms
    (``gil_switch_interval_s``, never raising it).
+5. Aligned checkpoints: a prompt's end is rarely block-aligned, and a next
+   prompt that shares its blocks but not its partial last block (an edited
+   context, a synthetic trace keyed per block) can only resume where both MLA
+   blocks and a KDA state exist: at a block boundary. So a ``keep_state``
+   prefill stops its chunk at the prompt's last block boundary and keeps the
+   KDA state there too (one slot copy; an uninterrupted run stops at the same
+   place, so resumed arithmetic stays exact).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class EngineOptions:
     resident_sessions: bool = True  # keep finished sessions' state on the device (NOTE 2)
     capture_logits: bool = False  # keep each request's latest sampling logits in ``last_logits`` (tests)
     prompt_checkpoints: bool = True  # keep the KDA state at each prompt's end (resume point of a re-sent prompt)
+    aligned_checkpoints: bool = True  # keep the KDA state at each prompt's last block boundary (NOTE 5)
     gil_switch_interval_s: float | None = 0.0005  # NOTE 4 (None: leave the interpreter's setting)
 
     def __post_init__(self) -> None:
@@ -274,6 +282,8 @@ class ReferenceEngine:
         n = len(state.mla_blocks)
         if n:  # one batched scatter per layer group through (pinned) staging, never a copy per block
             staging = state.mla_rows  # already one buffer when the loader decoded into one
+            if staging is not None and staging.is_cuda and staging.device != self.cache.mla_all.device:
+                staging = staging.to(self.cache.mla_all.device)  # a peer device's buffer: one peer copy
             if staging is None or staging.dtype != self.cache.mla_all.dtype:
                 first = state.mla_blocks[0].rows
                 staging = alloc_staging((first.shape[0], n * bs, first.shape[2]), first.dtype,
@@ -290,8 +300,12 @@ class ReferenceEngine:
         return True
 
     # -- export ------------------------------------------------------------------------
-    def export_state(self, request_id: str, position: int | None = None, first_block: int = 0) -> ResumeState:
-        """State of a held (or running) request at ``position`` (default: its current position)."""
+    def export_state(self, request_id: str, position: int | None = None, first_block: int = 0,
+                     on_device: bool = False) -> ResumeState:
+        """State of a held (or running) request at ``position`` (default: its current position).
+
+        ``on_device``: gather into buffers on the engine's device instead of host staging
+        (a device-to-device hand-off shares them: ``kv_transfer.transport.device_ipc``)."""
         req = self._held.get(request_id) or next((r for r in self._running if r.request_id == request_id), None)
         if req is None:
             raise KeyError(f"no live or held request {request_id!r}")
@@ -305,8 +319,13 @@ class ReferenceEngine:
         bs = self.block_size
         n_full = position // bs
         blocks, staging = [], None
-        if n_full > first_block:  # one batched gather into (pinned) host staging
-            staging, done = gather_blocks(self.cache.mla_all, req.block_table[first_block:n_full])
+        if n_full > first_block:  # one batched gather into (pinned) host staging, or a device buffer
+            out = None
+            if on_device:
+                mla = self.cache.mla_all
+                out = torch.empty((mla.shape[0], (n_full - first_block) * bs, mla.shape[-1]), dtype=mla.dtype,
+                                  device=mla.device)
+            staging, done = gather_blocks(self.cache.mla_all, req.block_table[first_block:n_full], out)
             done.wait()
             blocks = [MLABlock(staging[:, i * bs : (i + 1) * bs], (first_block + i) * bs, bs)
                       for i in range(n_full - first_block)]
@@ -314,9 +333,10 @@ class ReferenceEngine:
         if position % bs:
             start = n_full * bs
             rows = torch.stack([self.cache.read_rows(m, req.block_table, start, position)
-                                for m in range(self.layout.num_mla_layers)]).cpu()
-            tail = MLABlock(rows, start, position - start)
-        kda = KDACheckpoint(torch.stack(conv).cpu(), torch.stack(rec).cpu(), position)
+                                for m in range(self.layout.num_mla_layers)])
+            tail = MLABlock(rows if on_device else rows.cpu(), start, position - start)
+        conv_t, rec_t = torch.stack(conv), torch.stack(rec)
+        kda = KDACheckpoint(conv_t if on_device else conv_t.cpu(), rec_t if on_device else rec_t.cpu(), position)
         return ResumeState(self.layout, position, blocks, first_block, tail, [kda], mla_rows=staging)
 
     def checkpoint_positions(self, request_id: str) -> list[int]:
@@ -398,7 +418,17 @@ class ReferenceEngine:
         every = self.options.checkpoint_interval
         if req.keep_state and every and todo > 1:  # stop at the next checkpoint boundary to take one there
             n = min(n, (req.num_computed // every + 1) * every - req.num_computed)
+        aligned = self._aligned_point(req)
+        if req.num_computed < aligned:  # stop at the prompt's last block boundary (NOTE 5)
+            n = min(n, aligned - req.num_computed)
         return max(n, 0)
+
+    def _aligned_point(self, req: _Request) -> int:
+        """The prompt's last block boundary short of its end, where NOTE 5 keeps a checkpoint (0: none)."""
+        if not (req.keep_state and self.options.aligned_checkpoints):
+            return 0
+        a = (req.num_prompt // self.block_size) * self.block_size
+        return a if 0 < a < req.num_prompt else 0
 
     def _admit(self, req: _Request) -> bool:
         req.slot = self.cache.allocate_slot()
@@ -427,7 +457,7 @@ class ReferenceEngine:
 
     def _maybe_checkpoint(self, req: _Request) -> None:
         every = self.options.checkpoint_interval
-        if req.keep_state and every and req.num_computed % every == 0:
+        if (req.keep_state and every and req.num_computed % every == 0) or req.num_computed == self._aligned_point(req):
             req.checkpoints[req.num_computed] = self._copy_slot(req.slot)
 
     def _finish_reason(self, req: _Request, token: int) -> str | None:

@@ -15,6 +15,8 @@ NOTES
 
 from __future__ import annotations
 
+import codecs
+
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,19 @@ class ByteTokenizer:
                 out.append("\ufffd")
         flush()
         return "".join(out)
+
+    def incomplete_tail(self, ids) -> bool:
+        """Whether the text of ``ids`` ends inside a UTF-8 character that more bytes could complete
+        (a streaming server holds such a tail back; any other replacement character is final)."""
+        tail = bytearray()
+        for i in reversed(list(ids)[-4:]):
+            i = int(i)
+            if not BYTE_OFFSET <= i < self.vocab_size:
+                break
+            tail.insert(0, i - BYTE_OFFSET)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(bytes(tail), final=False)
+        return bool(decoder.getstate()[0])
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -63,8 +63,7 @@ class LoadGuardFilter:
             ok &= s <= cfg.session_ratio * float(np.add.reduce(s)) / n + cfg.session_slack
         if np.logical_and.reduce(ok):
             return list(workers)
-        kept = ok.tolist()
-        if any(kept):
-            return [w for w, keep in zip(workers, kept, strict=True) if keep]
+        if np.logical_or.reduce(ok):
+            return ctx.subset(workers, v, ok)
         least = min(range(len(workers)), key=lambda i: (q[i], workers[i].worker_id))
         return [workers[least]]

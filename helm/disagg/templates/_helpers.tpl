@@ -52,6 +52,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{- define "disagg.apiKeyDir" -}}/etc/disagg/api-keys{{- end -}}
 
+{{/* Where the HAProxy shim is mounted (values rayEnv.RAY_SERVE_HAPROXY_BINARY_PATH points into it). */}}
+{{- define "disagg.haproxyDir" -}}/etc/disagg/haproxy{{- end -}}
+
 {{/* The Ray custom resources a worker group's pods advertise (a JSON object). */}}
 {{- define "disagg.groupRayResources" -}}
 {{- $g := .group -}}

@@ -109,6 +109,7 @@ spec:
       {{- end }}
       volumeMounts:
         - {name: dshm, mountPath: /dev/shm}
+        - {name: haproxy-front, mountPath: {{ include "disagg.haproxyDir" $root }}, readOnly: true}
         {{- if $secret }}
         - {name: api-keys, mountPath: {{ include "disagg.apiKeyDir" $root }}, readOnly: true}
         {{- end }}
@@ -120,6 +121,10 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ printf "%dGi" (int .shmGi) }}
+    - name: haproxy-front
+      configMap:
+        name: {{ include "disagg.fullname" $root }}-haproxy
+        defaultMode: 0555
     {{- if $secret }}
     - name: api-keys
       secret:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Two-GPU disaggregation run (two H200s of one host). From the repository root,
+# with the wheels the machine lacks in .whl/ (fla-core; pydantic, fastapi,
+# starlette, uvicorn for the HTTP front):
+#   bash benchmarks/gpu/two_gpu.sh OUT_DIR [two_gpu.py options...]
+# NVLink multicast stays off (plain peer copies and CUDA IPC only).
+set -uo pipefail
+out=${1:-results/two-gpu}
+shift || true
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+{
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
+  nvidia-smi topo -m
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); print('peer access 1->0:', torch.cuda.can_device_access_peer(1, 0))"
+  python3 -c "import fla; print('fla-core', fla.__version__)" 2>&1
+} > "$out/card.txt" 2>&1
+cat "$out/card.txt"
+python3 benchmarks/gpu/two_gpu.py --out "$out" "$@" 2>&1 | tee "$out/log.txt" | grep -v "^{"

