@@ -13,6 +13,19 @@ a dd-style sequential write (+ fsync) and read of a plain file of the same
 total size in the same directory.
 
     python benchmarks/kv_transfer_bench.py [--total-mib 512] [--dir /mnt/nvme/tmp]
+
+State path (``--state``): ``StateStore.put_state`` and ``resumable_length`` +
+``load_state(contiguous=True)`` of one resume state of the ``small`` preset
+(bf16 MLA blocks of 64 tokens + the KDA checkpoint) at ``--context`` tokens,
+as a multiple of one single-threaded memcpy of the same bytes into a touched
+buffer (1.0 = as cheap as one copy; lower is better), for each path measured
+in the same run: the batched path (batch reserve / pin, ``BlockCodec``) with
+CRC32C and with CRC-32, and the per-object path (a tier wrapper that hides the
+batch operations, as fault injection does); in-process (``HostTier``) and
+through a node store process (``HostTierServer`` in a child process, reached
+by ``HostTierClient``).
+
+    python benchmarks/kv_transfer_bench.py --state [--context 32768] [--io-threads 2] [--no-ipc]
 """
 
 from __future__ import annotations
@@ -31,6 +44,138 @@ from kv_transfer.tiers.disk import DiskTier  # noqa: E402
 from kv_transfer.tiers.host import HostTier  # noqa: E402
 
 MiB = 1 << 20
+
+
+# ---- state path -------------------------------------------------------------------------
+class _PerObject:
+    """A tier seen without its batch operations (the per-object path of ``StateStore``)."""
+
+    def __init__(self, tier):
+        self._tier = tier
+
+    def __getattr__(self, name: str):
+        return getattr(self._tier, name)
+
+
+def _small_layout():
+    from disagg.engine.reference.config import load_preset
+    from kv_transfer.objects import StateLayout
+
+    c = load_preset("small")
+    return StateLayout("bench-small", 64, len(c.mla_layer_ids), c.latent_dim, len(c.kda_layer_ids),
+                       c.kda_num_heads, c.kda_head_dim, c.kda_head_dim, c.conv_width,
+                       "bfloat16", "bfloat16", "float32")
+
+
+def _state(layout, context: int):
+    import torch
+
+    from kv_transfer.objects import KDACheckpoint, MLABlock, ResumeState
+
+    g = torch.Generator().manual_seed(0)
+    bs, n = layout.block_size, context // layout.block_size
+    rows = torch.randn((layout.num_mla_layers, n * bs, layout.latent_dim), generator=g).to(torch.bfloat16)
+    blocks = [MLABlock(rows[:, i * bs : (i + 1) * bs], i * bs, bs) for i in range(n)]
+    h = layout.kda_heads
+    conv = torch.randn((layout.num_kda_layers, layout.conv_width - 1, 3 * h * layout.head_k), generator=g)
+    rec = torch.randn((layout.num_kda_layers, h, layout.head_k, layout.head_v), generator=g)
+    kda = KDACheckpoint(conv.to(torch.bfloat16), rec, n * bs)
+    return ResumeState(layout, n * bs, blocks, 0, None, [kda], mla_rows=rows)
+
+
+def _serve_host(capacity: int, conn) -> None:
+    """Child process: own a host tier and serve it until told to stop (the node's store process)."""
+    from kv_transfer.tiers.host_ipc import HostTierServer
+
+    tier = HostTier(capacity, prefault=True)
+    server = HostTierServer(tier)
+    conn.send(server.socket_path)
+    conn.recv()
+    server.close()
+    tier.close()
+
+
+def bench_state(context: int, io_threads: int, repeat: int, ipc: bool) -> list[tuple[str, float, float]]:
+    """(path, put / memcpy, load / memcpy) per path: medians over ``repeat`` rounds; each round
+    measures the memcpy baseline and then every path once (interleaved, so load on the machine
+    hits them alike); stored objects are deleted after each measurement (a long-lived arena)."""
+    import multiprocessing as mp
+    import statistics
+
+    import numpy as np
+    import torch
+
+    from kv_transfer import checksum, codec
+    from kv_transfer.keys import BlockHasher, KeyExtras
+    from kv_transfer.store import StateStore
+    from kv_transfer.tiers.host_ipc import HostTierClient
+
+    layout = _small_layout()
+    state = _state(layout, context)
+    tokens = list(range(3, 3 + context + 16))
+    hasher = BlockHasher(layout.block_size, KeyExtras(layout.model_id))
+    srcs = [state.mla_rows, state.kda[0].conv, state.kda[0].recurrent]
+    nbytes = sum(t.nbytes for t in srcs)
+    dsts = [torch.zeros_like(t) for t in srcs]
+    capacity = max(256 * MiB, 2 * nbytes)
+    paths = [("batched crc32c", True, checksum.CRC32C), ("batched crc32", True, checksum.CRC32),
+             ("per-object crc32", False, checksum.CRC32)]
+    if checksum.WRITE_ALGO != checksum.CRC32C:
+        paths = [p for p in paths if p[2] == checksum.CRC32]
+    tiers = {"in-process": HostTier(capacity, prefault=True)}
+    stop = None
+    if ipc:  # the node's store process owns the arena; this process is a client
+        parent, child = mp.Pipe()
+        proc = mp.get_context("spawn").Process(target=_serve_host, args=(capacity, child), daemon=True)
+        proc.start()
+        tiers["store process"] = HostTierClient(parent.recv())
+        stop = (parent, proc)
+    names = [f"{place}, {name}" for place in tiers for name, _, _ in paths]
+    t_copy: list[float] = []
+    ratios: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
+    write_algo = checksum.WRITE_ALGO
+    try:
+        for _ in range(repeat):
+            t_copy.append(_best(lambda: [codec.host_copy(d, t) for d, t in zip(dsts, srcs, strict=True)], 3))
+            for place, tier in tiers.items():
+                for name, batched, algo in paths:
+                    checksum.WRITE_ALGO = algo
+                    codec.block_codec.cache_clear()
+                    store = StateStore([tier if batched else _PerObject(tier)], layout, io_threads=io_threads)
+                    t0 = time.perf_counter()
+                    put = store.put_state(tokens[:context], state, hasher)
+                    t_put = time.perf_counter() - t0
+                    assert put.num_stored == len(state.mla_blocks) + 1, put
+                    t0 = time.perf_counter()
+                    point = store.resumable_length(tokens, hasher, context)
+                    got = store.load_state(tokens, point.position, hasher, contiguous=True)
+                    t_load = time.perf_counter() - t0
+                    assert got is not None and point.position == context
+                    assert np.array_equal(codec._as_numpy(got.mla_rows), codec._as_numpy(state.mla_rows))
+                    del got
+                    for key in put.keys_stored:
+                        assert tier.delete(key)
+                    ratios[f"{place}, {name}"][0].append(t_put / t_copy[-1])
+                    ratios[f"{place}, {name}"][1].append(t_load / t_copy[-1])
+    finally:
+        checksum.WRITE_ALGO = write_algo
+        codec.block_codec.cache_clear()
+        for tier in tiers.values():
+            tier.close()
+        if stop is not None:
+            stop[0].send("stop")
+            stop[1].join()
+    copy = statistics.median(t_copy)
+    print(f"context {context} tokens: {len(state.mla_blocks)} blocks + 1 KDA checkpoint, {nbytes / 1e6:.0f} MB; "
+          f"memcpy {1e3 * copy:.1f} ms ({nbytes / copy / 1e9:.2f} GB/s); io_threads={io_threads}; "
+          f"crc32c via {checksum.IMPLEMENTATION}; medians of {repeat} rounds")
+    rows = []
+    for n in names:
+        put_x, load_x = statistics.median(ratios[n][0]), statistics.median(ratios[n][1])
+        rows.append((n, put_x, load_x))
+        print(f"  {n:<34} put {put_x:6.2f}x  (~{put_x * copy * 1e3:7.1f} ms)   "
+              f"load {load_x:6.2f}x  (~{load_x * copy * 1e3:7.1f} ms)", flush=True)
+    return rows
 
 
 def _best(fn, repeat: int) -> float:
@@ -150,8 +295,17 @@ def main() -> None:
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="directory for the disk benchmark")
+    ap.add_argument("--state", action="store_true", help="run the state-path figures only")
+    ap.add_argument("--context", type=int, nargs="+", default=[32768], help="--state: context lengths")
+    ap.add_argument("--io-threads", type=int, default=min(8, os.cpu_count() or 1), help="--state: I/O threads")
+    ap.add_argument("--no-ipc", action="store_true", help="--state: skip the store-process rows")
     args = ap.parse_args()
     total = args.total_mib * MiB
+    if args.state:
+        print("state path (time as a multiple of one memcpy of the same bytes; lower is better)")
+        for c in args.context:
+            bench_state(c, args.io_threads, args.repeat, not args.no_ipc)
+        return
 
     print("host tier (ratio to a same-run memcpy of the same bytes; goal >= 0.7)")
     print(f"{'object':>8} {'memcpy GB/s':>12} {'put':>6} {'get':>6} {'view+crc':>9}")

@@ -14,6 +14,23 @@ prefill server's engine and worker, in this process) and times the makespan:
 Rounds alternate off / on so machine noise hits both alike; the figure is the
 median makespan ratio on / off (goal: < 1.05). Every published prompt is
 checked to be resumable to its full length from the host tier.
+
+GIL probe (``--gil``, no model): what publishing costs the engine's stepping
+thread when that thread is bound by Python (as a launch-bound GPU engine is).
+The main thread runs a pure-Python loop for ``--window`` seconds at a time;
+a publisher thread puts ``--prompt``-token states of the ``small`` preset
+(bf16, 44 MB at 8K) into a host tier at ``--publish-mb-s`` (default 225 MB/s:
+the H200 overlap run's 8 x 44 MB per 1.57 s makespan; deleting them after
+each put), through each path in turn, rounds interleaved with publisher-off
+windows:
+
+    progress = median over ``--rounds`` adjacent pairs of windows of
+               loop iterations/s with publishing / without     (1.0: no cost)
+
+    python benchmarks/overlap_bench.py --gil [--prompt 8192] [--rounds 12] [--io-threads 1]
+
+On a machine with fewer free cores than threads this also counts plain CPU
+contention; the same-run ratios between paths are the figure.
 """
 
 from __future__ import annotations
@@ -21,8 +38,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -100,6 +119,111 @@ async def run(args) -> dict:
     return out
 
 
+def _spin(window: float) -> float:
+    """Iterations per second of a pure-Python loop over ``window`` seconds (holds the GIL)."""
+    n, t0 = 0, time.perf_counter()
+    while True:
+        x = 0
+        for i in range(200):
+            x += i
+        n += 1
+        t = time.perf_counter() - t0
+        if t >= window:
+            return n / t
+
+
+def gil_probe(args) -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kv_transfer_bench import _PerObject, _small_layout, _state
+
+    from kv_transfer import codec
+    from kv_transfer.keys import BlockHasher, KeyExtras
+
+    try:
+        from kv_transfer import checksum
+    except ImportError:
+        checksum = None
+    if not hasattr(codec, "block_codec"):  # an older tree: its one path only
+        checksum = None
+    layout = _small_layout()
+    state = _state(layout, args.prompt)
+    nbytes = state.mla_rows.nbytes + state.kda[0].conv.nbytes + state.kda[0].recurrent.nbytes
+    tokens = list(range(3, 3 + args.prompt))
+    hasher = BlockHasher(layout.block_size, KeyExtras(layout.model_id))
+    tier = HostTier(max(256 << 20, 3 * nbytes), prefault=True)
+    paths = [("default", True, None)]
+    if checksum is not None:
+        paths = [("batched crc32c", True, checksum.CRC32C), ("batched crc32", True, checksum.CRC32),
+                 ("per-object crc32", False, checksum.CRC32)]
+        if checksum.WRITE_ALGO != checksum.CRC32C:
+            paths = paths[1:]
+    period = nbytes / (args.publish_mb_s * 1e6)  # seconds per state at the target rate
+
+    class Publisher(threading.Thread):
+        """Puts states at the target rate while ``go`` is set; ``idle`` is set between puts."""
+
+        def __init__(self, store: StateStore):
+            super().__init__(daemon=True)
+            self.store, self.go, self.idle, self.stop, self.num_bytes = store, threading.Event(), \
+                threading.Event(), False, 0
+
+        def run(self) -> None:
+            while not self.stop:
+                self.idle.set()
+                if not self.go.wait(0.05):
+                    continue
+                self.idle.clear()
+                t0 = time.perf_counter()
+                put = self.store.put_state(tokens, state, hasher)
+                for key in put.keys_stored:
+                    tier.delete(key)
+                self.num_bytes += put.bytes_stored
+                self.idle.set()
+                time.sleep(max(0.0, period - (time.perf_counter() - t0)))
+
+    out_progress: dict[str, float] = {}
+    out_rate: dict[str, float] = {}
+    write_algo = checksum.WRITE_ALGO if checksum is not None else None
+    try:
+        for name, batched, algo in paths:
+            if algo is not None:
+                checksum.WRITE_ALGO = algo
+                codec.block_codec.cache_clear()
+            pub = Publisher(StateStore([tier if batched else _PerObject(tier)], layout, io_threads=args.io_threads))
+            pub.start()
+            ratios, on_time = [], 0.0
+            for _ in range(args.rounds):  # adjacent off / on windows: slow drifts of the machine cancel
+                pub.go.clear()
+                pub.idle.wait()
+                off = _spin(args.window)
+                t0 = time.perf_counter()
+                pub.go.set()
+                on = _spin(args.window)
+                pub.go.clear()
+                pub.idle.wait()
+                on_time += time.perf_counter() - t0
+                ratios.append(on / off)
+            pub.stop = True
+            pub.join()
+            out_progress[name] = statistics.median(ratios)
+            out_rate[name] = pub.num_bytes / on_time / 1e6
+            print(f"{name:<18} progress {out_progress[name]:.3f} (pairs: {min(ratios):.2f}-{max(ratios):.2f})  "
+                  f"published {out_rate[name]:.0f} MB/s", flush=True)
+    finally:
+        if checksum is not None:
+            checksum.WRITE_ALGO = write_algo
+            codec.block_codec.cache_clear()
+        tier.close()
+    out = {"prompt_tokens": args.prompt, "state_mb": nbytes / 1e6, "io_threads": args.io_threads,
+           "target_mb_s": args.publish_mb_s, "window_s": args.window, "pairs": args.rounds,
+           "switch_interval_s": sys.getswitchinterval(), "progress": out_progress, "published_mb_s": out_rate}
+    # what publishing costs the stepping thread per GB published (a path that falls behind the
+    # target rate publishes less per window, so progress alone would flatter it)
+    out["thread_s_lost_per_gb"] = {k: (1 - out_progress[k]) / max(out_rate[k] / 1e3, 1e-9) for k in out_progress}
+    print(json.dumps(out, indent=2))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -111,8 +235,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--budget-mb", type=int, default=1024)
     ap.add_argument("--json")
+    ap.add_argument("--gil", action="store_true", help="run the GIL probe (no model) instead")
+    ap.add_argument("--window", type=float, default=0.5, help="--gil: seconds per measured window")
+    ap.add_argument("--io-threads", type=int, default=1, help="--gil: the store's I/O threads")
+    ap.add_argument("--publish-mb-s", type=float, default=225.0, help="--gil: publishing rate")
     args = ap.parse_args()
-    out = asyncio.run(run(args))
+    if args.gil:
+        sys.setswitchinterval(0.0005)  # what the engines set (engine NOTE 4)
+    out = gil_probe(args) if args.gil else asyncio.run(run(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

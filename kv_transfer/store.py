@@ -25,6 +25,20 @@ corrupt object is counted and deleted from its tier and the next tier is
 tried; if any piece cannot be had, ``load_state`` returns None (recompute).
 Puts and loads of many pieces encode and verify them on ``io_threads``
 threads (CRC and copies release the GIL).
+
+Batch path (a first tier with ``reserve_many`` / ``commit_many`` / ``get_views``
+/ ``release_many``, e.g. the host tier or its client in another process):
+
+    put   reserve every piece (1 round trip) -> encode each into its region on
+          the I/O threads (full blocks: ``codec.BlockCodec``) -> commit all (1)
+    load  pin every block (1 round trip) -> checksum + copy each straight into
+          one rows buffer on the I/O threads -> release all (1); a block that
+          is missing or fails there takes the per-object path through the tiers
+
+Per piece only a struct pack or compare, one numpy copy and one checksum call
+(both release the GIL) run, so an engine stepping in the same process keeps
+the GIL. Objects stay one per block (their keys are what routers, events and
+``contains_keys`` callers see); the batches remove the per-object round trips.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
 
+import numpy as np
 import torch
 
 from kv_transfer import codec
@@ -181,7 +196,7 @@ class StateStore:
             if key in present:
                 result.num_skipped += 1
                 result.bytes_skipped += codec.encoded_size(obj)
-        tiers = self._parallel(lambda piece: self._put_object(*piece), todo)
+        tiers = self._put_pieces(todo, _staging_views(state))
         for (key, obj, par, nbytes), tier in zip(todo, tiers, strict=True):
             if tier is None:
                 result.num_refused += 1
@@ -198,10 +213,53 @@ class StateStore:
             self._counters["bytes_put"] += result.bytes_stored
         return result
 
+    def _put_pieces(self, todo: list[tuple[str, MLABlock | KDACheckpoint, bytes | None, int]],
+                    staging: dict[int, object] | None = None) -> list[str | None]:
+        """Store each piece; the tier that took it (None: refused everywhere).
+
+        When the first tier reserves in batches (``reserve_many`` / ``commit_many``: one round
+        trip each to a node's store process), every piece is reserved at once, encoded straight
+        into its region on the I/O threads (full blocks through ``BlockCodec``), then committed
+        at once; pieces it refuses go down the tiers one by one. ``staging`` maps ``id(block)``
+        to a numpy view of its rows when the state carries them as one buffer.
+        """
+        first = self.tiers[0]
+        if not todo or _batch_op(first, "reserve_many") is None:
+            return self._parallel(lambda piece: self._put_object(*piece), todo)
+        reservations = first.reserve_many([(key, nbytes) for key, _, _, nbytes in todo])
+        blocks = codec.block_codec(self.layout)
+
+        def encode(job) -> None:
+            (_, obj, parent, _), res = job
+            if res is None or res.duplicate:
+                return
+            if isinstance(obj, MLABlock) and parent is None and obj.dcp_size == 1:
+                src = staging.get(id(obj)) if staging else None
+                if src is None:  # a block of its own (on a device: one copy to the host first)
+                    src = codec._as_numpy(obj.rows if obj.rows.device.type == "cpu" else obj.rows.cpu())
+                blocks.encode_into(res.view, src, obj.start)
+            else:
+                codec.encode_into(obj, self.layout, res.view, parent)
+
+        written = [res for res in reservations if res is not None and not res.duplicate]
+        try:
+            self._parallel(encode, list(zip(todo, reservations, strict=True)))
+        except BaseException:
+            first.abort_many(written)
+            raise
+        committed = iter(first.commit_many(written))
+        out: list[str | None] = []
+        for piece, res in zip(todo, reservations, strict=True):
+            if res is not None and (res.duplicate or next(committed)):
+                out.append(first.name)
+            else:  # no room in the first tier (backpressure): the lower tiers, one by one
+                out.append(self._put_object(*piece, first_tier=1))
+        return out
+
     def _put_object(self, key: str, obj: MLABlock | KDACheckpoint, parent: bytes | None,
-                    nbytes: int) -> str | None:
+                    nbytes: int, first_tier: int = 0) -> str | None:
         data = None
-        for tier in self.tiers:
+        for tier in self.tiers[first_tier:]:
             reserve = getattr(tier, "reserve", None)
             if reserve is not None:  # encode straight into the tier's memory
                 res = reserve(key, nbytes)
@@ -320,12 +378,18 @@ class StateStore:
         rows = None
         if contiguous and self.dcp_size == dcp_size == 1 and n_full > first_block:
             shape = (layout.num_mla_layers, (n_full - first_block) * bs, layout.latent_dim)
-            rows = torch.empty(shape, dtype=getattr(torch, layout.cache_dtype), pin_memory=_pinnable())
-        groups = self._load_groups([self._shards("mla", hashes[i]) for i in range(first_block, n_full)], layout, rows)
-        for shards in groups:
-            if shards is None:
+            rows = _alloc_rows(shape, getattr(torch, layout.cache_dtype))
+            keys = [str(ObjectKey("mla", hashes[i])) for i in range(first_block, n_full)]
+            if not self._load_blocks_into(keys, first_block, layout, rows):
                 return self._miss()
-            blocks.extend(reshard_dcp(shards, self.dcp_size, dcp_size)[dcp_rank :: dcp_size])
+            blocks = [MLABlock(rows[:, j * bs : (j + 1) * bs], (first_block + j) * bs, bs)
+                      for j in range(n_full - first_block)]
+        else:
+            groups = self._load_groups([self._shards("mla", hashes[i]) for i in range(first_block, n_full)], layout)
+            for shards in groups:
+                if shards is None:
+                    return self._miss()
+                blocks.extend(reshard_dcp(shards, self.dcp_size, dcp_size)[dcp_rank :: dcp_size])
         tail = None
         if position % bs:
             shards = self._load_group(self._shards("tail", prefix), layout)
@@ -351,14 +415,52 @@ class StateStore:
                 self._counters["num_corrupt_pieces"] += 1
         return None
 
-    def _load_groups(self, groups: list[list[str]], layout: StateLayout,
-                     rows: torch.Tensor | None = None) -> list[list | None]:
-        """``_load_group`` of each group (in parallel when there are several); with ``rows``
-        ([layers, len(groups) * bs, D], one single-shard group per block) group i's rows land
-        in its slice of ``rows``."""
+    def _load_groups(self, groups: list[list[str]], layout: StateLayout) -> list[list | None]:
+        """``_load_group`` of each group (in parallel when there are several)."""
+        return self._parallel(lambda keys: self._load_group(keys, layout), groups)
+
+    def _load_blocks_into(self, keys: list[str], first_block: int, layout: StateLayout,
+                          rows: torch.Tensor) -> bool:
+        """Load full block ``keys[j]`` (block ``first_block + j``) into ``rows[:, j * bs : (j + 1) * bs]``;
+        False if one cannot be had.
+
+        From a first tier that pins in batches (``get_views`` / ``release_many``: one round trip
+        each to a node's store process) every block is verified and copied straight from the
+        arena into ``rows`` on the I/O threads (``BlockCodec.decode_into``: checksum, then one
+        copy; no allocation per block). Blocks it lacks, and any that fail there (corrupt,
+        another format, misplaced), take the general per-object path through every tier.
+        """
         bs = layout.block_size
-        jobs = [(g, None if rows is None else rows[:, j * bs : (j + 1) * bs]) for j, g in enumerate(groups)]
-        return self._parallel(lambda job: self._load_group(job[0], layout, job[1]), jobs)
+        first = self.tiers[0]
+        get_views = _batch_op(first, "get_views")
+        done = [False] * len(keys)
+        if get_views is not None:
+            leases = get_views(keys)
+            dst, blocks = codec._as_numpy(rows), codec.block_codec(layout)
+
+            def fast(j: int) -> bool:
+                if leases[j] is None:
+                    return False
+                try:
+                    start = blocks.decode_into(leases[j].view, dst[:, j * bs : (j + 1) * bs])
+                except CorruptObjectError:
+                    return False  # the general path counts it, deletes it and tries the next tier
+                return start == (first_block + j) * bs
+
+            try:
+                done = self._parallel(fast, list(range(len(keys))))
+            finally:
+                first.release_many([lease for lease in leases if lease is not None])
+        todo = [j for j, ok in enumerate(done) if not ok]
+        objs = self._parallel(lambda j: self._load_one(keys[j], layout, rows[:, j * bs : (j + 1) * bs]), todo)
+        for j, obj in zip(todo, objs, strict=True):
+            if obj is None:
+                return False
+            if obj.start != (first_block + j) * bs:  # a block stored under another block's key
+                with self._lock:
+                    self._counters["num_corrupt_pieces"] += 1
+                return False
+        return True
 
     def _parallel(self, fn, items: list) -> list:
         """``[fn(x) for x in items]`` on the I/O threads when there are enough items: CRC checks
@@ -442,6 +544,36 @@ def _decode_to(buf, layout: StateLayout, out: torch.Tensor | None, copy: bool):
         raise CorruptObjectError(f"expected an MLA block of shape {tuple(out.shape)}")
     codec.host_copy(out, obj.rows)
     return MLABlock(out, obj.start, obj.span, obj.dcp_size, obj.dcp_rank)
+
+
+def _staging_views(state: ResumeState) -> dict[int, object] | None:
+    """id(block) -> numpy view of its rows in ``state.mla_rows`` (one conversion for all blocks),
+    when the blocks are that buffer's views in order (ResumeState's contract; checked at both ends)."""
+    rows, blocks = state.mla_rows, state.mla_blocks
+    if rows is None or not blocks or rows.device.type != "cpu" or blocks[0].dcp_size != 1:
+        return None
+    bs = state.layout.block_size
+    n = len(blocks)
+    if rows.shape[1] != n * bs or blocks[0].rows.data_ptr() != rows.data_ptr() or \
+            blocks[-1].rows.data_ptr() != rows[:, (n - 1) * bs].data_ptr():
+        return None
+    arr = codec._as_numpy(rows)
+    return {id(b): arr[:, i * bs : (i + 1) * bs] for i, b in enumerate(blocks)}
+
+
+def _batch_op(tier, name: str):
+    """``tier``'s batch operation ``name`` when its class defines one: a wrapper that intercepts
+    single reads and writes (e.g. ``disagg.faults.FaultyTier``) keeps the per-object path."""
+    return getattr(tier, name) if callable(getattr(type(tier), name, None)) else None
+
+
+def _alloc_rows(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer for loaded rows: page-locked where CUDA exists (torch caches those), else
+    numpy memory, which is advised onto huge pages: a fresh 150 MB ``torch.empty`` spent 4x the
+    copy's own time in 4 KiB page faults (docs/perf/cpu.md, "State path host-side cost")."""
+    if _pinnable():
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return torch.from_numpy(np.empty(shape, dtype=codec._as_numpy(torch.empty(0, dtype=dtype)).dtype)).view(dtype)
 
 
 @cache

@@ -28,7 +28,7 @@ Config example::
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kv_transfer.events import EventLog, StoreEvent, object_kind_of
@@ -62,14 +62,20 @@ class HostLease:
         return len(self.view)
 
     def release(self) -> None:
+        if self.release_view():
+            self._release(self.lease_id)
+
+    def release_view(self) -> bool:
+        """Drop the view but not the pin (a batch release drops the pins together); False when
+        this lease was already released."""
         if self._released:
-            return
+            return False
         self._released = True
         try:
             self.view.release()
         except BufferError:
             pass  # a tensor still aliases it; the caller keeps it alive at its own risk
-        self._release(self.lease_id)
+        return True
 
     def __enter__(self) -> HostLease:
         return self
@@ -186,6 +192,18 @@ class HostTier:
             _, alloc = self._pending.pop(reservation_id)
             self._alloc.free(alloc.offset)
 
+    def reserve_many(self, requests: Sequence[tuple[str, int]]) -> list[Reservation | None]:
+        """``reserve`` for each (key, nbytes), in order (a batch is one round trip for a client)."""
+        return [self.reserve(key, nbytes) for key, nbytes in requests]
+
+    def commit_many(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """``commit`` each (non-duplicate) reservation, in order."""
+        return [self.commit(r.reservation_id) for r in reservations]
+
+    def abort_many(self, reservations: Sequence[Reservation]) -> None:
+        for r in reservations:
+            self.abort(r.reservation_id)
+
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> bool:
         return put_via_reservation(self, key, data)
 
@@ -218,6 +236,15 @@ class HostTier:
         lease_id, offset, nbytes = got
         view = self.arena.view[offset : offset + nbytes].toreadonly()
         return HostLease(key, lease_id, view, self.release)
+
+    def get_views(self, keys: Sequence[str]) -> list[HostLease | None]:
+        """``get_view`` of each key, in order (a batch is one round trip for a client)."""
+        return [self.get_view(key) for key in keys]
+
+    def release_many(self, leases: Sequence[HostLease]) -> None:
+        """Release every lease (views first, then the pins)."""
+        for lease in leases:
+            lease.release()
 
     def get_bytes(self, key: str) -> bytes | None:
         lease = self.get_view(key)

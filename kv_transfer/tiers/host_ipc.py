@@ -21,6 +21,15 @@ Protocol (little-endian), one request then one response per round trip:
     7   CONTAINS  u32 n | n x str        n x u8
     8   DELETE    str key                -                                 (0 absent or pinned)
     9   STATS     -                      str json
+    10  RESERVE_MANY  u32 n | n x (u64 nbytes | str key)   n x (u8 status | u64 reservation_id | u64 offset)
+    11  COMMIT_MANY   u32 n | n x u64 reservation_id       n x u8
+    12  ABORT_MANY    u32 n | n x u64 reservation_id       -
+    13  GET_MANY      u32 n | n x str key                  n x (u8 status | u64 lease_id | u64 offset | u64 nbytes)
+    14  RELEASE_MANY  u32 n | n x u64 lease_id             -
+
+The batch ops (10-14) answer in one round trip what their single forms answer
+per key: a state of 512 blocks is put in two round trips and loaded in two,
+not 1,024 each.
 
 Leases and reservations belong to the connection: when a client goes away its
 pins are released and its uncommitted regions freed.
@@ -33,12 +42,13 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kv_transfer.tiers.arena import SharedArena
 from kv_transfer.tiers.host import HostLease, HostTier, Reservation, put_via_reservation
 
 HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
+RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY = range(10, 15)
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
 
 
@@ -136,8 +146,48 @@ class HostTierServer:
                 self._conns.discard(conn)
             conn.close()
 
+    def _reserve(self, key: str, nbytes: int, reservations: set[int]) -> bytes:
+        res = self.tier.reserve(key, nbytes)
+        if res is None:
+            return _U8.pack(0) + _U64.pack(0) + _U64.pack(0)
+        if res.duplicate:
+            return _U8.pack(2) + _U64.pack(0) + _U64.pack(0)
+        reservations.add(res.reservation_id)
+        return _U8.pack(1) + _U64.pack(res.reservation_id) + _U64.pack(res.offset)
+
+    def _get(self, key: str, leases: set[int]) -> bytes:
+        got = self.tier.acquire(key)
+        if got is None:
+            return _U8.pack(0) + bytes(24)
+        leases.add(got[0])
+        return _U8.pack(1) + b"".join(_U64.pack(v) for v in got)
+
+    def _finish(self, op: int, rid: int, reservations: set[int]) -> bool:
+        if rid not in reservations:
+            return False
+        reservations.discard(rid)
+        return self.tier.commit(rid) if op in (COMMIT, COMMIT_MANY) else self.tier.abort(rid) is None
+
+    def _release(self, lease_id: int, leases: set[int]) -> None:
+        if lease_id in leases:
+            leases.discard(lease_id)
+            self.tier.release(lease_id)
+
     def _handle(self, r: _Reader, leases: set[int], reservations: set[int]) -> bytes:
         op, tier = r.take(_U8), self.tier
+        if op == RESERVE_MANY:
+            n = r.take(_U32)
+            return b"".join(self._reserve(r.str(), nbytes, reservations)
+                            for nbytes in (r.take(_U64) for _ in range(n)))
+        if op in (COMMIT_MANY, ABORT_MANY):
+            done = [self._finish(op, r.take(_U64), reservations) for _ in range(r.take(_U32))]
+            return bytes(int(ok) for ok in done) if op == COMMIT_MANY else _U8.pack(1)
+        if op == GET_MANY:
+            return b"".join(self._get(r.str(), leases) for _ in range(r.take(_U32)))
+        if op == RELEASE_MANY:
+            for _ in range(r.take(_U32)):
+                self._release(r.take(_U64), leases)
+            return _U8.pack(1)
         if op == HELLO:
             return _U8.pack(1) + _U64.pack(tier.capacity_bytes) + _pack_str(tier.arena.path)
         if op == RESERVE:
@@ -234,6 +284,57 @@ class HostTierClient:
 
     def _abort(self, rid: int) -> None:
         self._call(_U8.pack(ABORT) + _U64.pack(rid))
+
+    def reserve_many(self, requests: Sequence[tuple[str, int]]) -> list[Reservation | None]:
+        """``reserve`` of each (key, nbytes) in one round trip."""
+        if not requests:
+            return []
+        body = [_U8.pack(RESERVE_MANY), _U32.pack(len(requests))]
+        for key, nbytes in requests:
+            body += [_U64.pack(nbytes), _pack_str(key)]
+        r = self._call(b"".join(body))
+        out: list[Reservation | None] = []
+        for key, nbytes in requests:
+            status, rid, offset = r.take(_U8), r.take(_U64), r.take(_U64)
+            if status == 0:
+                out.append(None)
+            elif status == 2:
+                out.append(Reservation(key, 0, -1, nbytes, None))
+            else:
+                out.append(Reservation(key, rid, offset, nbytes, self.arena.view[offset : offset + nbytes],
+                                       self._commit, self._abort))
+        return out
+
+    def commit_many(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """``commit`` of each (non-duplicate) reservation in one round trip."""
+        if not reservations:
+            return []
+        ids = b"".join(_U64.pack(res.reservation_id) for res in reservations)
+        r = self._call(_U8.pack(COMMIT_MANY) + _U32.pack(len(reservations)) + ids)
+        return [bool(b) for b in r.buf[: len(reservations)]]
+
+    def abort_many(self, reservations: Sequence[Reservation]) -> None:
+        if reservations:
+            ids = b"".join(_U64.pack(res.reservation_id) for res in reservations)
+            self._call(_U8.pack(ABORT_MANY) + _U32.pack(len(reservations)) + ids)
+
+    def get_views(self, keys: Sequence[str]) -> list[HostLease | None]:
+        """``get_view`` of each key in one round trip."""
+        if not keys:
+            return []
+        r = self._call(_U8.pack(GET_MANY) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
+        out: list[HostLease | None] = []
+        for key in keys:
+            status, lease_id, offset, nbytes = r.take(_U8), r.take(_U64), r.take(_U64), r.take(_U64)
+            out.append(None if status == 0 else
+                       HostLease(key, lease_id, self.arena.view[offset : offset + nbytes].toreadonly(), self._release))
+        return out
+
+    def release_many(self, leases: Sequence[HostLease]) -> None:
+        """Release every lease: views here, then every pin in one round trip."""
+        ids = [lease.lease_id for lease in leases if lease.release_view()]
+        if ids:
+            self._call(_U8.pack(RELEASE_MANY) + _U32.pack(len(ids)) + b"".join(_U64.pack(i) for i in ids))
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> bool:
         return put_via_reservation(self, key, data)

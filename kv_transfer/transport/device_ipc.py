@@ -156,7 +156,6 @@ class DeviceShares:
 
     def share(self, state: ResumeState) -> SharedState:
         """Share ``state``'s buffers (which must be one contiguous ``mla_rows`` buffer, when it has blocks)."""
-        bs = state.layout.block_size
         if state.mla_blocks and state.mla_rows is None:
             raise ValueError("share() needs the blocks as one buffer (export_state(on_device=True) makes one)")
         tensors: list[torch.Tensor | None] = [state.mla_rows if state.mla_blocks else None,

@@ -16,7 +16,6 @@ NOTES
 from __future__ import annotations
 
 import codecs
-
 from pathlib import Path
 from typing import Any
 
