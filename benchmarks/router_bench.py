@@ -24,6 +24,14 @@ moves by +-0.1 from seed to seed (docs/router.md).
 same index (the shared machine's load moves each repetition's p99; the median
 over repetitions is printed with every repetition).
 
+``--compare-ref GITREF`` measures decision latency only, as a same-process A/B
+against the router committed at GITREF (its ``disagg/router`` files loaded as a
+separate package): both versions get the same index, requests, worker stats and
+simulated clock, alternate call by call, and every decision is compared field by
+field; it prints p50 / p90 / p99 of thread CPU and wall per version and the ratios:
+
+    python benchmarks/router_bench.py --compare-ref HEAD --latency-reps 2 --out results/router_ab
+
 ``--ray-replay`` instead replays a small synthetic agentic trace (the CPU-sized
 trace of ``benchmarks/e2e_pareto.py``) on the local Ray cluster, once per Serve
 request-router policy (``router.policy``: state_aware, power_of_two, affinity),
@@ -74,20 +82,25 @@ def run_sim(workers: int, seed: int, scale: float) -> dict[str, dict[str, float]
     return out
 
 
-def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
-                     reps: int = 1) -> dict:
+def build_latency_index(num_workers: int = 64, num_blocks: int = 1_000_000, seed: int = 0,
+                        mod: dict | None = None) -> tuple:
+    """The latency bench's index: a 60-block system prompt on every worker, then sessions of 200-500
+    blocks (a third on host), a KDA checkpoint every 16 blocks. ``mod`` supplies the classes
+    (``PrefixIndex``, ``IndexUpdate``, ``WorkerState``; default: this tree's), so a reference
+    version of the router gets the very same index. Returns (index, workers, sessions, rng)."""
+    mod = mod or {"PrefixIndex": PrefixIndex, "IndexUpdate": IndexUpdate, "WorkerState": WorkerState}
+    update = mod["IndexUpdate"]
     rng = random.Random(seed)
-    idx = PrefixIndex()
-    ws = [WorkerState(f"w{i:02d}", "both", f"n{i // 8}") for i in range(num_workers)]
+    idx = mod["PrefixIndex"]()
+    ws = [mod["WorkerState"](f"w{i:02d}", "both", f"n{i // 8}") for i in range(num_workers)]
     for w in ws:
         idx.add_worker(w.worker_id, w.node_id)
     shared = chain_digests(list(range(60)), 60, "bench")  # 15K-token system prompt on every worker
     per_worker = (num_blocks - 60 * num_workers) // num_workers
     sessions: dict[str, list[bytes]] = {}
-    t0 = time.perf_counter()
     for w in ws:
         for h in shared:
-            idx.apply_update(IndexUpdate("stored", "mla", h, "device", w.worker_id))
+            idx.apply_update(update("stored", "mla", h, "device", w.worker_id))
         left, k = per_worker, 0
         while left > 0:  # sessions of ~400 blocks (100K tokens) each, checkpoint every 16 blocks
             n_blocks = min(left, rng.randint(200, 500))
@@ -95,12 +108,19 @@ def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int 
             digs = chain_digests(ids, len(ids), "bench")
             for j, h in enumerate(digs[60:], start=60):
                 tier = "device" if j % 3 else "host"
-                idx.apply_update(IndexUpdate("stored", "mla", h, tier, w.worker_id))
+                idx.apply_update(update("stored", "mla", h, tier, w.worker_id))
                 if (j + 1) % 16 == 0:
-                    idx.apply_update(IndexUpdate("stored", "kda", h, "device", w.worker_id))
+                    idx.apply_update(update("stored", "kda", h, "device", w.worker_id))
             sessions[f"{w.worker_id}/{k}"] = digs
             left -= n_blocks
             k += 1
+    return idx, ws, sessions, rng
+
+
+def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
+                     reps: int = 1) -> dict:
+    t0 = time.perf_counter()
+    idx, ws, sessions, rng = build_latency_index(num_workers, num_blocks, seed)
     build_s = time.perf_counter() - t0
     router = StateAwareRouter(idx)
     keys = sorted(sessions)
@@ -112,7 +132,8 @@ def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int 
     for _ in range(reps):
         t = _time_routes(router, sessions, keys, ws, n, rng)
         rep = {f"{prefix}p{q}_ms": float(np.percentile(t[col], q))
-               for col, prefix in (("wall", ""), ("cpu", "cpu_"), ("probe", "probe_"), ("walk", "walk_"))
+               for col, prefix in (("wall", ""), ("cpu", "cpu_"), ("probe", "probe_"), ("walk", "walk_"),
+                                   ("probe_cpu", "probe_cpu_"))
                for q in (50, 90, 99)}
         slow = t["wall"] >= np.percentile(t["wall"], 99)  # the tail: what its calls spent their time on
         rep.update(load_average=os.getloadavg()[0], tail_calls=int(slow.sum()),
@@ -124,6 +145,120 @@ def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int 
     for key in out["reps"][0]:
         out[key] = float(np.median([r[key] for r in out["reps"]]))
     return out
+
+
+def load_reference(ref: str) -> dict:
+    """The router package as committed at git ``ref``, importable next to this tree's.
+
+    Its files are copied from ``git show REF:disagg/router/...`` into a temporary package
+    ``_router_ref`` (imports of ``disagg.router`` rewritten), so one process can run both
+    versions on the same requests. Returns its PrefixIndex, IndexUpdate, WorkerState,
+    RouteRequest and StateAwareRouter.
+    """
+    import atexit
+    import importlib
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        files = subprocess.run(["git", "ls-tree", "-r", "--name-only", ref, "disagg/router"], cwd=root,
+                               check=True, capture_output=True, text=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"--compare-ref needs a git checkout with {ref!r}: {e}") from e
+    tmp = tempfile.mkdtemp(prefix="router_ref_")
+    atexit.register(shutil.rmtree, tmp, True)
+    pkg = Path(tmp) / "_router_ref"
+    for name in files:
+        if not name.endswith(".py"):
+            continue
+        src = subprocess.run(["git", "show", f"{ref}:{name}"], cwd=root, check=True, capture_output=True,
+                             text=True).stdout
+        dst = pkg / Path(name).relative_to("disagg/router")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(src.replace("disagg.router", "_router_ref"))
+    sys.path.insert(0, str(pkg.parent))
+    index, types, router = (importlib.import_module(f"_router_ref.{m}") for m in ("index", "types", "router"))
+    return {"PrefixIndex": index.PrefixIndex, "IndexUpdate": index.IndexUpdate, "WorkerState": types.WorkerState,
+            "RouteRequest": types.RouteRequest, "StateAwareRouter": router.StateAwareRouter}
+
+
+def _decision_fields(d) -> tuple:
+    return (d.request_id, d.decode_worker, d.prefill_worker, d.reason, d.predicted_cached_tokens, d.source_tier,
+            d.scores)
+
+
+def compare_latency(ref: str, num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
+                    reps: int = 1) -> dict:
+    """Same-process A/B: this tree's ``route`` against git ``ref``'s, interleaved call by call.
+
+    Both versions get the same index (built twice, once per version's classes), the same
+    requests, the same worker stats and one simulated clock; the order alternates each call. Every decision is
+    compared field by field (scores included). Thread-CPU and wall ms per call and version.
+    """
+    ref_mod = load_reference(ref)
+    t0 = time.perf_counter()
+    idx_new, ws_new, sessions, _ = build_latency_index(num_workers, num_blocks, seed)
+    idx_ref, ws_ref, _, _ = build_latency_index(num_workers, num_blocks, seed, ref_mod)
+    build_s = time.perf_counter() - t0
+    now = [0.0]  # one simulated clock for both (queue averages decay with it): 20 requests/s
+    new = StateAwareRouter(idx_new, clock=lambda: now[0])
+    old = ref_mod["StateAwareRouter"](idx_ref, clock=lambda: now[0])
+    ref_request = ref_mod["RouteRequest"]
+    keys = sorted(sessions)
+    rng = random.Random(seed + 1)
+    total = n * reps + min(n, 200)
+    cols = {k: np.zeros(total) for k in ("new_cpu", "new_wall", "ref_cpu", "ref_wall", "probe_cpu")}
+    differ = 0
+    gc_frozen = False
+    for i in range(total):
+        if i == min(n, 200):  # after the warm-up (the first walks flush the builds)
+            gc.collect()
+            gc.freeze()
+            gc_frozen = True
+        digs = sessions[keys[rng.randrange(len(keys))]] + chain_digests([i, i + 1, i + 2, i + 3], 4, f"new{i}")
+        args = (f"q{i}", f"sess{i}", digs, len(digs) * 256 + 17, 256)
+        now[0] = 0.05 * i
+        for w_new, w_ref in zip(ws_new, ws_ref, strict=True):
+            w_new.queued_prefill_tokens = w_ref.queued_prefill_tokens = rng.randrange(0, 50_000)
+        runs = [("new", new, RouteRequest(*args), ws_new), ("ref", old, ref_request(*args), ws_ref)]
+        got = {}
+        for name, router, rr, ws in runs if i % 2 else runs[::-1]:
+            c, t = time.thread_time(), time.perf_counter()
+            got[name] = router.route(rr, ws)
+            cols[f"{name}_wall"][i] = time.perf_counter() - t
+            cols[f"{name}_cpu"][i] = time.thread_time() - c
+        differ += _decision_fields(got["new"]) != _decision_fields(got["ref"])
+        c = time.thread_time()
+        _probe_work()  # the machine's speed in this run
+        cols["probe_cpu"][i] = time.thread_time() - c
+    if gc_frozen:
+        gc.unfreeze()
+    warm = min(n, 200)
+    out = {"ref": ref, "workers": num_workers, "indexed_blocks": idx_new.num_objects()["mla"], "calls": n * reps,
+           "build_s": round(build_s, 1), "differing_decisions": differ, "load_average": os.getloadavg()[0]}
+    for k, v in cols.items():
+        for q in (50, 90, 99):
+            out[f"{k}_p{q}_ms"] = float(np.percentile(v[warm:], q)) * 1e3
+    for kind in ("cpu", "wall"):
+        for q in (50, 90, 99):
+            out[f"{kind}_ratio_p{q}"] = out[f"new_{kind}_p{q}_ms"] / out[f"ref_{kind}_p{q}_ms"]
+    return out
+
+
+def compare_text(c: dict) -> str:
+    lines = [f"same-process A/B against {c['ref']}: {c['workers']} workers, {c['indexed_blocks']:,} indexed blocks, "
+             f"{c['calls']} interleaved calls per version, load average {c['load_average']:.1f}, "
+             f"decisions differing: {c['differing_decisions']}; fixed-work probe thread CPU p50 "
+             f"{c['probe_cpu_p50_ms']:.3f} ms"]
+    for kind, label in (("cpu", "thread CPU"), ("wall", "wall")):
+        for who in ("ref", "new"):
+            lines.append(f"  {label:<10} {'this tree' if who == 'new' else c['ref']:<10} (ms): "
+                         + " ".join(f"p{q} {c[f'{who}_{kind}_p{q}_ms']:.3f}" for q in (50, 90, 99)))
+        lines.append(f"  {label:<10} ratio this/ref:  "
+                     + " ".join(f"p{q} {c[f'{kind}_ratio_p{q}']:.2f}" for q in (50, 90, 99)))
+    return "\n".join(lines)
 
 
 def _probe_work() -> int:
@@ -138,7 +273,7 @@ def _time_routes(router, sessions, keys, ws, n, rng) -> dict[str, np.ndarray]:
     """Per ``route`` call: wall and thread-CPU ms, the walk's CPU ms (``PrefixIndex.match``), GC
     pauses inside the call (ms, and how many collections), and the wall ms of the noise probe
     run between calls."""
-    cols = {k: np.zeros(n) for k in ("wall", "cpu", "walk", "gc", "gc_runs", "probe")}
+    cols = {k: np.zeros(n) for k in ("wall", "cpu", "walk", "gc", "gc_runs", "probe", "probe_cpu")}
     index, walk_cpu, gc_t = router.index, [0.0], [0.0, 0.0, 0]
     match = index.match
 
@@ -171,13 +306,14 @@ def _time_routes(router, sessions, keys, ws, n, rng) -> dict[str, np.ndarray]:
             cols["wall"][i] = time.perf_counter() - t
             cols["cpu"][i] = time.thread_time() - c
             cols["walk"][i], cols["gc"][i], cols["gc_runs"][i] = walk_cpu[0], gc_t[1], gc_t[2]
-            t = time.perf_counter()
+            c, t = time.thread_time(), time.perf_counter()
             _probe_work()
             cols["probe"][i] = time.perf_counter() - t
+            cols["probe_cpu"][i] = time.thread_time() - c
     finally:
         del index.match
         gc.callbacks.remove(on_gc)
-    for k in ("wall", "cpu", "walk", "gc", "probe"):
+    for k in ("wall", "cpu", "walk", "gc", "probe", "probe_cpu"):
         cols[k] *= 1e3
     return cols
 
@@ -193,7 +329,7 @@ def latency_text(lat: dict) -> str:
         lines.append(
             f"  rep {i}: wall p50 {r['p50_ms']:.3f} p90 {r['p90_ms']:.3f} p99 {r['p99_ms']:.3f} | cpu p50 "
             f"{r['cpu_p50_ms']:.3f} p90 {r['cpu_p90_ms']:.3f} p99 {r['cpu_p99_ms']:.3f} | probe p50 "
-            f"{r['probe_p50_ms']:.3f} p99 {r['probe_p99_ms']:.3f} | load average {r['load_average']:.1f}\n"
+            f"{r['probe_p50_ms']:.3f} p99 {r['probe_p99_ms']:.3f} (cpu p50 {r['probe_cpu_p50_ms']:.3f}) | load average {r['load_average']:.1f}\n"
             f"         slowest 1% ({r['tail_calls']} calls): wall {r['tail_wall_ms']:.3f}, cpu "
             f"{r['tail_cpu_ms']:.3f} (walk {r['tail_walk_cpu_ms']:.3f}), gc {r['tail_gc_ms']:.3f} ms; "
             f"gc ran {r['gc_runs']} times in all calls, {r['gc_ms_total']:.1f} ms total")
@@ -376,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-decisions", type=int, default=2000)
     ap.add_argument("--latency-reps", type=int, default=1, help="repetitions of the latency measurement")
     ap.add_argument("--latency-only", action="store_true", help="skip the simulations")
+    ap.add_argument("--compare-ref", default=None, metavar="GITREF",
+                    help="decision latency only: same-process A/B of route() against the router at GITREF")
     ap.add_argument("--balance-seeds", type=int, nargs="*", default=[],
                     help="extra workload seeds for the 16-worker balance check")
     ap.add_argument("--ray-replay", action="store_true", help="replay on the local Ray cluster instead (see above)")
@@ -395,6 +533,16 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text + "\n")
         with open(os.path.join(args.out, "router_ray_replay.json"), "w") as f:
             json.dump(res, f, indent=1)
+        return 0
+    if args.compare_ref:
+        cmp = compare_latency(args.compare_ref, num_blocks=args.latency_blocks, n=args.latency_decisions,
+                              seed=args.seed, reps=args.latency_reps)
+        text = compare_text(cmp)
+        print(text)
+        with open(os.path.join(args.out, "router_latency_ab.txt"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "router_latency_ab.json"), "w") as f:
+            json.dump(cmp, f, indent=1)
         return 0
     results = {} if args.latency_only else {w: run_sim(w, args.seed, args.scale) for w in args.workers}
     text = table(results) if results else ""

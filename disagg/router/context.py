@@ -160,6 +160,13 @@ class RoutingContext:
             self._last = (workers, workers[-1], v)
         return v
 
+    def worker_ids(self, workers: list[WorkerState]) -> list[str]:
+        """``[w.worker_id for w in workers]``, from the view when ``workers`` is the list viewed last."""
+        last = self._last
+        if last is not None and last[0] is workers and workers and workers[-1] is last[1]:
+            return last[2].worker_ids
+        return [w.worker_id for w in workers]
+
     def subset(self, workers: list[WorkerState], view: CandidateView, keep: np.ndarray) -> list[WorkerState]:
         """``workers[i]`` for each i with ``keep[i]`` (a filter's result), with its view ready.
 
@@ -167,10 +174,12 @@ class RoutingContext:
         list's view (recognized by identity), so the scorers after the filter
         pay no per-worker lookup.
         """
-        rows = np.flatnonzero(keep)
-        kept = list(map(workers.__getitem__, rows.tolist()))
+        rows = keep.nonzero()[0]
+        rows_l = rows.tolist()
+        kept = list(map(workers.__getitem__, rows_l))
         if kept:
-            v = CandidateView([w.worker_id for w in kept], view.loads[:, rows], view.resumable[rows], view.tier[rows])
+            v = CandidateView(list(map(view.worker_ids.__getitem__, rows_l)), view.loads[:, rows],
+                              view.resumable[rows], view.tier[rows])
             self._last = (kept, kept[-1], v)
         return kept
 

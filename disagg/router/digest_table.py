@@ -69,6 +69,8 @@ NUM_TIER_COLUMNS = 4
 BUCKET_SLOTS = 8  # entries per hash bucket
 REC_LO, REC_HI, REC_LINK, REC_MASKS = 0, 1, 2, 3  # record columns (masks from REC_MASKS on)
 _ZERO_KEY = bytes(DIGEST_BYTES)
+_all = np.logical_and.reduce  # ``a.all()`` without the method's Python wrapper
+_any = np.logical_or.reduce
 _HALVES = struct.Struct("=QQ").unpack  # (lo, hi) in native order, as numpy's uint64 view reads them
 _OFFSETS = np.arange(BUCKET_SLOTS, 4096 * 2 * BUCKET_SLOTS, 2 * BUCKET_SLOTS)  # row i's "row + 1" part
 
@@ -177,46 +179,48 @@ class DigestTable:
         self._dirty.append(row)
 
     # ---- vectorized lookup -----------------------------------------------------------
-    def _probe(self, digests: list[bytes]) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """One vectorized round: (joined keys, buckets, rows, records, found) without the dict fallback."""
+    def _probe(self, digests: list[bytes]) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """One vectorized round without the dict fallback: (joined keys, buckets, rows, records, found,
+        lo_eq), lo_eq[i, j] true when entry j of digest i's bucket has its lo (see ``_unsure``)."""
         self.flush()
         n = len(digests)
         buf = b"".join(digests)
         if len(buf) != DIGEST_BYTES * n:
             buf = b"".join(map(digest_key, digests))
         keys = np.frombuffer(buf, np.uint64).reshape(n, 2)
-        b = keys.view(np.int64)[:, 0] & self._bucket_mask  # bucket of each digest (an index array)
+        lo = keys[:, 0]
+        b = lo.view(np.int64) & self._bucket_mask  # bucket of each digest (an index array)
         got = self._buckets.take(b, axis=0)  # (n, 2 * slots)
-        at = (got[:, :BUCKET_SLOTS] == keys[:, :1]).argmax(axis=1)  # first entry with the same lo (else 0)
+        eq = got[:, :BUCKET_SLOTS] == lo[:, None]
+        at = eq.argmax(axis=1)  # first entry with the same lo (else 0)
         at += _entry_offsets(n)  # flat index of that entry's row + 1
         rows = got.view(np.int64).take(at)
         rows -= 1  # an empty entry: -1, read as row 0 below and rejected by the check (NOTE 5)
         recs = self._rec.take(rows, axis=0, mode="clip")
-        found = (recs[:, :REC_LINK] == keys).all(axis=1)  # the record holds this very digest
+        found = recs[:, REC_LO] == lo  # the record holds this very digest: both halves (two 1-D
+        found &= recs[:, REC_HI] == keys[:, 1]  # compares: a reduce along a 2-wide axis costs more)
         if _ZERO_KEY in buf:  # NOTE 5 (a byte search; aligned hits are checked here)
             found &= keys.any(axis=1)
-        return buf, b, rows, recs, found
+        return buf, b, rows, recs, found, eq
 
-    def _unsure(self, buf: bytes, b: int, i: int) -> bool:
+    def _unsure(self, buf: bytes, b: int, i: int, lo_eq: np.ndarray) -> bool:
         """Whether digest i, not confirmed by the probe, may still be held (spilled bucket or shared lo)."""
-        if self._spill[b] > 0 or buf[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)] == _ZERO_KEY:
-            return True
-        lo = np.frombuffer(buf, np.uint64, 1, DIGEST_BYTES * i)[0]
-        return bool((self._buckets[b, :BUCKET_SLOTS] == lo).any())
+        return bool(self._spill[b] > 0 or buf[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)] == _ZERO_KEY
+                    or _any(lo_eq[i]))
 
     def find(self, digests: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``digests`` (int64, -1 where absent) and their records (zeros where absent)."""
         if not digests:
             return np.empty(0, np.int64), self._rec[:0]
-        buf, b, rows, recs, found = self._probe(digests)
-        if found.all():
+        buf, b, rows, recs, found, lo_eq = self._probe(digests)
+        if _all(found):
             return rows, recs
-        miss = np.flatnonzero(~found)
+        miss = (~found).nonzero()[0]
         rows[miss] = -1
         recs[miss] = 0
         get = self._row.get
         for i, bi in zip(miss.tolist(), b[miss].tolist(), strict=True):
-            if self._unsure(buf, bi, i):  # a spilled bucket, or another digest with the same lo: ask the dict
+            if self._unsure(buf, bi, i, lo_eq):  # a spilled bucket, or another digest with the same lo: ask the dict
                 r = get(buf[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)], -1)
                 if r >= 0:
                     rows[i], recs[i] = r, self._rec[r]
@@ -226,16 +230,17 @@ class DigestTable:
         """``find`` cut before the first absent digest: the rows and records of the leading present run."""
         if not digests:
             return np.empty(0, np.int64), self._rec[:0]
-        buf, b, rows, recs, found = self._probe(digests)
+        buf, b, rows, recs, found, lo_eq = self._probe(digests)
         n = len(digests)
-        i = n if found.all() else int(found.argmin())
+        i = n if _all(found) else int(found.argmin())
         while i < n:  # digest i is not confirmed: only the dict can still have it
-            r = self._row.get(buf[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)], -1) if self._unsure(buf, int(b[i]), i) else -1
+            unsure = self._unsure(buf, int(b[i]), i, lo_eq)
+            r = self._row.get(buf[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)], -1) if unsure else -1
             if r < 0:
                 return rows[:i], recs[:i]
             rows[i], recs[i] = r, self._rec[r]
             found[i] = True
-            i = n if found.all() else int(found.argmin())
+            i = n if _all(found) else int(found.argmin())
         return rows, recs
 
     def lookup(self, digests: list[bytes]) -> np.ndarray:

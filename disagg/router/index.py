@@ -89,6 +89,7 @@ _ANY = 3  # tier column of "readable from any tier" in le / cum
 _NO_TIER = -1
 _ONE = np.uint64(1)
 _POSITION = itemgetter(0)
+_any = np.logical_or.reduce  # ``a.any()`` without the method's Python wrapper
 
 
 def _popcount_swar(x: np.ndarray) -> np.ndarray:
@@ -380,25 +381,22 @@ class PrefixIndex:
         common = 0
         if common_min is not None:
             held = _popcount(cum[_ANY] & c.words)
-            short = np.flatnonzero((held[:, 0] if held.shape[1] == 1 else held.sum(axis=1)) < common_min)
+            short = ((held[:, 0] if held.shape[1] == 1 else held.sum(axis=1)) < common_min).nonzero()[0]
             common = int(short[0]) if short.size else len(rows)
         n = len(rows)
         if n:  # cum[t, i] = cand & le[t, 0] & ... & le[t, i]: who reads blocks 0..i, per tier
             cum[:, 0] &= c.words
             np.bitwise_and.accumulate(cum, axis=1, out=cum)
-            if not cum[_ANY, n - 1].any():  # nobody reads the whole run: cut it where the last reader stops
+            if not _any(cum[_ANY, n - 1]):  # nobody reads the whole run: cut it where the last reader stops
                 n = int(np.argmin(cum[_ANY].any(axis=1)))
                 cum, recs = cum[:, :n], recs[:n]
         alive = cum[_ANY]  # alive[k - 1] = candidates reading blocks 0..k-1 (alive(0) = cand)
-        resumable, tiers, got = self._resolve(c, request, recs, cum, bs, plen)
-        res_a, tier_a = np.zeros(len(resumable)), np.full(len(resumable), _NO_TIER, np.int64)
-        if got:  # the few candidates with a resume point: set them in the columns too
-            res_a[got] = [resumable[x] for x in got]
-            tier_a[got] = [tiers[x] for x in got]
+        resumable, tiers, _ = self._resolve(c, request, recs, cum, bs, plen)
+        res_a, tier_a = np.array(resumable, np.float64), np.array(tiers, np.int64)  # the columns plugins read
         return MatchResult(
             None,
             common,
-            worker_ids=list(worker_ids),
+            worker_ids=worker_ids if type(worker_ids) is list else list(worker_ids),
             resumable=resumable,
             tiers=tiers,
             mla_blocks=_Lengths(alive, c.word, c.shift),
@@ -420,7 +418,7 @@ class PrefixIndex:
         kda = self._kda
         if self.hybrid:
             ck = recs[:limit, REC_LINK]  # checkpoint row + 1, 0: none
-            at = np.flatnonzero(ck)  # block i ends at a checkpoint: a point with k = i + 1
+            at = ck.nonzero()[0]  # block i ends at a checkpoint: a point with k = i + 1
             ck_rows = ck.take(at).view(np.int64) - 1
             obj = kda.rec_masks(kda.rec.take(ck_rows, axis=0))  # the checkpoints' masks, (point, tier, word)
             kms = cum[_ANY].take(at, axis=0) & (obj[:, 0] | obj[:, 1] | obj[:, 2] | obj[:, 3])

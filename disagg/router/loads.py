@@ -142,15 +142,19 @@ class LoadTracker:
         self._state[1, slot] -= s.prompt_len
         assert self._state[0, slot] >= 0 and self._state[1, slot] >= 0, "session books went negative"
 
-    def columns(self, workers: list[WorkerState], now: float) -> LoadColumns:
-        """Effective loads of ``workers`` at ``now``; also observes their queues for queue_avg."""
+    def columns(self, workers: list[WorkerState], now: float, worker_ids: list[str] | None = None) -> LoadColumns:
+        """Effective loads of ``workers`` at ``now``; also observes their queues for queue_avg.
+
+        ``worker_ids`` (optional) is ``[w.worker_id for w in workers]``, when the caller has it.
+        """
         self._expire_sessions(now)
-        ids = [w.worker_id for w in workers]
+        ids = [w.worker_id for w in workers] if worker_ids is None else worker_ids
         n = len(ids)
         slots = self._slots(ids)
-        base = np.array([[w.queued_prefill_tokens for w in workers], [w.running_decode_tokens for w in workers],
-                         [w.running_decode_requests for w in workers], [w.cache_utilization for w in workers]],
-                        np.float64).reshape(4, n)  # the four live stats, one row each
+        data = np.empty((len(LOAD_FIELDS), n))
+        data[:4] = [[w.queued_prefill_tokens for w in workers], [w.running_decode_tokens for w in workers],
+                    [w.running_decode_requests for w in workers], [w.cache_utilization for w in workers]]
+        base = data[:4]  # the four live stats, one row each
         if self._prefill_pending or self._decode_pending:
             pos = dict(zip(ids, range(n), strict=True))
             updated = np.fromiter(map(_T, workers), np.float64, n)
@@ -158,11 +162,12 @@ class LoadTracker:
             self._pending(self._decode_pending, pos, updated, now, base[1])
         st = self._state[:, slots]
         avg = st[2] + (1.0 - np.exp((st[4] - now) / self.queue_avg_tau_s)) * (st[3] - st[2])
-        data = np.empty((len(LOAD_FIELDS), n))
-        data[:4] = base
         data[4:6] = st[:2]
         data[6] = avg
-        self._state[2:, slots] = (avg, base[0], np.full(n, now))
+        state = self._state
+        state[2, slots] = avg
+        state[3, slots] = base[0]
+        state[4, slots] = now
         return LoadColumns(ids, data)
 
     # ---- feedback ------------------------------------------------------------

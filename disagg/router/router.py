@@ -44,6 +44,7 @@ from disagg.router.registry import build_profiles
 from disagg.router.types import RouteDecision, RouteRequest, WorkerState
 
 _ID_NODE = attrgetter("worker_id", "node_id")
+_AGGREGATED = {"both"}
 
 
 @dataclass(slots=True)
@@ -97,7 +98,7 @@ class StateAwareRouter:
         self.metrics = RouterMetrics()
         self.loads = LoadTracker(cfg.prediction_tau_s, cfg.session_ttl_s, cfg.queue_avg_tau_s)
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (predicted, prompt_len)
-        self._known: tuple[tuple[str, str], ...] = ()  # (worker, node) pairs registered last time
+        self._known: list[str] = []  # worker ids registered by the last route() call
 
     # ---- effective state ---------------------------------------------------
     def effective_loads(self, workers: list[WorkerState], now: float) -> dict[str, EffectiveLoad]:
@@ -105,19 +106,22 @@ class StateAwareRouter:
         cols = self.loads.columns(workers, now)
         return {wid: cols.row(i) for i, wid in enumerate(cols.worker_ids)}
 
-    def _register(self, workers: list[WorkerState]) -> None:
-        known = tuple(map(_ID_NODE, workers))
-        if known != self._known:
-            for wid, node in known:
+    def _register(self, workers: list[WorkerState], worker_ids: list[str]) -> None:
+        # add_worker is idempotent and keeps a known worker's node: only a new id list needs it
+        if worker_ids != self._known:
+            for wid, node in map(_ID_NODE, workers):
                 self.index.add_worker(wid, node)
-            self._known = known
+            self._known = worker_ids
 
     # ---- decision ------------------------------------------------------------
     def route(self, request: RouteRequest, workers: list[WorkerState]) -> RouteDecision:
         assert workers, "route() needs at least one worker"
         now = self.clock()
-        self._register(workers)
+        all_ids = [w.worker_id for w in workers]
+        self._register(workers, all_ids)
         ids = [w.worker_id for w in workers if w.healthy]
+        if len(ids) == len(all_ids):
+            ids = all_ids  # one list: later equality checks against it short-cut on identity
         cfg = self.config
         common_min = max(cfg.common_min_workers, math.floor(cfg.common_fraction * len(ids)) + 1)
         match = self.index.match(request, ids, common_min)
@@ -125,12 +129,12 @@ class StateAwareRouter:
         ctx = RoutingContext(
             request=request,
             match=match,
-            loads=self.loads.columns(workers, now),
+            loads=self.loads.columns(workers, now, all_ids),
             session_worker=prev.worker_id if prev else None,
             session_node=prev.node_id if prev else None,
             now=now,
         )
-        if all(w.role == "both" for w in workers):
+        if {w.role for w in workers} == _AGGREGATED:
             res = self._run("both", ctx, workers)
             return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, "aggregated", res, "both")
         dec = self._run("decode", ctx, workers)

@@ -254,3 +254,23 @@ def test_view_is_reused_for_the_same_list_only():
     other = [W3[0], W3[1]]  # same length, another last element: another view
     assert ctx.view(other).worker_ids == ["a", "b"]
     assert ctx.view(list(cands)) is v  # an equal list: the per-id cache
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.05])
+def test_profile_result_ranking_on_demand_matches_the_picker(epsilon):
+    """With a deterministic picker the runner ranks on first access (``picked`` is the first maximum):
+    the lazy ranking, the pick and the filtered-out list equal what the picker and filters give eagerly."""
+    ws = [WorkerState(f"w{i}", node_id=f"n{i % 3}", healthy=i != 4) for i in range(8)]
+    loads = {w.worker_id: EffectiveLoad(queue_avg=1000.0 * ((i + 1) % 3)) for i, w in enumerate(ws)}  # ties
+    matches = {"w5": PrefixMatch(60, "device", 15), "w2": PrefixMatch(60, "device", 15)}  # tie between w2, w5
+    prof = build_profile("t", {"filters": ["healthy"], "scorers": {"prefix": 1, "load": {
+        "weight": 1, "params": {"prefill_weight": 0, "decode_weight": 0, "cache_weight": 0, "session_weight": 0,
+                               "queue_avg_weight": 1}}}, "picker": {"max_score": {"epsilon": epsilon}}})
+    res = prof.run(_ctx(matches, loads=loads), ws)
+    kept = [w.worker_id for w in ws if w.healthy]
+    eager = MaxScorePicker().rank({k: res.totals[k] for k in kept}, kept)
+    assert res.filtered_out == ["w4"]
+    if epsilon == 0:
+        assert res.ranked == eager and res.picked == eager[0] == "w2"  # w2 and w5 tie: the earlier one
+    else:
+        assert sorted(res.ranked) == sorted(eager) and res.picked == res.ranked[0]

@@ -12,4 +12,8 @@ class BaseFilter(Protocol):
     name: str  # registry name
 
     def filter(self, ctx: RoutingContext, workers: list[WorkerState]) -> list[WorkerState]:
-        """The workers that stay candidates, in their input order."""
+        """The workers that stay candidates, in their input order.
+
+        A filter that keeps every worker may return ``workers`` itself (the runner
+        never mutates the list; candidate views are then found by identity).
+        """

@@ -21,4 +21,5 @@ class HealthyFilter:
             raise ValueError(f"healthy filter takes no parameters, got {sorted(params)}")
 
     def filter(self, ctx: RoutingContext, workers: list[WorkerState]) -> list[WorkerState]:
-        return [w for w in workers if w.healthy]
+        kept = [w for w in workers if w.healthy]
+        return workers if len(kept) == len(workers) else kept

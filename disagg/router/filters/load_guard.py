@@ -52,7 +52,7 @@ class LoadGuardFilter:
 
     def filter(self, ctx: RoutingContext, workers: list[WorkerState]) -> list[WorkerState]:
         if len(workers) <= 1:
-            return list(workers)
+            return workers
         cfg = self.config
         v = ctx.view(workers)
         n = len(workers)
@@ -61,9 +61,10 @@ class LoadGuardFilter:
         if ctx.session_worker is None:  # a new session: also the session guard
             s = v.sessions
             ok &= s <= cfg.session_ratio * float(np.add.reduce(s)) / n + cfg.session_slack
-        if np.logical_and.reduce(ok):
-            return list(workers)
-        if np.logical_or.reduce(ok):
+        num_kept = np.count_nonzero(ok)
+        if num_kept == n:
+            return workers
+        if num_kept:
             return ctx.subset(workers, v, ok)
         least = min(range(len(workers)), key=lambda i: (q[i], workers[i].worker_id))
         return [workers[least]]

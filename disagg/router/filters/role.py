@@ -34,5 +34,6 @@ class RoleFilter:
     def filter(self, ctx: RoutingContext, workers: list[WorkerState]) -> list[WorkerState]:
         roles = ALLOWED_ROLES[self.phase or ctx.phase]
         if len(roles) == len(ROLES):  # aggregated placement: every role runs it
-            return list(workers)
-        return [w for w in workers if w.role in roles]
+            return workers
+        kept = [w for w in workers if w.role in roles]
+        return workers if len(kept) == len(workers) else kept

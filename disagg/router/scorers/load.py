@@ -75,7 +75,7 @@ class LoadScorer(ArrayScorer):
         ]
         terms = [t for t in terms if t[1] > 0]
         total = sum(cfg.weights())
-        self._rows = [t[0] for t in terms]
+        self._rows = np.array([t[0] for t in terms], np.intp)  # an index array: no list conversion per call
         self._weights = np.array([t[1] for t in terms]) / total
         self._floors = np.array([t[2] for t in terms])
         self._cache_weight = cfg.cache_weight / total

@@ -112,7 +112,7 @@ class PrefixScorer(ArrayScorer):
         denom = max(ctx.request.prompt_len - common, 1)
         v = ctx.view(workers)
         out = np.zeros(len(v.resumable))
-        earn = np.flatnonzero(v.resumable > common)  # usually a few workers: compute only theirs
+        earn = (v.resumable > common).nonzero()[0]  # usually a few workers: compute only theirs
         if not earn.size:
             return out
         if earn.size <= 4:  # the same formula in Python floats (the same IEEE operations, in order)

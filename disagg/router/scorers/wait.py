@@ -48,5 +48,5 @@ class WaitScorer(ArrayScorer):
     def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
         rate = self.config.prefill_tokens_per_s
         v = ctx.view(workers)
-        own = max((ctx.request.prompt_len - float(v.resumable.max())) / rate, self.config.floor_s)
+        own = max((ctx.request.prompt_len - float(np.maximum.reduce(v.resumable))) / rate, self.config.floor_s)
         return own / (own + v.prefill / rate)
