@@ -14,7 +14,9 @@ Printed: wall time of each phase (synthesis, simulation), requests and
 events per second, the run's benchmark metrics, and the same machine's speed
 on a fixed pure-Python loop measured in this run (``python_loop_s``: 10M
 integer additions), so figures from a loaded or a faster machine can be
-compared as ratios.
+compared as ratios, and the CPU seconds of each phase (this process and its
+worker processes): on a shared machine wall time includes waiting for a
+core, CPU time does not.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -39,6 +42,12 @@ def python_loop_s(n: int = 10_000_000) -> float:
     for i in range(n):
         s += i
     return time.perf_counter() - t0
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the simulation's worker processes)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,18 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     lanes = args.concurrency or max(1, args.sessions // 4)
     replay = ReplayConfig(concurrency=lanes, ramp_s=60.0, seed=args.seed)
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     records = synthesize(args.sessions, args.seed, block_size=args.block_size, turn_scale=args.turn_scale)
     requests = from_trace_records(records, args.block_size)
     del records
     t_synth = time.perf_counter() - t0
     print(f"{args.sessions:,} sessions -> {len(requests):,} requests in {t_synth:.1f} s", file=sys.stderr, flush=True)
 
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), cpu_s()
     res = simulate(requests, args.policy, cluster, prof.cost_model(), replay, domains=args.domains, jobs=args.jobs,
                    seed=args.seed)
     t_sim = time.perf_counter() - t1
     total = time.perf_counter() - t0
+    c2 = cpu_s()
     s = res.bench_summary()
     loop_after = python_loop_s()
     done = s.num_ok
@@ -88,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "domains": args.domains, "jobs": args.jobs, "sessions": args.sessions, "requests": len(requests),
         "requests_finished": done, "lanes": lanes, "profile": prof.name, "policy": args.policy,
         "synth_s": round(t_synth, 1), "simulate_s": round(t_sim, 1), "total_s": round(total, 1),
+        "synth_cpu_s": round(c1 - c0, 1), "simulate_cpu_s": round(c2 - c1, 1),
         "requests_per_s": round(done / t_sim, 1), "events": res.sim_events, "index_updates": res.num_events,
         "python_loop_s": [round(loop_before, 2), round(loop_after, 2)],
         "load_avg_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)],

@@ -2,23 +2,33 @@
 
     python benchmarks/sim_vs_ray.py --out results/sim_vs_ray [--concurrency 1,2,4] [--requests 40]
 
-1. Times the reference engine alone in this process (``disagg sim calibrate
-   --engine tiny``: one torch thread, as a replica runs it).
-2. Serves the embedded default (``deployments/configs/local-cpu.yaml``: one
+1. Serves the embedded default (``deployments/configs/local-cpu.yaml``: one
    prefill + one decode replica of the tiny model, a shared host tier) on a
-   local Ray cluster and replays the CPU-sized agentic trace of
-   ``benchmarks/e2e_pareto.py`` with ``disagg bench``: first a calibration run
-   (``--calibrate-concurrency``, its own salt), then the validation sweep
+   local Ray cluster.
+2. Times the reference engine alone (``disagg sim calibrate --engine tiny``:
+   one torch thread, as a replica runs it) inside a Ray worker of that
+   cluster (``--engine-timing ray``, the default: the replicas' process
+   settings, e.g. Ray's worker niceness, on the machine as it is loaded
+   now), or in this process (``--engine-timing here``).
+3. Replays the CPU-sized agentic trace of ``benchmarks/e2e_pareto.py`` with
+   ``disagg bench``: first the calibration runs (``--calibrate-concurrency``,
+   default c1 and c4, salts of their own), then the validation sweep
    (``--concurrency``, new salts).
-3. Fits the serving path's overheads and the engine's in-replica slowdown
-   from the calibration run (``disagg sim calibrate --from-bench``).
-4. Replays the validation sweep in the simulator: the same trace, the same
+4. Fits the serving path's overheads and the engine's in-replica slowdown
+   from the c1 calibration run (``disagg sim calibrate --from-bench``), then
+   the node's compute slots (how much the replicas and everything else on
+   the machine slow each other: ``ClusterConfig.node_compute_slots``) as the
+   value whose simulated tok/s/GPU matches the calibration runs above c1.
+5. Replays the validation sweep in the simulator: the same trace, the same
    closed-loop settings (lanes, think time, warm-up, start turns, salts, the
    benchmark's own ``RunConfig``s), the same router policy and P/D decider
-   threshold, the same checkpoint positions (prompt ends) and tier sizes.
-5. Prints, per concurrency, real vs simulated TTFT (mean, P50, P90), ITL
+   threshold, the same checkpoint positions (prompt ends and the prompt's last
+   block boundary: the engine's aligned checkpoints) and tier sizes.
+6. Prints, per concurrency, real vs simulated TTFT (mean, P50, P90), ITL
    P90, total tok/s/GPU and cache hit, with sim / real ratios; the goal is
-   TTFT and throughput within 15%.
+   TTFT and throughput within 15%; and the real system against itself: the
+   calibration c1 run and the validation c1 run replay the same requests
+   (other salts), so their ratio is the noise floor of the comparison.
 
 The CPU is shared: the real runs' absolute times move with the machine's
 load (printed with the results); the calibration comes from the same
@@ -28,7 +38,9 @@ machine and the same session of the cluster.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -54,6 +66,43 @@ METRICS = [("TTFT mean ms", lambda s: s["ttft_ms"]["mean"]), ("TTFT P50 ms", lam
 GATED = ("TTFT mean ms", "TTFT P50 ms", "tok/s/GPU")
 
 
+def _time_engine_task(threads: int) -> dict:
+    return time_engine("tiny", threads=threads, progress=False).to_dict()
+
+
+def time_engine_in_ray(threads: int = 1) -> EngineProfile:
+    """``time_engine`` in a Ray worker of the running cluster (as the replicas run: same process settings)."""
+    import ray
+
+    task = ray.remote(num_cpus=0)(_time_engine_task)
+    prof = EngineProfile.from_dict(ray.get(task.remote(threads)))
+    prof.source["command"] += " (in a Ray worker of the serving cluster, by benchmarks/sim_vs_ray.py)"
+    return prof
+
+
+@contextlib.contextmanager
+def serving(cfg, attempts: int = 4):
+    """``local_app`` that tries again when Ray's node does not start in time (a busy shared machine)."""
+    for k in range(attempts):
+        cm = local_app(cfg)
+        try:
+            url = cm.__enter__()
+        except Exception as exc:
+            if k + 1 == attempts or "timed out during startup" not in str(exc):
+                raise
+            import ray
+
+            ray.shutdown()
+            print(f"Ray did not start ({exc}); trying again", file=sys.stderr, flush=True)
+            time.sleep(15)
+            continue
+        break
+    try:
+        yield url
+    finally:
+        cm.__exit__(None, None, None)
+
+
 def params(url: str, trace: Path, out: Path, conc: list[int], salt: int, num_gpus: int, args) -> BenchParams:
     return BenchParams(url=url, trace=str(trace), out=str(out), concurrency=conc, max_requests=args.requests,
                        think_cap_ms=args.think_cap_ms, think_scale=args.think_scale, sample_start_turn=True,
@@ -73,7 +122,7 @@ def sim_cluster(cfg, prof: EngineProfile) -> ClusterConfig:
     return ClusterConfig(num_prefill=d.prefill.num_replicas, num_decode=d.decode.num_replicas, workers_per_node=8,
                          device_blocks=int(geo.num_blocks), host_blocks=host_blocks,
                          checkpoint_every_blocks=cfg.engine.checkpoint_interval // cfg.engine.block_size,
-                         checkpoint_last_full_block=False, checkpoint_prompt_end=True,
+                         checkpoint_last_full_block=True, checkpoint_prompt_end=True,  # the engine's NOTE 5
                          node_compute_slots=float(prof.limits.get("node_compute_slots", 0.0)))
 
 
@@ -89,6 +138,37 @@ def simulate_sweep(records, bp: BenchParams, cluster: ClusterConfig, prof: Engin
     return out
 
 
+SLOTS_GRID = [round(0.3 + 0.05 * i, 2) for i in range(35)]  # 0.3 .. 2.0
+
+
+def fit_slots(records, cal: BenchParams, real: dict[str, dict], cfg, prof: EngineProfile) -> tuple[float, float]:
+    """The node_compute_slots whose simulated tok/s/GPU best matches the calibration runs above c1: (slots, error)."""
+    import dataclasses
+
+    runs = [rc for rc in cal.run_configs() if rc.concurrency > 1 and rc.label in real]
+    if not runs:
+        return float(prof.limits.get("node_compute_slots", 0.0)), float("nan")
+    best = (0.0, float("inf"))
+    for slots in SLOTS_GRID:
+        cluster = dataclasses.replace(sim_cluster(cfg, prof), node_compute_slots=slots)
+        sim = simulate_sweep(records, cal, cluster, prof, cfg)
+        err = sum(abs(sim[rc.label]["total_tps_per_gpu"] / real[rc.label]["total_tps_per_gpu"] - 1)
+                  for rc in runs) / len(runs)
+        if err < best[1]:
+            best = (slots, err)
+    return best
+
+
+def noise_floor(cal_real: dict[str, dict], real: dict[str, dict], requests: int) -> str:
+    """The same requests at c1 twice (calibration, then validation): real / real."""
+    if "c1" not in cal_real or "c1" not in real:
+        return ""
+    a, b = cal_real["c1"], real["c1"]
+    parts = [f"{name} {get(b) / get(a):.2f}" for name, get in METRICS if name in GATED and get(a)]
+    return (f"the real system against itself (the same {requests} requests at c1, calibration run -> validation run): "
+            + ", ".join(parts))
+
+
 def compare(real: dict[str, dict], sim: dict[str, dict]) -> tuple[str, list[dict]]:
     lines = ["| run | metric | real | simulated | sim / real |", "|---|---|---|---|---|"]
     rows = []
@@ -100,7 +180,8 @@ def compare(real: dict[str, dict], sim: dict[str, dict]) -> tuple[str, list[dict
             ok = abs(ratio - 1) <= 0.15 if name in GATED else None
             rows.append({"run": label, "metric": name, "real": a, "sim": b, "ratio": ratio, "within_15pct": ok})
             flag = "" if ok is None else (" ok" if ok else " **off**")
-            lines.append(f"| {label} | {name} | {a:,.1f} | {b:,.1f} | {ratio:.2f}{flag} |")
+            spec = ".3f" if name == "cache hit" else ",.1f"
+            lines.append(f"| {label} | {name} | {a:{spec}} | {b:{spec}} | {ratio:.2f}{flag} |")
     return "\n".join(lines), rows
 
 
@@ -108,17 +189,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/sim_vs_ray")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
-    ap.add_argument("--calibrate-concurrency", type=int, default=1)
+    ap.add_argument("--calibrate-concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
+                    help="calibration runs: c1 (overheads, slowdowns) and higher ones (the node's compute slots)")
     ap.add_argument("--requests", type=int, default=40, help="measured requests per run")
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--think-cap-ms", type=float, default=2000.0)
     ap.add_argument("--think-scale", type=float, default=0.05)
     ap.add_argument("--base", help="engine profile to start from (default: time the engine now)")
+    ap.add_argument("--engine-timing", choices=["ray", "here"], default="ray",
+                    help="time the engine in a Ray worker of the serving cluster, or in this process")
+    ap.add_argument("--save-profile", help="also write the engine timing here (e.g. disagg/sim/profiles/cpu-tiny.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--analyze-only", action="store_true",
                     help="no serving: refit and re-simulate from a previous run's --out")
     args = ap.parse_args(argv)
+    if 1 not in args.calibrate_concurrency:
+        ap.error("--calibrate-concurrency needs a c1 run (the serving overheads are fitted from it)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -135,26 +222,44 @@ def main(argv: list[str] | None = None) -> int:
         prev = json.loads((out / "comparison.json").read_text()) if (out / "comparison.json").exists() else {}
         load = prev.get("load_avg", load)
     else:
-        base = load_profile(args.base) if args.base else time_engine("tiny", threads=1, progress=not args.quiet)
-        base.save(out / "engine_profile.json")
+        base = load_profile(args.base) if args.base else None
+        if base is None and args.engine_timing == "here":
+            base = time_engine("tiny", threads=1, progress=not args.quiet)
         save_trace(records, trace)
-        with local_app(cfg) as url:
+        os.environ.setdefault("RAY_ADDRESS", "local")  # a cluster of its own, even where another one runs
+        with serving(cfg) as url:
             wait_healthy(url)
             warm_up(url, cfg.model.openai_name)
+            if base is None:
+                print("timing the engine in a Ray worker ...", file=sys.stderr, flush=True)
+                base = time_engine_in_ray(cfg.engine.num_threads or 1)
+            base.save(out / "engine_profile.json")
+            if args.save_profile:
+                base.save(args.save_profile)
             load.append(os.getloadavg()[0])
-            cal = params(url, trace, out / "calibration", [args.calibrate_concurrency], 1, gpus, args)
+            cal = params(url, trace, out / "calibration", args.calibrate_concurrency, 1, gpus, args)
             run_bench_sync(cal, records)
             val.url = url
             real_doc = run_bench_sync(val, records)
             load.append(os.getloadavg()[0])
-    fitted = from_bench_runs([out / "calibration"], base, cfg.router.local_prefill_max_tokens, name="cpu-tiny-served")
+    cal = params("http://unused", trace, out / "calibration", args.calibrate_concurrency, 1, gpus, args)
+    fitted = from_bench_runs([out / "calibration" / "runs" / "c1"], base, cfg.router.local_prefill_max_tokens,
+                             name="cpu-tiny-served")
+    cal_real = {e["label"]: e["summary"] for e in load_sweep(out / "calibration")["runs"]}
+    slots, slots_err = fit_slots(records, cal, cal_real, cfg, fitted)
+    if not math.isnan(slots_err):  # fitted from runs above c1
+        fitted.limits["node_compute_slots"] = slots
+        fitted.source["notes"].append(f"node_compute_slots {slots:.2f} (timed alone: "
+                                      f"{base.limits.get('node_compute_slots', 0.0):.2f}) from the calibration runs "
+                                      f"above c1 (tok/s/GPU off by {100 * slots_err:.1f}% there)")
     fitted.save(out / "fitted_profile.json")
     real = {e["label"]: e["summary"] for e in real_doc["runs"]}
     sim = simulate_sweep(records, val, sim_cluster(cfg, fitted), fitted, cfg)
     table, rows = compare(real, sim)
     elapsed = time.monotonic() - t0
     notes = "\n".join(f"- {n}" for n in fitted.source["notes"])
-    text = (f"{table}\n\ncalibration (concurrency {args.calibrate_concurrency}, its own salt):\n{notes}\n\n"
+    cal_label = ", ".join(f"c{c}" for c in args.calibrate_concurrency)
+    text = (f"{table}\n\n{noise_floor(cal_real, real, args.requests)}\n\ncalibration ({cal_label}, salts of their own):\n{notes}\n\n"
             f"load average (1 min) at start / serving / end: {', '.join(f'{x:.1f}' for x in load)}; "
             f"total {elapsed:.0f} s\n")
     print(text)

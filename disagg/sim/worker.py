@@ -36,7 +36,8 @@ NOTES
    boundaries.
 5. Engines of one node may share its compute (``node_compute_slots``, e.g. CPU
    replicas on one machine): a step that starts while n engines of the node
-   are busy takes max(1, n / slots) times its cost (fixed for that step).
+   are busy takes max(1, n / slots) times its cost (fixed for that step); n = 1
+   takes its cost (an engine alone is what the profile timed).
 """
 
 from __future__ import annotations

@@ -159,3 +159,6 @@ def test_engines_of_a_node_share_its_compute():
     apart = ClusterConfig(num_workers=2, workers_per_node=1, node_compute_slots=1.0)  # one engine per node
     res = Simulator([a, b], "round_robin", apart, HAND, lanes=2, lane_stagger_s=0.0).run()
     assert [r.ttft for r in res.records] == pytest.approx([1.01, 1.01])
+    loaded = ClusterConfig(num_workers=2, workers_per_node=2, node_compute_slots=0.5)  # a loaded machine
+    res = Simulator([a, b], "round_robin", loaded, HAND, lanes=2, lane_stagger_s=0.0).run()
+    assert sorted(r.ttft for r in res.records) == pytest.approx([1.01, 4 * 1.01])  # alone: as timed
