@@ -29,8 +29,24 @@ from disagg.engine.factory import build_reference_engine
 from disagg.faults import FaultInjector, exit_process
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.worker import StatefulWorker
+from kv_transfer.keys import BlockHasher
 
 log = logging.getLogger("ray.serve")
+
+
+def device_snapshot(hasher: BlockHasher, sessions: list[tuple[str, list[int]]]
+                    ) -> tuple[list[list[str]], list[list | None]]:
+    """What a replica reports of its device-resident sessions (``(cache salt, tokens)`` each): per
+    session its block digests (hex) and its turn end, ``[position, tail digest hex]`` when the
+    position is not a multiple of the block size, else None (``deployments.request_router``)."""
+    blocks, tails = [], []
+    for salt, tokens in sessions:
+        h = hasher.with_salt(salt)
+        hashes = h.block_hashes(tokens)
+        blocks.append([d.hex() for d in hashes])
+        n = len(tokens)
+        tails.append([n, h.prefix_digest(tokens, n, hashes).hex()] if n % h.block_size else None)
+    return blocks, tails
 
 
 class _ServerBase:
@@ -63,6 +79,7 @@ class _ServerBase:
         self._draining = False
         self._inflight = 0
         self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)
+        self._tails: list[list | None] = []  # and their unaligned turn ends (see device_snapshot)
         self._snapshot_version = -1
 
     async def check_health(self) -> None:
@@ -78,12 +95,12 @@ class _ServerBase:
             lambda: (eng.resident_version, eng.resident_contents() if eng.resident_version != self._snapshot_version
                      else None, eng.load()))
         if sessions is not None:
-            self._snapshot = [[d.hex() for d in self.worker.hasher.with_salt(salt).block_hashes(tokens)]
-                              for salt, tokens in sessions]
+            self._snapshot, self._tails = device_snapshot(self.worker.hasher, sessions)
             self._snapshot_version = version
         return {"role": self.role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
                 "model_id": eng.model_id, "block_size": eng.block_size, "load": load,
-                "device_version": self._snapshot_version, "device_sessions": self._snapshot}
+                "device_version": self._snapshot_version, "device_sessions": self._snapshot,
+                "device_tails": self._tails}
 
     async def stats(self) -> dict:
         out = self.worker.stats()

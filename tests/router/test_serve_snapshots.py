@@ -82,3 +82,23 @@ def test_a_new_snapshot_replaces_the_old_one_per_replica():
     _apply(snaps, "b", [])
     assert snaps.tail_probes(H, next_turn, H.block_hashes(next_turn)) == []
     assert _resume(idx, snaps, next_turn, "b") == (0, None)
+
+
+def test_replica_report_credits_salted_sessions_up_to_their_turn_ends():
+    """``deployments.servers.device_snapshot`` is what ``record_routing_stats`` sends; fed through
+    ``DeviceSnapshots`` it credits each resident session (under its own salt) to its turn end."""
+    from deployments.servers import device_snapshot
+
+    aligned = OTHER[:2 * BS]
+    blocks, tails = device_snapshot(H, [("tenant", SESSION), ("", aligned)])
+    assert tails[0][0] == len(SESSION) and tails[1] is None  # an aligned turn end needs no tail
+    assert blocks[1] == [h.hex() for h in H.block_hashes(aligned)]
+    idx, snaps = _index()
+    snaps.apply("a", blocks, tails)
+    salted = H.with_salt("tenant")
+    next_turn = SESSION + [7] * 30
+    hashes = salted.block_hashes(next_turn)
+    req = RouteRequest("r", "s", hashes, len(next_turn), BS, snaps.tail_probes(salted, next_turn, hashes))
+    assert idx.resumable(req, "a") == (len(SESSION), "device")
+    assert _resume(idx, snaps, next_turn, "a") == (0, None)  # unsalted digests name other content
+    assert _resume(idx, snaps, aligned + [1] * 20, "a") == (len(aligned), "device")
