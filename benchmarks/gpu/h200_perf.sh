@@ -10,13 +10,7 @@ set -uo pipefail
 out=${1:-results/h200}
 part=${2:-engine}
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv > "$out/card.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/card.txt"
 python3 -c "import fla; print('fla-core', fla.__version__)" >> "$out/card.txt" 2>&1

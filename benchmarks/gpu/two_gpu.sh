@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two-GPU disaggregation run (two H200s of one host). From the repository root,
-# with the wheels the machine lacks in .whl/ (fla-core; pydantic, fastapi,
+# with the wheels the machine lacks in .whl/ (fla-core, google-crc32c; pydantic, fastapi,
 # starlette, uvicorn for the HTTP front):
 #   bash benchmarks/gpu/two_gpu.sh OUT_DIR [two_gpu.py options...]
 # NVLink multicast stays off (plain peer copies and CUDA IPC only).
@@ -8,13 +8,7 @@ set -uo pipefail
 out=${1:-results/two-gpu}
 shift || true
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu/env.sh
 {
   nvidia-smi --query-gpu=index,name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
   nvidia-smi topo -m
