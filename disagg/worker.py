@@ -228,7 +228,11 @@ class StatefulWorker:
                 await self.engine.release(rid)  # the prefix stays resident on this device for the next turn
             nbytes, pub_s = shared.nbytes, time.perf_counter() - t1
         else:  # the prompt end, and its aligned checkpoint (engine NOTE 5) for a next prompt that only shares blocks
-            positions = await self.engine.call(getattr(self.engine.engine, "checkpoint_positions", lambda _: []), rid)
+            try:
+                positions = await self.engine.call(getattr(self.engine.engine, "checkpoint_positions", lambda _: []),
+                                                   rid)
+            except KeyError:  # not held any more: publish the prompt end alone (``_publish`` then logs and releases)
+                positions = []
             earlier = tuple(sorted((p for p in positions if p < len(tokens)), reverse=True))
             nbytes, pub_s = await self._publish(rid, tokens, hasher, earlier)
         self.counters["prefills"] += 1
