@@ -525,25 +525,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-rounds", type=int, default=1, help="rounds over the policies (odd ones reversed)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    def report(stem: str, text: str, doc) -> int:  # print, and write STEM.txt and STEM.json under --out
+        print(text)
+        with open(os.path.join(args.out, stem + ".txt"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, stem + ".json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        return 0
+
     if args.ray_replay:
         res = ray_replay(args)
-        text = ray_table(res, args)
-        print(text)
-        with open(os.path.join(args.out, "router_ray_replay.txt"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "router_ray_replay.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        return 0
+        return report("router_ray_replay", ray_table(res, args), res)
     if args.compare_ref:
         cmp = compare_latency(args.compare_ref, num_blocks=args.latency_blocks, n=args.latency_decisions,
                               seed=args.seed, reps=args.latency_reps)
-        text = compare_text(cmp)
-        print(text)
-        with open(os.path.join(args.out, "router_latency_ab.txt"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "router_latency_ab.json"), "w") as f:
-            json.dump(cmp, f, indent=1)
-        return 0
+        return report("router_latency_ab", compare_text(cmp), cmp)
     results = {} if args.latency_only else {w: run_sim(w, args.seed, args.scale) for w in args.workers}
     text = table(results) if results else ""
     if args.balance_seeds and not args.latency_only:

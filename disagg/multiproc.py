@@ -298,8 +298,7 @@ class ProcessBackend:
             self._inflight[name] -= 1
 
     async def stats(self) -> dict:
-        parts = await asyncio.gather(*(c.call("stats") for c in self.clients.values()))
-        return merge_replica_stats(list(parts))
+        return merge_replica_stats(list((await self.raw_stats()).values()))
 
     async def raw_stats(self) -> dict[str, dict]:
         """Each worker's own stats, by name (benchmarks read the device hand-off counters here)."""

@@ -192,29 +192,13 @@ class HostTierServer:
             return _U8.pack(1) + _U64.pack(tier.capacity_bytes) + _pack_str(tier.arena.path)
         if op == RESERVE:
             nbytes = r.take(_U64)
-            res = tier.reserve(r.str(), nbytes)
-            if res is None:
-                return _U8.pack(0) + _U64.pack(0) + _U64.pack(0)
-            if res.duplicate:
-                return _U8.pack(2) + _U64.pack(0) + _U64.pack(0)
-            reservations.add(res.reservation_id)
-            return _U8.pack(1) + _U64.pack(res.reservation_id) + _U64.pack(res.offset)
-        if op in (COMMIT, ABORT):
-            rid = r.take(_U64)
-            reservations.discard(rid)
-            ok = tier.commit(rid) if op == COMMIT else tier.abort(rid) is None
-            return _U8.pack(int(ok))
+            return self._reserve(r.str(), nbytes, reservations)
+        if op in (COMMIT, ABORT):  # only this connection's own reservations
+            return _U8.pack(int(self._finish(op, r.take(_U64), reservations)))
         if op == GET:
-            got = tier.acquire(r.str())
-            if got is None:
-                return _U8.pack(0) + bytes(24)
-            leases.add(got[0])
-            return _U8.pack(1) + b"".join(_U64.pack(v) for v in got)
+            return self._get(r.str(), leases)
         if op == RELEASE:
-            lease_id = r.take(_U64)
-            if lease_id in leases:
-                leases.discard(lease_id)
-                tier.release(lease_id)
+            self._release(r.take(_U64), leases)
             return _U8.pack(1)
         if op == CONTAINS:
             keys = [r.str() for _ in range(r.take(_U32))]

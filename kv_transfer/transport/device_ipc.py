@@ -143,6 +143,7 @@ class DeviceShares:
         if base is None:
             return None
         entries, views, off = [], [], base
+        aligned = iter(sizes)
         for t in tensors:
             if t is None:
                 entries.append(None)
@@ -151,7 +152,7 @@ class DeviceShares:
             view.copy_(t)
             entries.append((off, tuple(t.shape), t.dtype))
             views.append(view)
-            off += -(-t.nbytes // _ALIGN) * _ALIGN
+            off += next(aligned)
         return entries, views, (base, sum(sizes))
 
     def share(self, state: ResumeState) -> SharedState:
