@@ -19,7 +19,8 @@ Faults, the event each is decided on, and the recovery that must follow:
     delay         a state load              the load stalls ``delay_s``             deadline, then recompute
     corrupt       a state load              one object reads back with a flipped    checksum catches it: the object
                                             byte                                    is dropped, recompute
-    kill_prefill  a prefill call            the prefill replica exits               retry on another, else prefill locally
+    kill_prefill  a prefill call            the prefill replica exits once the      retry on another, else prefill locally
+                                            prompt is computed (before publishing)
     kill_decode   a decode request (never   the decode replica exits after          the ingress continues the stream on
                   a resumed one)            ``after_tokens`` streamed tokens        another replica from those tokens
 

@@ -203,8 +203,7 @@ class StatefulWorker:
 
     # -- prefill (runs on a prefill worker) ---------------------------------------------------
     async def prefill(self, params: GenerateParams) -> PrefillHandle:
-        if self.faults is not None and self.faults.should_kill_prefill(params):
-            self.faults.kill("kill_prefill", params)
+        kill = self.faults is not None and self.faults.should_kill_prefill(params)
         t0 = time.perf_counter()
         tokens = params.prompt_token_ids
         hasher = self.hasher.with_salt(params.cache_salt)
@@ -218,6 +217,8 @@ class StatefulWorker:
             last = out
         assert last is not None and last.new_token_ids, "prefill produced no token"
         compute_s = time.perf_counter() - t0
+        if kill:
+            await self._injected_prefill_kill(rid, params)
         shared = None
         if self.device_shares is not None:  # NOTE 5
             t1 = time.perf_counter()
@@ -326,6 +327,20 @@ class StatefulWorker:
         if state is None:
             return None
         return _Resume(state, handle.position, "peer", desc.nbytes, time.perf_counter() - t0)
+
+    async def _injected_prefill_kill(self, rid: str, params: GenerateParams) -> None:
+        """Die mid-request: the prompt is computed, its state not yet published.
+
+        The pause lets the replica's acceptance of the call reach the caller first, so the
+        caller sees a replica that died while running its request (and retries it in
+        ``_remote_prefill``), not one that was already dead when the request was sent (which
+        Ray Serve itself re-routes before the worker ever sees a failure).
+        """
+        await asyncio.sleep(0.2)
+        try:
+            self.faults.kill("kill_prefill", params)
+        finally:  # ``InjectedCrash`` (no process to exit): the kept state is not leaked
+            await self.engine.release(rid)
 
     async def _injected_kill(self, params: GenerateParams, num_streamed: int) -> None:
         await asyncio.sleep(0.2)  # let the streamed tokens leave the replica: the death is mid-stream

@@ -120,7 +120,9 @@ class K3StateConnector(KVConnectorBase_V1, SupportsHMA):
         self._server = None
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._bound: int | None = None  # id() of the metadata the worker last bound
+        # the metadata whose jobs the worker last started, held (not its id(): a freed step's
+        # metadata can hand its address to the next step's, whose jobs would then never start)
+        self._bound: K3ConnectorMetadata | None = None
         if role == KVConnectorRole.SCHEDULER:
             peer = ""
             if extra.get("serve_address") and ktc.is_kv_producer:
@@ -217,8 +219,8 @@ class K3StateConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         meta = self._get_connector_metadata()
         assert isinstance(meta, K3ConnectorMetadata), f"unexpected metadata {type(meta).__name__}"
-        if self._bound != id(meta):
-            self._bound = id(meta)
+        if self._bound is not meta:
+            self._bound = meta
             self._worker.begin_saves(meta.saves)
             self._worker.start_loads(meta.loads)
         return meta

@@ -103,6 +103,27 @@ def test_faulty_state_load_recomputes_the_same_tokens(model, fault, tmp_path):
         pair.close()
 
 
+def test_prefill_killed_mid_request_is_retried_and_leaks_nothing(model, tmp_path):
+    """A prefill that dies after computing the prompt (``InjectedCrash`` in process, where no
+    replica may exit) is retried; the killed attempt's kept state is released."""
+    ledger = str(tmp_path / "faults.jsonl")
+    pair = _Pair(model, [{"fault": "drop", "rate": 1.0, "session_prefix": "never"}], ledger=ledger)
+    rules = [FaultRule(fault="kill_prefill", nth=1)]
+    pair.prefill.faults = FaultInjector(FaultConfig(enabled=True, rules=rules, ledger_path=ledger),
+                                        "prefill-0", "prefill")
+    pair.decode.retry_backoff_s = 0.0
+    try:
+        prompt = _ids(300, 5)
+        assert pair.run(_params(prompt, rid="kp-1")) == _reference(model[1], prompt, 8)
+        assert pair.decode.counters["prefill_failures"] == 1 and pair.decode.counters["remote_prefills"] == 1
+        assert [(e.get("fault"), e.get("recovery"), e["role"]) for e in read_ledger(ledger)] == [
+            ("kill_prefill", None, "prefill"), (None, "prefill_retried", "decode")]
+        held = asyncio.run(pair.prefill.engine.call(lambda: pair.prefill.engine.engine.stats()["held"]))
+        assert held == 0, "neither the killed attempt nor the retry left its prefill state held"
+    finally:
+        pair.close()
+
+
 def test_without_faults_the_handle_loads(model):
     pair = _Pair(model, [{"fault": "drop", "rate": 1.0, "session_prefix": "never"}])
     try:

@@ -247,3 +247,38 @@ def test_take_events_feed_the_router_index(produced, next_turn):
     assert index.resumable(req, "A") == (702, "host")
     no_tail = RouteRequest("r", block_hashes=hasher.block_hashes(next_turn), prompt_len=len(next_turn), block_size=128)
     assert index.resumable(no_tail, "A") == (640, "host")
+
+
+def test_every_steps_metadata_starts_its_jobs():
+    """The worker starts each step's jobs once, whichever address the step's metadata has:
+    a freed step's metadata often hands its address to the next one (CPython reuses it at once),
+    and a load missed that way left its request waiting for remote state forever."""
+    from kv_transfer.vllm_connector import K3ConnectorMetadata
+
+    class Recorder:  # stands in for WorkerSide: records which jobs the connector started
+        def __init__(self):
+            self.loads, self.saves = [], []
+
+        def begin_saves(self, saves):
+            self.saves.extend(saves)
+
+        def start_loads(self, loads):
+            self.loads.extend(loads)
+
+        def save_layer(self, layer_name):
+            pass
+
+        def finish_saves(self):
+            pass
+
+    name, _ = make_tier()
+    w = H.Engine(H.vllm_config(role="kv_consumer", tier=name, engine_id="decode-0")).worker
+    w._worker = rec = Recorder()
+    for step in range(50):
+        w.bind_connector_metadata(K3ConnectorMetadata(loads=[f"load-{step}"], saves=[f"save-{step}"]))
+        w.start_load_kv(None)
+        w.save_kv_layer("layer", None, None)  # a later hook of the same step: nothing starts twice
+        w.wait_for_save()
+        w.clear_connector_metadata()
+    assert rec.loads == [f"load-{i}" for i in range(50)]
+    assert rec.saves == [f"save-{i}" for i in range(50)]
