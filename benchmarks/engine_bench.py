@@ -91,7 +91,8 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
     out, _ = src.generate(EngineRequest("t1", first, SamplingParams(max_tokens=1, ignore_eos=True), keep_state=True))
     state = src.export_state("t1")
     turn2 = first + out + _ids(followup, 8, vocab)
-    res: dict[str, list[float]] = {"recompute": [], "resume_memory": [], "resume_host_tier": []}
+    res: dict[str, list[float]] = {"recompute": [], "resume_memory": [], "resume_host_tier": [],
+                                   "resume_host_tier_staged": []}
     nbytes = sum(b.rows.nbytes for b in state.mla_blocks) + sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
     store = _store(src.layout, nbytes + (state.tail.rows.nbytes if state.tail else 0))
     hasher = None
@@ -108,16 +109,24 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
         t, tok["resume_memory"] = ttft(make_engine(model, device, budget_mb, chunk, resident_sessions=False),
                                        f"m{r}", turn2, device, resume=state)
         res["resume_memory"].append(t)
-        if store is not None:
+        # through the host tier: rows straight to the device (kv_transfer.direct), and through
+        # host staging (the CPU path), one after the other
+        variants = [("resume_host_tier", device if device.startswith("cuda") else None)]
+        if device.startswith("cuda"):
+            variants.append(("resume_host_tier_staged", None))
+        for name, to_device in variants if store is not None else []:
             eng = make_engine(model, device, budget_mb, chunk, resident_sessions=False)
+            loaded = None
+            gc.collect()  # the previous variant's buffers go back to torch's caches first
             _sync(device)
             t0 = time.perf_counter()
             point = store.resumable_length(turn2, hasher, max_position=len(turn2) - 1)
-            loaded = store.load_state(turn2, point.position, hasher, eng.layout, contiguous=True)
+            loaded = store.load_state(turn2, point.position, hasher, eng.layout, contiguous=True, device=to_device)
             assert loaded is not None and point.position == state.position
             t_load = time.perf_counter() - t0
-            t, tok["resume_host_tier"] = ttft(eng, f"h{r}", turn2, device, resume=loaded)
-            res["resume_host_tier"].append(t_load + t)
+            t, tok[name] = ttft(eng, f"h{r}{name}", turn2, device, resume=loaded)
+            res[name].append(t_load + t)
+            del loaded
     assert len(set(tok.values())) == 1, f"resumed and recomputed first tokens differ: {tok}"
     med = {k: statistics.median(v) for k, v in res.items() if v}
     return {"context": context, "followup": followup, **{f"ttft_{k}_ms": 1000 * v for k, v in med.items()},

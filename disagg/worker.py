@@ -46,6 +46,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from disagg import faults as fault_injection
 from disagg.engine.protocol import EngineRequest
 from disagg.faults import FaultInjector, LoadFault
@@ -92,6 +94,10 @@ class StatefulWorker:
         # over device to device (NOTE 5) instead of publishing it to the host tier
         self.device_shares = device_shares
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
+        # loaded MLA rows go straight to a GPU engine's device (kv_transfer.direct); on CPU they
+        # stay in host memory, which is where the engine reads them
+        device = getattr(getattr(engine, "engine", None), "device", None)
+        self._load_device = device if device is not None and torch.device(device).type != "cpu" else None
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight
         self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,
@@ -157,7 +163,8 @@ class StatefulWorker:
         def load():
             store = self._store_for(node_id)
             with fault_injection.active(fault):  # the store's tier reads see the fault (disagg.faults)
-                return store.load_state(tokens, position, hasher, self.engine.layout, contiguous=True)
+                return store.load_state(tokens, position, hasher, self.engine.layout, contiguous=True,
+                                        device=self._load_device)
 
         # the store is thread-safe: no engine lock (steps go on while state loads)
         return await asyncio.to_thread(load)

@@ -406,10 +406,11 @@ class BlockCodec:
         _CRC.pack_into(out, self.end, _checksum.compute(self.algo, out[: self.end]))
         return self.total_len
 
-    def decode_into(self, buf: memoryview, dst: np.ndarray) -> int | None:
-        """Verify one full block and copy its rows into ``dst``; its start, or None when the object
-        is not a template block of this layout (use ``decode``). Raises CorruptObjectError on a
-        checksum mismatch."""
+    def verify(self, buf: memoryview) -> int | None:
+        """Check one full block in place (header template, then checksum); its start, or None when
+        the object is not a template block of this layout (use ``decode``). Raises
+        CorruptObjectError on a checksum mismatch. Its rows are bytes
+        ``[HEADER_BYTES, HEADER_BYTES + nbytes)`` of the object."""
         mv = buf.cast("B") if buf.format != "B" else buf
         if len(mv) != self.total_len or mv[:_POSITIONS_AT] != self._head or mv[_FIXED.size : HEADER_BYTES] != self._rest:
             return None
@@ -419,6 +420,15 @@ class BlockCodec:
         (stored,) = _CRC.unpack_from(mv, self.end)
         if _checksum.compute(self.algo, mv[: self.end]) != stored:
             raise CorruptObjectError(f"checksum ({_checksum.NAMES[self.algo]}) mismatch")
+        return start
+
+    def decode_into(self, buf: memoryview, dst: np.ndarray) -> int | None:
+        """``verify`` one full block, then copy its rows into ``dst``; its start, or None (as
+        ``verify``)."""
+        start = self.verify(buf)
+        if start is None:
+            return None
+        mv = buf.cast("B") if buf.format != "B" else buf
         src = np.frombuffer(mv, dtype=self.np_dtype, count=self.count, offset=HEADER_BYTES)
         np.copyto(dst, src.reshape(self.shape))
         return start

@@ -53,7 +53,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from kv_transfer import codec
+from kv_transfer import codec, direct
 from kv_transfer.dcp import reshard_dcp
 from kv_transfer.errors import CorruptObjectError
 from kv_transfer.events import EventLog, StoreEvent
@@ -356,12 +356,15 @@ class StateStore:
     def load_state(self, tokens: Sequence[int], position: int, hasher: BlockHasher,
                    layout: StateLayout | None = None, *, first_block: int = 0,
                    dcp_size: int = 1, dcp_rank: int = 0,
-                   tp_ranks: Sequence[int] | None = None, contiguous: bool = False) -> ResumeState | None:
+                   tp_ranks: Sequence[int] | None = None, contiguous: bool = False,
+                   device: torch.device | str | None = None) -> ResumeState | None:
         """Load and verify the state at ``position``; None if any piece is missing or corrupt.
 
         Args:
             contiguous: decode the MLA blocks straight into one buffer (page-locked where CUDA
                 exists), ``ResumeState.mla_rows``, ready for a batched scatter (no DCP reshard).
+            device: with ``contiguous``, put ``mla_rows`` on this device, copied from the first
+                tier's arena without host staging where it pins in batches (``kv_transfer.direct``).
             first_block: skip blocks the caller already holds.
             dcp_size, dcp_rank: the DCP shard wanted (stored shards are resharded).
             tp_ranks: KDA shards to load (default: all ``tp_size``).
@@ -377,10 +380,17 @@ class StateStore:
         blocks: list[MLABlock] = []
         rows = None
         if contiguous and self.dcp_size == dcp_size == 1 and n_full > first_block:
-            shape = (layout.num_mla_layers, (n_full - first_block) * bs, layout.latent_dim)
-            rows = _alloc_rows(shape, getattr(torch, layout.cache_dtype))
             keys = [str(ObjectKey("mla", hashes[i])) for i in range(first_block, n_full)]
-            if not self._load_blocks_into(keys, first_block, layout, rows):
+            if device is not None and _batch_op(self.tiers[0], "get_views") is not None:
+                rows = self._load_blocks_direct(keys, first_block, layout, torch.device(device))
+            else:
+                shape = (layout.num_mla_layers, (n_full - first_block) * bs, layout.latent_dim)
+                rows = _alloc_rows(shape, getattr(torch, layout.cache_dtype))
+                if not self._load_blocks_into(keys, first_block, layout, rows):
+                    rows = None
+                elif device is not None:
+                    rows = rows.to(device)
+            if rows is None:
                 return self._miss()
             blocks = [MLABlock(rows[:, j * bs : (j + 1) * bs], (first_block + j) * bs, bs)
                       for j in range(n_full - first_block)]
@@ -461,6 +471,29 @@ class StateStore:
                     self._counters["num_corrupt_pieces"] += 1
                 return False
         return True
+
+    def _load_blocks_direct(self, keys: list[str], first_block: int, layout: StateLayout,
+                            device: torch.device) -> torch.Tensor | None:
+        """Full blocks ``keys`` from the first tier's arena straight into rows on ``device``
+        (``kv_transfer.direct``); blocks that fail there take the general path. None on a miss."""
+        first = self.tiers[0]
+        leases = first.get_views(keys)
+        try:
+            got = direct.load_blocks(leases, codec.block_codec(layout), first_block, device, self._parallel)
+        finally:  # every copy has completed (direct NOTE 2)
+            first.release_many([lease for lease in leases if lease is not None])
+        bs = layout.block_size
+        for j in (j for j, ok in enumerate(got.verified) if not ok):
+            host = _alloc_rows((layout.num_mla_layers, bs, layout.latent_dim), got.rows.dtype)
+            obj = self._load_one(keys[j], layout, host)
+            if obj is None:
+                return None
+            if obj.start != (first_block + j) * bs:  # a block stored under another block's key
+                with self._lock:
+                    self._counters["num_corrupt_pieces"] += 1
+                return None
+            got.rows[:, j * bs : (j + 1) * bs].copy_(host)
+        return got.rows
 
     def _parallel(self, fn, items: list) -> list:
         """``[fn(x) for x in items]`` on the I/O threads when there are enough items: CRC checks

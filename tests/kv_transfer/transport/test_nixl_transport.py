@@ -50,7 +50,8 @@ def test_read_region_of_another_process() -> None:
     sys.path.insert(0, str(HERE))
     from nixl_owner_main import region_bytes
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(HERE)])}
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(HERE), *inherited])}
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "nixl_owner_main.py")],
         stdin=subprocess.PIPE,
