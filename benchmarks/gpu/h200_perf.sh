@@ -4,7 +4,8 @@
 # starlette, uvicorn for the e2e part):
 #   bash benchmarks/gpu/h200_perf.sh OUT_DIR engine   state copies, engine (fla vs torch), resume vs
 #                                                     recompute at 8K/32K/128K, publishing on vs off,
-#                                                     a resumed follow-up's profile
+#                                                     a resumed follow-up's profile, where a resume through
+#                                                     the host tier spends its time (staged vs direct)
 #   bash benchmarks/gpu/h200_perf.sh OUT_DIR e2e      agentic trace, prefill + decode engines sharing the GPU
 set -uo pipefail
 out=${1:-results/h200}
@@ -28,6 +29,8 @@ if [ "$part" = engine ]; then
   python3 benchmarks/overlap_bench.py --device cuda --preset small --dtype bfloat16 --prompt 8192 --batch 8 \
     --rounds 3 --chunk 8192 --budget-mb 20000 --json "$out/overlap.json" 2>&1 | tail -14
   head -45 "$out/profile_resume_32k.txt"
+  python3 benchmarks/gpu/resume_breakdown.py --context 8192,32768,131072 --reps 3 --json "$out/resume_breakdown.json" \
+    2>&1 | grep -E "^@|Error"
 else
   python3 benchmarks/gpu/e2e_inprocess.py --out "$out/e2e" 2>&1 | tail -30
   cp "$out/e2e/e2e.json" "$out/e2e.json" 2>/dev/null

@@ -30,6 +30,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from disagg.api.detok import IncrementalText
 from disagg.api.errors import APIError, error_response
 from disagg.api.limits import (
     AdmissionGate,
@@ -209,14 +210,14 @@ class _Run:
         self.created = int(time.time())
         self.ids: list[int] = []
         self.text = ""
-        self._text_ids = 0  # tokens whose text is in ``self.text``
         self.finish_reason: str | None = None
         self.last: StreamChunk | None = None
 
     async def _pieces(self) -> AsyncIterator[str]:
         """Yields new text; stops at a stop string; raises APIError on engine errors."""
-        tok = self.backend.tokenizer
-        incomplete = getattr(tok, "incomplete_tail", None)
+        text = IncrementalText(self.backend.tokenizer)
+        self.ids = text.ids
+        longest_stop = max((len(s) for s in self.stops), default=0)
         t0 = time.perf_counter()
         t_prev = None
         agen = _guarded(self.backend.stream(self.params))
@@ -229,6 +230,7 @@ class _Run:
                         raise APIError(400, chunk.error)
                     raise APIError(500 if chunk.finish_reason == "error" else 503, chunk.error,
                                    type="server_error")
+                new = ""
                 if chunk.token_ids:
                     now = time.perf_counter()
                     if t_prev is None:
@@ -236,17 +238,13 @@ class _Run:
                     else:
                         self.metrics.itl.observe((now - t_prev) / len(chunk.token_ids))
                     t_prev = now
-                    self.ids.extend(chunk.token_ids)
-                    full = tok.decode(self.ids)
-                    if incomplete is not None:  # the tokenizer knows whether its bytes end mid-character
-                        held = incomplete(self.ids)
-                    else:
-                        held = full.endswith("\ufffd") and len(self.ids) - self._text_ids < _MAX_HELD_TOKENS
-                    if held:
-                        new = ""  # an incomplete UTF-8 sequence: wait for more bytes
-                    else:
-                        new, self.text, self._text_ids = full[len(self.text):], full, len(self.ids)
-                    cut = _find_stop(self.text, self.stops)
+                    new = text.push(chunk.token_ids)  # "" while a UTF-8 sequence is incomplete (detok NOTE 1)
+                if chunk.finished:
+                    new += text.flush()
+                if new:
+                    searched = max(0, len(self.text) - longest_stop + 1)  # earlier text held no stop string
+                    self.text += new
+                    cut = _find_stop(self.text, self.stops, searched)
                     if cut is not None:
                         new = new[: max(0, len(new) - (len(self.text) - cut))]
                         self.text = self.text[:cut]
@@ -254,7 +252,8 @@ class _Run:
                         if new:
                             yield new
                         break
-                    yield new  # may be "" while a UTF-8 sequence is incomplete
+                if chunk.token_ids:
+                    yield new  # may be ""
                 if chunk.finished:
                     self.finish_reason = chunk.finish_reason
                     break
@@ -322,16 +321,10 @@ async def _guarded(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamCh
         await chunks.aclose()
 
 
-# A UTF-8 character is at most 4 bytes, so 4 tokens past the last emitted text settle it: a replacement
-# character still at the end then stands for invalid bytes (e.g. a random model's output), and holding
-# it longer would hold every later token back until the end of the stream.
-_MAX_HELD_TOKENS = 4
-
-
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+def _find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
     return min(hits) if hits else None

@@ -1,0 +1,69 @@
+"""Incremental detokenization for streamed responses: each token's text at a bounded cost.
+
+Decoding the whole output on every token costs O(n) per token, O(n^2) per response (a 4K-token
+answer decodes 8M tokens). Here only the last emitted piece's tokens (the context) and the new
+ones are decoded:
+
+    ids    | emitted ...           | context      | new          |
+                                   ^prefix        ^read          ^len(ids)
+    piece  = decode(ids[prefix:]) less its first len(decode(ids[prefix:read])) characters
+
+The context lets decoders whose output depends on the token before (SentencePiece's leading
+space, byte-level merges) decode the new tokens as the whole text would.
+
+NOTES
+1. A piece is held back while its bytes end inside a UTF-8 character: the tokenizer says so
+   where it has ``incomplete_tail(ids)``; otherwise a trailing replacement character is held for
+   at most ``MAX_HELD_TOKENS`` tokens (a UTF-8 character is at most 4 bytes, so after that it
+   stands for invalid bytes, e.g. a random model's output, and holding it longer would hold every
+   later token back until the end of the stream).
+2. ``flush()`` emits whatever is held (the end of the stream), so the concatenated pieces are
+   the text of all tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_HELD_TOKENS = 4
+
+
+class IncrementalText:
+    """The text of a growing token sequence, piece by piece."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # first token of the context window
+        self._read = 0  # tokens whose text has been emitted
+        self._incomplete = getattr(tokenizer, "incomplete_tail", None)
+
+    @property
+    def num_held(self) -> int:
+        """Tokens whose text has not been emitted yet."""
+        return len(self.ids) - self._read
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add tokens; the new text they settle ("" while it is held, NOTE 1)."""
+        self.ids.extend(new_ids)
+        return self._piece(final=False)
+
+    def flush(self) -> str:
+        """The text still held (NOTE 2)."""
+        return self._piece(final=True)
+
+    def _piece(self, final: bool) -> str:
+        if self._read == len(self.ids):
+            return ""
+        window = self.ids[self._prefix :]
+        text = self.tokenizer.decode(window)
+        context = self.tokenizer.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        if not final:
+            if self._incomplete is not None:
+                held = self._incomplete(window)
+            else:
+                held = text.endswith("\ufffd") and self.num_held < MAX_HELD_TOKENS
+            if held or len(text) <= len(context):  # nothing new yet (or a token with no text)
+                return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(context) :]
