@@ -106,25 +106,32 @@ class StatefulWorker:
 
     # -- state lookup ---------------------------------------------------------------
     async def _plan_resume(self, tokens: list[int], hasher: BlockHasher, params: GenerateParams) -> _Resume:
-        _, device_len = await self.engine.call(self.engine.engine.resident_match, tokens, params.cache_salt)
-        if self.store is not None:
-            deadline = time.monotonic() + self.load_deadline_s  # lookup and load share one deadline
-            try:
-                point = await asyncio.wait_for(
-                    asyncio.to_thread(self.store.resumable_length, tokens, hasher, len(tokens) - 1),
-                    self.load_deadline_s)
-            except asyncio.TimeoutError:
-                self.counters["load_timeouts"] += 1
-                log.warning("state lookup passed its %.1f s deadline; recomputing", self.load_deadline_s)
-                point = None
-            except Exception:  # a tier that fails is a miss (NOTE 3)
-                self.counters["load_failures"] += 1
-                log.exception("state lookup failed; recomputing")
-                point = None
-            if point is not None and point.position > device_len:
-                loaded = await self._load(tokens, point.position, hasher, params, deadline)
-                if loaded is not None:
-                    return replace(loaded, source=_source(point.slowest_tier))
+        # the engine's resident match and the store's lookup run side by side (two thread hops at once)
+        resident = self.engine.call(self.engine.engine.resident_match, tokens, params.cache_salt)
+        if self.store is None:
+            _, device_len = await resident
+            return _Resume(None, device_len, "device" if device_len else "computed")
+        deadline = time.monotonic() + self.load_deadline_s  # lookup and load share one deadline
+        lookup = asyncio.wait_for(asyncio.to_thread(self.store.resumable_length, tokens, hasher, len(tokens) - 1),
+                                  self.load_deadline_s)
+        matched, point = await asyncio.gather(resident, lookup, return_exceptions=True)
+        if isinstance(matched, BaseException):
+            raise matched
+        _, device_len = matched
+        if isinstance(point, asyncio.TimeoutError):
+            self.counters["load_timeouts"] += 1
+            log.warning("state lookup passed its %.1f s deadline; recomputing", self.load_deadline_s)
+            point = None
+        elif isinstance(point, Exception):  # a tier that fails is a miss (NOTE 3)
+            self.counters["load_failures"] += 1
+            log.error("state lookup failed; recomputing", exc_info=point)
+            point = None
+        elif isinstance(point, BaseException):  # cancelled: not a failure of the state path
+            raise point
+        if point is not None and point.position > device_len:
+            loaded = await self._load(tokens, point.position, hasher, params, deadline)
+            if loaded is not None:
+                return replace(loaded, source=_source(point.slowest_tier))
         return _Resume(None, device_len, "device" if device_len else "computed")
 
     async def _load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,

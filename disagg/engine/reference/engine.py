@@ -520,9 +520,21 @@ class ReferenceEngine:
                     waiting=len(self._waiting), held=len(self._held), time=time.time())
 
 
+_PREFIX_CHUNK = 512
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token sequences: slices compared a chunk at a time
+    (in C), then the first differing chunk token by token. It runs under the engine lock for
+    every resident session on every request, so a per-token Python loop over a 100K-token
+    agentic context (4 ms per resident) would stall the engine."""
+    if type(a) is not type(b):
+        a, b = list(a), list(b)
     n = min(len(a), len(b))
     i = 0
-    while i < n and a[i] == b[i]:
+    while i + _PREFIX_CHUNK <= n and a[i : i + _PREFIX_CHUNK] == b[i : i + _PREFIX_CHUNK]:
+        i += _PREFIX_CHUNK
+    end = min(n, i + _PREFIX_CHUNK)
+    while i < end and a[i] == b[i]:
         i += 1
     return i

@@ -196,3 +196,26 @@ def test_replayed_turn_resumes_at_the_prompt_end_checkpoint(model):
     assert_close(logits, ref_logits)
     assert eng.cache.blocks.num_free + sum(len(r.block_table) for r in eng._residents.values()) == \
         eng.geometry.num_blocks, "pages past the resume point went back to the pool"
+
+
+def test_common_prefix_matches_a_token_by_token_scan():
+    """The chunked comparison behind ``resident_match`` (slices compared in C) against the plain
+    scan, at chunk edges, with distinct int objects and mixed sequence types."""
+    import random
+
+    from disagg.engine.reference.engine import _PREFIX_CHUNK, _common_prefix
+
+    def scan(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(0)
+    edges = [0, 1, _PREFIX_CHUNK - 1, _PREFIX_CHUNK, _PREFIX_CHUNK + 1, 3 * _PREFIX_CHUNK]
+    for _ in range(300):
+        n = rng.choice(edges + [rng.randrange(4 * _PREFIX_CHUNK)])
+        a = [rng.randrange(300, 310) for _ in range(n)]
+        k = rng.choice([n, rng.randrange(n + 1)] + [e for e in edges if e <= n])
+        b = [int(str(t)) for t in a[:k]] + [rng.randrange(300, 310) for _ in range(rng.randrange(2 * _PREFIX_CHUNK))]
+        assert _common_prefix(a, b) == scan(a, b) == _common_prefix(tuple(a), b)
