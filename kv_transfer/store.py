@@ -463,13 +463,17 @@ class StateStore:
                 first.release_many([lease for lease in leases if lease is not None])
         todo = [j for j, ok in enumerate(done) if not ok]
         objs = self._parallel(lambda j: self._load_one(keys[j], layout, rows[:, j * bs : (j + 1) * bs]), todo)
-        for j, obj in zip(todo, objs, strict=True):
-            if obj is None:
-                return False
-            if obj.start != (first_block + j) * bs:  # a block stored under another block's key
-                with self._lock:
-                    self._counters["num_corrupt_pieces"] += 1
-                return False
+        return all(self._placed(obj, (first_block + j) * bs) for j, obj in zip(todo, objs, strict=True))
+
+    def _placed(self, obj: MLABlock | None, start: int) -> bool:
+        """A block loaded by the general path is there and starts at ``start``: one stored under
+        another block's key (valid bytes, wrong place) counts as a corrupt piece."""
+        if obj is None:
+            return False
+        if obj.start != start:
+            with self._lock:
+                self._counters["num_corrupt_pieces"] += 1
+            return False
         return True
 
     def _load_blocks_direct(self, keys: list[str], first_block: int, layout: StateLayout,
@@ -485,12 +489,7 @@ class StateStore:
         bs = layout.block_size
         for j in (j for j, ok in enumerate(got.verified) if not ok):
             host = _alloc_rows((layout.num_mla_layers, bs, layout.latent_dim), got.rows.dtype)
-            obj = self._load_one(keys[j], layout, host)
-            if obj is None:
-                return None
-            if obj.start != (first_block + j) * bs:  # a block stored under another block's key
-                with self._lock:
-                    self._counters["num_corrupt_pieces"] += 1
+            if not self._placed(self._load_one(keys[j], layout, host), (first_block + j) * bs):
                 return None
             got.rows[:, j * bs : (j + 1) * bs].copy_(host)
         return got.rows

@@ -90,9 +90,11 @@ def test_batched_and_per_object_paths_store_the_same_bytes_and_load_the_same_sta
     assert tier.stats()["num_leases"] == 0
 
 
-def test_contiguous_load_falls_back_per_block_to_a_lower_tier(tmp_path) -> None:
-    """A corrupt block and a block only on disk inside a batched load: both come from the disk,
-    the corrupt one is dropped from the host, the missing one is promoted."""
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["host-rows", "direct"])
+def test_contiguous_load_falls_back_per_block_to_a_lower_tier(tmp_path, device) -> None:
+    """A corrupt block and a block only on disk inside a batched load (into host rows, or the
+    direct path of ``kv_transfer.direct``): both come from the disk, the corrupt one is dropped
+    from the host, the missing one is promoted."""
     toks = tokens(700, seed=1)
     state = make_state(LAYOUT, 640, seed=2)
     with HostTier(2 * MiB, slab_bytes=128 * KiB) as host:
@@ -108,15 +110,17 @@ def test_contiguous_load_falls_back_per_block_to_a_lower_tier(tmp_path) -> None:
         host.release(lease_id)
         host.arena.view[offset + nbytes // 2] ^= 0x40
         assert host.delete(gone)
-        loaded = store.load_state(toks, 640, H, contiguous=True)
+        loaded = store.load_state(toks, 640, H, contiguous=True, device=device)
         assert loaded is not None and states_equal(loaded, state)
+        assert host.stats()["num_leases"] == 0
         stats = store.stats()
         assert stats["num_corrupt_pieces"] == 1 and stats["num_promoted"] >= 1
         assert host.contains([gone]) == [True]
         disk.close()
 
 
-def test_a_block_under_another_blocks_key_is_a_miss_not_wrong_data() -> None:
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["host-rows", "direct"])
+def test_a_block_under_another_blocks_key_is_a_miss_not_wrong_data(device) -> None:
     toks = tokens(300, seed=4)
     state = make_state(LAYOUT, 256, seed=5)
     with HostTier(1 * MiB, slab_bytes=64 * KiB) as host:
@@ -126,7 +130,7 @@ def test_a_block_under_another_blocks_key_is_a_miss_not_wrong_data() -> None:
         k3, k4 = str(ObjectKey("mla", digests[3])), str(ObjectKey("mla", digests[4]))
         data4 = host.get_bytes(k4)
         assert host.delete(k3) and host.put_bytes(k3, data4)  # block 4's (valid) bytes as block 3
-        assert store.load_state(toks, 256, H, contiguous=True) is None
+        assert store.load_state(toks, 256, H, contiguous=True, device=device) is None
         assert store.stats()["num_corrupt_pieces"] == 1
 
 

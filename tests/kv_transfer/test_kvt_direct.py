@@ -1,5 +1,7 @@
 """Direct loads (``kv_transfer.direct``): full blocks from the host tier's arena into rows on a
-device, verified in place. On CPU the same steps run synchronously (direct NOTE 3)."""
+device, verified in place. On CPU the same steps run synchronously (direct NOTE 3). The
+fallbacks shared with the host-rows path (a corrupt block read from a lower tier, a block under
+another block's key) are parametrized over both paths in test_kvt_batch_ops.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from kvt_util import bit_equal, hasher, make_state, small_layout, states_equal, 
 from kv_transfer import codec, direct
 from kv_transfer.keys import ObjectKey
 from kv_transfer.store import StateStore
-from kv_transfer.tiers.disk import DiskTier
 from kv_transfer.tiers.host import HostTier
 from kv_transfer.tiers.host_ipc import HostTierClient, HostTierServer
 
@@ -86,27 +87,6 @@ def test_runs_break_at_gaps_missing_and_odd_sized_objects() -> None:
     assert direct._runs(spread, 100) == (128, [(0, 1, base), (1, 2, base + 500)])
 
 
-def test_a_corrupt_block_is_read_from_the_next_tier_and_dropped_from_the_host(tmp_path) -> None:
-    toks = tokens(700, seed=5)
-    state = make_state(LAYOUT, 640, seed=6)
-    with HostTier(2 * MiB, slab_bytes=128 * KiB) as tier:
-        disk = DiskTier(str(tmp_path), 8 * MiB)
-        store = StateStore([tier, disk], LAYOUT, io_threads=2)
-        store.put_state(toks, state, H)
-        for key in tier.keys():
-            assert disk.put_bytes(key, tier.get_bytes(key))
-        disk.flush()
-        corrupt = str(ObjectKey("mla", H.block_hashes(toks[:640])[9]))
-        lease_id, offset, nbytes = tier.acquire(corrupt)
-        tier.release(lease_id)
-        tier.arena.view[offset + nbytes // 2] ^= 0x40
-        loaded = store.load_state(toks, 640, H, contiguous=True, device="cpu")
-        assert loaded is not None and states_equal(loaded, state)
-        assert store.stats()["num_corrupt_pieces"] == 1
-        assert tier.stats()["num_leases"] == 0
-        disk.close()
-
-
 def test_a_corrupt_block_with_no_other_copy_is_a_miss() -> None:
     toks = tokens(300, seed=7)
     state = make_state(LAYOUT, 256, seed=8)
@@ -119,20 +99,6 @@ def test_a_corrupt_block_with_no_other_copy_is_a_miss() -> None:
         tier.arena.view[offset + 200] ^= 0x01
         assert store.load_state(toks, 256, H, contiguous=True, device="cpu") is None
         assert store.stats()["num_corrupt_pieces"] == 1 and tier.contains([key]) == [False]
-
-
-def test_a_block_under_another_blocks_key_is_a_miss_not_wrong_data() -> None:
-    toks = tokens(300, seed=9)
-    state = make_state(LAYOUT, 256, seed=10)
-    with HostTier(1 * MiB, slab_bytes=64 * KiB) as tier:
-        store = StateStore([tier], LAYOUT)
-        store.put_state(toks, state, H)
-        digests = H.block_hashes(toks[:256])
-        k3, k4 = str(ObjectKey("mla", digests[3])), str(ObjectKey("mla", digests[4]))
-        data4 = tier.get_bytes(k4)
-        assert tier.delete(k3) and tier.put_bytes(k3, data4)  # block 4's (valid) bytes as block 3
-        assert store.load_state(toks, 256, H, contiguous=True, device="cpu") is None
-        assert store.stats()["num_corrupt_pieces"] == 1
 
 
 @pytest.mark.gpu
