@@ -31,11 +31,11 @@ import mmap
 import os
 import queue
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kv_transfer import checksum
 from kv_transfer.events import EventLog, StoreEvent, object_kind_of
 from kv_transfer.tiers.disk_format import FLAG_TOMBSTONE, frame, record_size, scan_all
 
@@ -93,6 +93,7 @@ class _Loc:
     crc: int  # data CRC
     record_bytes: int  # record length on disk
     touched: bool = False  # read since written (second chance at GC)
+    algo: int = checksum.CRC32  # the CRC's algorithm (disk_format.MAGICS)
 
 
 class DiskTier:
@@ -173,7 +174,7 @@ class DiskTier:
                 seg.readers -= 1
                 if seg.doomed and seg.readers == 0:
                     self._close_segment(seg)
-        if self.verify_reads and (len(data) != loc.nbytes or zlib.crc32(data) != loc.crc):
+        if self.verify_reads and (len(data) != loc.nbytes or checksum.compute(loc.algo, data) != loc.crc):
             with self._lock:
                 self._counters["num_corrupt_reads"] += 1
                 if self._index.get(key) is loc:
@@ -235,11 +236,11 @@ class DiskTier:
                 self._seal(self._active)
                 self._active = self._new_segment()
             seg = self._active
-        bufs, data_off, crc = frame(key, data, flags)
+        bufs, data_off, crc, algo = frame(key, data, flags)
         n = os.pwritev(seg.fd, bufs, seg.size)
         assert n == need, f"short write {n} != {need}"
         with self._lock:
-            loc = _Loc(seg.seg_id, seg.size + data_off, len(data), crc, need, touched)
+            loc = _Loc(seg.seg_id, seg.size + data_off, len(data), crc, need, touched, algo)
             seg.size += need
             if flags & FLAG_TOMBSTONE:
                 return
@@ -364,7 +365,7 @@ class DiskTier:
             if rec.tombstone:
                 continue
             need = rec.end - rec.offset
-            self._index[rec.key] = _Loc(seg_id, rec.data_offset, rec.data_len, rec.data_crc, need)
+            self._index[rec.key] = _Loc(seg_id, rec.data_offset, rec.data_len, rec.data_crc, need, algo=rec.algo)
             seg.live_bytes += need
         if torn:
             self._seal(seg)

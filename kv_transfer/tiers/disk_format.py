@@ -9,8 +9,12 @@ a scan can resynchronise after damage and payloads are aligned for
 
     offset 0                 24        align64(24 + key_len)          align64(...)
            | header (24 B)   | key     | pad | data (data_len)  | pad |
-    header := magic "DKR1" | u16 key_len | u16 flags | u64 data_len
+    header := magic | u16 key_len | u16 flags | u64 data_len
               | u32 data_crc | u32 header_crc (over header[:20] + key)
+
+The magic names the checksum of both CRCs: "DKR2" CRC32C (written where the native CRC32C
+of ``kv_transfer.checksum`` is available: several times zlib's speed, GIL released), "DKR1"
+CRC-32 (written otherwise; files written before DKR2 existed read as before).
 
 flags: 0 = object, 1 = tombstone (the key was deleted; data_len = 0).
 """
@@ -18,11 +22,13 @@ flags: 0 = object, 1 = tombstone (the key was deleted; data_len = 0).
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-RECORD_MAGIC = b"DKR1"
+from kv_transfer import checksum
+
+MAGICS = {b"DKR1": checksum.CRC32, b"DKR2": checksum.CRC32C}  # magic -> checksum algorithm
+RECORD_MAGIC = b"DKR2" if checksum.WRITE_ALGO == checksum.CRC32C else b"DKR1"  # what ``frame`` writes
 RECORD_ALIGN = 64
 FLAG_TOMBSTONE = 1
 _HEADER = struct.Struct("<4sHHQII")
@@ -38,18 +44,19 @@ def record_size(key_len: int, data_len: int) -> int:
     return align(HEADER_BYTES + key_len) + align(data_len)
 
 
-def frame(key: str, data: bytes | memoryview, flags: int = 0) -> tuple[list[bytes | memoryview], int, int]:
+def frame(key: str, data: bytes | memoryview, flags: int = 0) -> tuple[list[bytes | memoryview], int, int, int]:
     """Buffers to write for one record (for ``os.writev``), the data's offset
-    within the record and the data CRC."""
+    within the record, the data CRC and its algorithm (``MAGICS[RECORD_MAGIC]``)."""
     kb = key.encode()
-    data_crc = zlib.crc32(data)
+    algo = MAGICS[RECORD_MAGIC]
+    data_crc = checksum.compute(algo, data)
     head = _HEADER.pack(RECORD_MAGIC, len(kb), flags, len(data), data_crc, 0)
-    header_crc = zlib.crc32(kb, zlib.crc32(head[:20]))
+    header_crc = checksum.compute(algo, kb, checksum.compute(algo, head[:20]))
     head = head[:20] + struct.pack("<I", header_crc)
     data_off = align(HEADER_BYTES + len(kb))
     pad1 = bytes(data_off - HEADER_BYTES - len(kb))
     pad2 = bytes(align(len(data)) - len(data))
-    return [head, kb, pad1, data, pad2], data_off, data_crc
+    return [head, kb, pad1, data, pad2], data_off, data_crc, algo
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +65,10 @@ class ScannedRecord:
     offset: int  # record start in the file
     data_offset: int  # absolute offset of the data in the file
     data_len: int  # data bytes
-    data_crc: int  # CRC-32 of the data
+    data_crc: int  # CRC of the data
     tombstone: bool  # a delete marker
     end: int  # offset just past the record (aligned)
+    algo: int = checksum.CRC32  # the CRCs' algorithm (``kv_transfer.checksum``), from the magic
 
 
 @dataclass(slots=True)
@@ -78,9 +86,11 @@ def scan(buf: memoryview | bytes, size: int | None = None) -> Iterator[ScannedRe
     while pos + HEADER_BYTES <= size:
         magic, key_len, flags, data_len, data_crc, header_crc = _HEADER.unpack_from(buf, pos)
         key_end = pos + HEADER_BYTES + key_len
-        ok = magic == RECORD_MAGIC and key_end <= size
+        algo = MAGICS.get(magic)
+        ok = algo is not None and key_end <= size
         if ok:
-            ok = zlib.crc32(buf[pos + HEADER_BYTES : key_end], zlib.crc32(buf[pos : pos + 20])) == header_crc
+            head = checksum.compute(algo, buf[pos : pos + 20])
+            ok = checksum.compute(algo, buf[pos + HEADER_BYTES : key_end], head) == header_crc
         if not ok:
             nxt = _resync(buf, pos + RECORD_ALIGN, size)
             if nxt == size and magic == bytes(4) and not any(bytes(buf[pos:size])):
@@ -93,19 +103,20 @@ def scan(buf: memoryview | bytes, size: int | None = None) -> Iterator[ScannedRe
         if data_off + data_len > size:
             yield pos  # torn tail: the header made it to disk, the data did not
             return
-        if zlib.crc32(buf[data_off : data_off + data_len]) != data_crc:
+        if checksum.compute(algo, buf[data_off : data_off + data_len]) != data_crc:
             yield pos
         else:
             key = bytes(buf[pos + HEADER_BYTES : key_end]).decode("utf-8", "replace")
-            yield ScannedRecord(key, pos, data_off, data_len, data_crc, bool(flags & FLAG_TOMBSTONE), min(end, size))
+            yield ScannedRecord(key, pos, data_off, data_len, data_crc, bool(flags & FLAG_TOMBSTONE), min(end, size),
+                                algo)
         pos = end
 
 
 def _resync(buf: memoryview | bytes, pos: int, size: int) -> int:
-    """Next 64-byte aligned offset at or after ``pos`` that starts with the magic."""
+    """Next 64-byte aligned offset at or after ``pos`` that starts with a magic."""
     raw = buf.obj if isinstance(buf, memoryview) and hasattr(buf.obj, "find") else bytes(buf)
     while pos < size:
-        found = raw.find(RECORD_MAGIC, pos, size)
+        found = min((f for f in (raw.find(m, pos, size) for m in MAGICS) if f >= 0), default=-1)
         if found < 0:
             return size
         if found % RECORD_ALIGN == 0:

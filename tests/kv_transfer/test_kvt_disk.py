@@ -150,3 +150,37 @@ def test_admission_second_touch_and_backpressure(tmp_path) -> None:
     tier.close()
     with pytest.raises(ValueError):
         DiskTier(str(tmp_path / "b"), 4 * MiB, admission="never")
+
+
+def test_crc32_records_of_older_files_read_beside_crc32c_ones(tmp_path, monkeypatch) -> None:
+    """Segments of "DKR1" records (CRC-32: files from before CRC32C frames, or a machine without
+    the native CRC32C) are recovered and verified beside "DKR2" (CRC32C) ones."""
+    from kv_transfer.tiers import disk_format
+
+    d = str(tmp_path)
+    with monkeypatch.context() as m:  # a writer of the older format
+        m.setattr(disk_format, "RECORD_MAGIC", b"DKR1")
+        old = DiskTier(d, 8 * MiB, segment_bytes=256 * KiB)
+        for i in range(12):
+            assert old.put_bytes(f"old{i}", payload(f"old{i}", 30_000))
+        old.flush()
+        assert old.get_bytes("old3") == payload("old3", 30_000), "verified with the CRC it was written with"
+        old.close()
+    def magics(files: list[str]) -> set[bytes]:
+        out = set()
+        for path in files:
+            with open(path, "rb") as f:
+                out.add(f.read(4))
+        return out
+
+    older = segment_files(d)
+    assert magics(older) == {b"DKR1"}
+    tier = DiskTier(d, 8 * MiB, segment_bytes=256 * KiB)
+    for i in range(12):
+        assert tier.put_bytes(f"new{i}", payload(f"new{i}", 30_000))
+    tier.close()
+    assert magics([p for p in segment_files(d) if p not in older]) == {disk_format.RECORD_MAGIC}
+    again = DiskTier(d, 8 * MiB, segment_bytes=256 * KiB)
+    assert again.stats()["num_objects"] == 24 and again.stats()["corrupt_records_skipped"] == 0
+    assert all(again.get_bytes(f"{k}{i}") == payload(f"{k}{i}", 30_000) for k in ("old", "new") for i in range(12))
+    again.close()
