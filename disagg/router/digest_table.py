@@ -68,7 +68,10 @@ FULL_WORD = (1 << WORD_BITS) - 1
 NUM_TIER_COLUMNS = 4
 BUCKET_SLOTS = 8  # entries per hash bucket
 REC_LO, REC_HI, REC_LINK, REC_MASKS = 0, 1, 2, 3  # record columns (masks from REC_MASKS on)
+assert (REC_MASKS, NUM_TIER_COLUMNS) == (3, 4), "clear_bits reads the mask columns as v[3] .. v[6]"
 _ZERO_KEY = bytes(DIGEST_BYTES)
+_KEY_LEN = {DIGEST_BYTES}
+BACKLOG = 1 << 15  # pending row changes that ``settle`` flushes
 _all = np.logical_and.reduce  # ``a.all()`` without the method's Python wrapper
 _any = np.logical_or.reduce
 _HALVES = struct.Struct("=QQ").unpack  # (lo, hi) in native order, as numpy's uint64 view reads them
@@ -243,6 +246,24 @@ class DigestTable:
             i = n if _all(found) else int(found.argmin())
         return rows, recs
 
+    def prefix_ints(self, digests: list[bytes]) -> list[list[int]]:
+        """``find_prefix`` on the event side: the int records (``_ints``, NOTE 4) of the leading run
+        of present digests, read-only, without a flush (``settle`` bounds what is pending)."""
+        keys = digests if set(map(len, digests)) <= _KEY_LEN else list(map(digest_key, digests))
+        rows = list(map(self._row.get, keys))
+        try:
+            del rows[rows.index(None):]
+        except ValueError:
+            pass
+        self.settle()
+        return list(map(self._ints.__getitem__, rows))  # type: ignore[arg-type]
+
+    def settle(self) -> None:
+        """``flush`` once more than ``BACKLOG`` row changes are pending (readers of the int side
+        alone would otherwise let the pending lists grow without bound)."""
+        if len(self._dirty) > BACKLOG:
+            self.flush()
+
     def lookup(self, digests: list[bytes]) -> np.ndarray:
         """Rows of ``digests`` (int64, -1 where absent)."""
         return self.find(digests)[0]
@@ -380,6 +401,48 @@ class DigestTable:
             v[col] = new
             self._dirty.append(row)
         return any(v[REC_MASKS:])
+
+    def add_bits(self, key: bytes, tier: int, mask: int) -> int:
+        """``change(row, tier, mask, 0)`` by key, inserting the row when ``key`` is new.
+
+        ``key`` is a 16-byte key (``digest_key``), ``mask`` non-zero. Returns the row
+        if it was inserted (the caller links it), else -1.
+        """
+        row = self._row.get(key)
+        inserted = -1
+        if row is None:
+            row = inserted = self.insert(key)
+        v = self._ints[row]
+        col = REC_MASKS + tier
+        old = v[col]
+        new = (old | mask) & self._full
+        if new != old:
+            v[col] = new
+            self._dirty.append(row)
+        elif inserted >= 0 and not new:  # no bit of the table's words: the new row stays empty (NOTE 3)
+            self.delete(key)
+            return -1
+        return inserted
+
+    def clear_bits(self, key: bytes, tier: int, mask: int) -> bool:
+        """``change(row, tier, 0, mask)`` by key (16 bytes), freeing a row left with no mask (NOTE 3).
+
+        Returns whether a row was freed (an absent key: nothing to clear, False).
+        """
+        row = self._row.get(key)
+        if row is None:
+            return False
+        v = self._ints[row]
+        col = REC_MASKS + tier
+        old = v[col]
+        new = old & ~mask & self._full
+        if new != old:
+            v[col] = new
+            self._dirty.append(row)
+        if v[3] or v[4] or v[5] or v[6]:  # the NUM_TIER_COLUMNS masks after REC_MASKS
+            return False
+        self.delete(key)
+        return True
 
     def widen(self, num_words: int, global_tiers: tuple[int, ...]) -> None:
         """Grow masks to ``num_words`` words; objects in a global-scope tier get the new bits too."""

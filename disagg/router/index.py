@@ -37,10 +37,17 @@ the prompt length or the index size:
     tier(w, p) = min t with w in cum[t, p / bs - 1] & le_t(checkpoint) [& le_t(tail)]
 
 The resume points (a linked checkpoint at block k, or a probed tail) are then
-visited furthest first as Python ints: each worker takes the first point it
-can read, at the fastest tier it can read it from; the loop ends once every
-worker with a point has one (usually at the first point). Results are
-``disagg.router.match.MatchResult`` (re-exported here).
+visited furthest first as Python ints (``disagg.router.walk.visit_points``):
+each worker takes the first point it can read, at the fastest tier it can
+read it from; the loop ends once every worker with a point has one (usually
+at the first point). Results are ``disagg.router.match.MatchResult``
+(re-exported here). Prompts of at most ``int_walk_blocks`` full blocks take
+the same walk on the rows' Python int masks instead (``disagg.router.walk``:
+no numpy call per step, no flush), which is cheaper below a few dozen blocks.
+
+Producers that report one (tier, reporter) many times (the simulator's
+tiers) apply their events through ``updater``: ``apply_update`` without the
+per-event ``IndexUpdate`` and scope resolution (NOTE 7).
 
 NOTES
 1. Resumable length never exceeds the newest KDA checkpoint a worker holds
@@ -57,28 +64,34 @@ NOTES
    row at its digest, a new MLA row links the current KDA row.
 6. Worker bits are never reused; a worker past the last mask word widens
    every table by a word (global-tier objects get the new bits too).
+7. ``updater(tier, reporter)(stored, kind, digest)`` changes the index exactly
+   as ``apply_update`` of the same stored / evicted event: the same table
+   operations in the same order; the reporter's scope mask is resolved again
+   whenever a worker has joined since (``_members``), so a node-shared tier
+   sees every worker of its node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import accumulate
-from operator import itemgetter, or_
 from typing import Any
 
 import numpy as np
 
 from disagg.router.digest_table import (
+    DIGEST_BYTES,
     REC_LINK,
     REC_MASKS,
     WORD_BITS,
     DigestTable,
+    digest_key,
     mask_words,
     words_mask,
 )
 from disagg.router.match import MatchResult, PrefixMatch, _Lengths
 from disagg.router.types import TIER_INDEX, TIERS, RouteRequest
+from disagg.router.walk import tail_points, visit_points, walk_ints
 
 __all__ = ["IndexUpdate", "MatchResult", "PrefixIndex", "PrefixMatch", "tier_of", "update_from_event"]
 
@@ -86,9 +99,8 @@ SCOPES = ("worker", "node", "global")
 DEFAULT_SCOPES = {"device": "worker", "host": "node", "disk": "node", "remote": "global"}
 OBJECT_KINDS = ("mla", "tail", "kda")
 _ANY = 3  # tier column of "readable from any tier" in le / cum
-_NO_TIER = -1
+INT_WALK_BLOCKS = 64  # longest prompt (full blocks) walked on ints (disagg.router.walk); longer ones use numpy
 _ONE = np.uint64(1)
-_POSITION = itemgetter(0)
 _any = np.logical_or.reduce  # ``a.any()`` without the method's Python wrapper
 
 
@@ -175,13 +187,6 @@ def _le(masks: np.ndarray) -> np.ndarray:
     return le
 
 
-def _bits(mask: int) -> Iterable[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
 class PrefixIndex:
     """Per-worker, per-tier index of MLA blocks, tails and KDA checkpoints.
 
@@ -209,6 +214,8 @@ class PrefixIndex:
         self._tail = DigestTable()  # MLA tails by tail digest
         self._tables = {"mla": self._mla, "kda": self._kda, "tail": self._tail}
         self._cand: _Candidates | None = None  # last candidate list
+        self._members = 0  # workers registered (what updater() scope masks were resolved against)
+        self.int_walk_blocks = INT_WALK_BLOCKS  # prompts of at most this many blocks take the int walk
         self.num_events = 0  # events applied
         self.num_ignored = 0  # events the adapter dropped (see update_from_event)
 
@@ -228,6 +235,7 @@ class PrefixIndex:
         node = node_id or worker_id
         self._node_of[worker_id] = node
         self._node_mask[node] = self._node_mask.get(node, 0) | (1 << bit)
+        self._members += 1
         return bit
 
     def node_of(self, worker_id: str) -> str:
@@ -312,6 +320,46 @@ class PrefixIndex:
             raise ValueError(f"unknown event kind {u.op!r}")
         self.num_events += 1
 
+    def updater(self, tier: str, reporter: str) -> Callable[[bool, str, bytes], None]:
+        """A hot path for one producer's stored / evicted events (the simulator's tiers), NOTE 7.
+
+        Returns ``update(stored, kind, digest)``, equivalent to ``apply_update(IndexUpdate(
+        "stored" if stored else "evicted", kind, digest, tier, reporter))`` without building
+        the update or resolving the tier and the reporter's scope per event.
+        """
+        t = TIER_INDEX[tier]
+        tables, mla, kda = self._tables, self._mla, self._kda
+        scope = [-1, 0]  # _members when resolved, the scope mask
+
+        def update(stored: bool, kind: str, digest: bytes) -> None:
+            if scope[0] != self._members:
+                mask = self._scope_mask(tier, reporter)  # may register the reporter: read _members after
+                scope[0], scope[1] = self._members, mask
+            else:
+                mask = scope[1]
+            self.num_events += 1
+            if not mask:  # nobody can read it: _change is a no-op
+                return
+            key = digest if len(digest) == DIGEST_BYTES else digest_key(digest)
+            table = tables[kind]
+            if stored:
+                row = table.add_bits(key, t, mask)
+                if row >= 0:  # a new row: NOTE 5 (a new MLA row's link is already "none")
+                    if table is mla:
+                        kda_row = kda.row(key)
+                        if kda_row is not None:
+                            mla.set_link(row, kda_row)
+                    elif table is kda:
+                        mla_row = mla.row(key)
+                        if mla_row is not None:
+                            mla.set_link(mla_row, row)
+            elif table.clear_bits(key, t, mask) and table is kda:
+                mla_row = mla.row(key)
+                if mla_row is not None:
+                    mla.set_link(mla_row, None)
+
+        return update
+
     def apply(self, event: Any) -> None:
         """Apply one kv_transfer store event."""
         u = update_from_event(event)
@@ -375,6 +423,17 @@ class PrefixIndex:
                 candidates can read it (None: no common-prefix count).
         """
         c = self._candidates(worker_ids)
+        if len(request.block_hashes) <= self.int_walk_blocks:  # the same walk on ints (disagg.router.walk)
+            common, resumable, tiers, lengths = walk_ints(self, c, request, common_min)
+            return MatchResult(
+                None,
+                common,
+                worker_ids=worker_ids if type(worker_ids) is list else list(worker_ids),
+                resumable=resumable,
+                tiers=tiers,
+                mla_blocks=lengths,
+                arrays=(np.array(resumable, np.float64), np.array(tiers, np.int64)),
+            )
         bs, plen = request.block_size, request.prompt_len
         rows, recs = self._prefix(request)
         cum = _le(self._mla.rec_masks(recs))  # (tier, n, word): le
@@ -405,13 +464,11 @@ class PrefixIndex:
 
     def _resolve(self, c: _Candidates, request: RouteRequest, recs: np.ndarray, cum: np.ndarray, bs: int,
                  plen: int) -> tuple[list[int], list[int], list[int]]:
-        """Furthest resume point and its slowest tier per candidate (0 and -1: none), and who has one.
+        """The numpy walk's resume points, resolved by ``disagg.router.walk.visit_points``.
 
-        Resume points (position p, blocks read k, workers able to resume there,
-        the le masks of the extra objects read) are visited furthest first; a
-        worker takes the first one it can read, at the fastest tier t with the
-        worker in ``cum[t, k - 1]`` and in every extra object's le_t. Masks
-        become Python ints here: few points are ever resolved.
+        Resume points: position p, blocks read k, workers able to resume there
+        (readers of blocks 0..k-1 that can read the point's objects from some
+        tier), the le masks of the extra objects read.
         """
         n = len(recs)
         limit = max(min(n, (plen - 1) // bs), 0)  # aligned points p = k * bs < plen
@@ -431,75 +488,17 @@ class PrefixIndex:
             at = np.minimum(ends, limit - 1)
             keep = at >= 0
             at, kms, ck_l = at[keep], kms[keep], None
-        at_l, km_l = at.tolist(), _ints(kms)  # points nobody reads have km 0: skipped below
-        tails = self._tail_points(c, request, cum, bs, plen, n)
-        n_c = len(c.bits)
-        res, tier = [0] * n_c, [_NO_TIER] * n_c
-        got: list[int] = []  # candidate positions given a point
-        todo = 0  # workers with a point, not yet given their furthest
-        for km in km_l:
-            todo |= km
-        for pt in tails:
-            todo |= pt[2]
-        rank, remote = c.rank, len(TIERS) - 1
-        j = len(at_l) - 1
-        while todo:
-            if tails and (j < 0 or tails[0][0] > (at_l[j] + 1) * bs):
-                p, k, km, objs = tails.pop(0)
-            else:
-                k, km = at_l[j] + 1, km_l[j]
-                p = k * bs
-                objs = [list(accumulate(kda.int_masks(ck_l[j]), or_))] if ck_l is not None else []
-                j -= 1
-            new = km & todo
-            if not new:
-                continue
-            todo &= ~new
-            fast = _ints(cum[:remote, k - 1]) if k else [c.mask] * remote  # readers of blocks 0..k-1 per tier
-            rest = new
-            for t in range(remote):
-                m = rest & fast[t]
-                for o in objs:
-                    m &= o[t]
-                for b in _bits(m):
-                    for x in rank[b]:
-                        res[x], tier[x] = p, t
-                        got.append(x)
-                rest &= ~m
-                if not rest:
-                    break
-            for b in _bits(rest):
-                for x in rank[b]:
-                    res[x], tier[x] = p, remote
-                    got.append(x)
-        return res, tier, got
+        at_l, km_l = at.tolist(), _ints(kms)  # points nobody reads have km 0: skipped when visited
+        remote = len(TIERS) - 1
 
-    def _tail_points(self, c: _Candidates, request: RouteRequest, cum: np.ndarray, bs: int, plen: int, n: int
-                     ) -> list[tuple[int, int, int, list[list[int]]]]:
-        """Unaligned resume points the request probes: (p, k, workers, le ints of tail [and checkpoint]), furthest first."""
-        points = []
-        for probe in request.tail_probes:
-            p = probe.position
-            k = p // bs
-            if not 0 < p < plen or not p % bs or k > n:
-                continue
-            t = self._tail.row(probe.digest)
-            if t is None:
-                continue
-            objs = [self._tail.int_masks(t)]
-            if self.hybrid:
-                kr = self._kda.row(probe.digest)
-                if kr is None:
-                    continue
-                objs.append(self._kda.int_masks(kr))
-            les = [list(accumulate(o, or_)) for o in objs]  # readable no slower than t, per object
-            km = c.mask if k == 0 else _ints(cum[_ANY, k - 1])[0]
-            for le in les:
-                km &= le[_ANY]
-            if km:
-                points.append((p, k, km, les))
-        points.sort(key=_POSITION, reverse=True)  # ties keep probe order
-        return points
+        def alive_at(k: int) -> int:
+            return c.mask if k == 0 else _ints(cum[_ANY, k - 1])[0]
+
+        def fast_at(k: int) -> list[int]:
+            return _ints(cum[:remote, k - 1]) if k else [c.mask] * remote
+
+        tails = tail_points(self, c, request, alive_at, bs, plen, n)
+        return visit_points(self, c, at_l, km_l, ck_l, tails, fast_at, bs)
 
     def block_overlap(self, request: RouteRequest, worker_ids: list[str]) -> dict[str, list[int]]:
         """Per worker, consecutive leading blocks counted by their fastest tier.

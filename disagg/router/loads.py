@@ -111,7 +111,7 @@ class LoadTracker:
     def session(self, session_id: str) -> SessionPlacement | None:
         return self._sessions.get(session_id) if session_id else None
 
-    def _pending(self, book: dict[str, list[tuple[float, int]]], pos: dict[str, int], updated: np.ndarray,
+    def _pending(self, book: dict[str, list[tuple[float, int]]], pos: dict[str, int], updated: list[float],
                  now: float, out: np.ndarray) -> None:
         tau = self.prediction_tau_s
         horizon = 10 * tau
@@ -157,7 +157,7 @@ class LoadTracker:
         base = data[:4]  # the four live stats, one row each
         if self._prefill_pending or self._decode_pending:
             pos = dict(zip(ids, range(n), strict=True))
-            updated = np.fromiter(map(_T, workers), np.float64, n)
+            updated = list(map(float, map(_T, workers)))  # Python floats: compared per pending item
             self._pending(self._prefill_pending, pos, updated, now, base[0])
             self._pending(self._decode_pending, pos, updated, now, base[1])
         st = self._state[:, slots]

@@ -128,3 +128,39 @@ class _Lengths:
 
     def __eq__(self, other: object) -> bool:
         return list(self) == list(other)  # type: ignore[call-overload]
+
+
+class _IntLengths:
+    """``_Lengths`` of the int walk (``disagg.router.walk``): ``alive[i]`` the readers of blocks 0..i as ints."""
+
+    __slots__ = ("_alive", "_bits", "_list")
+
+    def __init__(self, alive: list[int], bits: list[int]):
+        self._alive, self._bits, self._list = alive, bits, None
+
+    def _count(self, bit: int) -> int:  # alive is non-increasing: the rows holding the bit lead
+        n = 0
+        for a in self._alive:
+            if not a >> bit & 1:
+                break
+            n += 1
+        return n
+
+    def _expand(self) -> list[int]:
+        if self._list is None:
+            self._list = [self._count(b) for b in self._bits]
+        return self._list
+
+    def __len__(self) -> int:
+        return len(self._bits)
+
+    def __getitem__(self, i: int) -> int:
+        if self._list is not None:
+            return self._list[i]
+        return self._count(self._bits[i])
+
+    def __iter__(self):
+        return iter(self._expand())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other)  # type: ignore[call-overload]

@@ -80,17 +80,38 @@ class LRUTier:
         return evicted
 
     def put_many(self, keys: list[Hashable], size: int = 1) -> None:
-        """``put`` every key in order: residents are refreshed in one C loop, new ones inserted."""
+        """``put`` every key in order: the leading residents are refreshed in one C loop, the rest one by one.
+
+        The C loop (``move_to_end`` over the keys) stops at the first key that is not resident
+        (a KeyError): the keys before it were refreshed, exactly what ``put`` does to a resident.
+        """
         items = self._items
-        flags = list(map(items.__contains__, keys))
-        if all(flags):
-            self.touch_many(keys)
-            return
-        for key in keys:  # an insert may evict a key further down the list: check again
+        rest = iter(keys)
+        try:
+            deque(map(items.move_to_end, rest), maxlen=0)
+            return  # all resident
+        except KeyError:
+            pass
+        first = len(keys) - len(list(rest)) - 1  # the key that raised (``rest`` holds the keys after it)
+        on_event = self.on_event
+        capacity = self.capacity
+        for key in keys[first:]:  # an insert may evict a key further down the list: check again
             if key in items:
                 items.move_to_end(key)
-            else:
-                self.put(key, size)
+                continue
+            if size > capacity:  # refused (NOTE 3)
+                continue
+            while self.used + size > capacity:  # ``put``, inline
+                old, old_size = items.popitem(last=False)
+                self.used -= old_size
+                self.num_evictions += 1
+                if on_event:
+                    on_event("evicted", old)
+            items[key] = size
+            self.used += size
+            if on_event:
+                on_event("stored", key)
+        assert self.used <= capacity, "tier over capacity"
 
     def discard(self, key: Hashable) -> None:
         """Drop ``key`` if resident (reported as an eviction)."""

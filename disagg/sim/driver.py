@@ -89,15 +89,22 @@ def group_sessions(requests: list[SimRequest], order: str = "timestamp") -> list
 
 
 class _Lane:
-    __slots__ = ("lane", "rng", "first", "turns", "pos", "salt")
+    __slots__ = ("lane", "seed", "_rng", "first", "turns", "pos", "salt")
 
     def __init__(self, lane: int, seed: int):
         self.lane = lane
-        self.rng = random.Random(seed * 1_000_003 + lane)
+        self.seed = seed * 1_000_003 + lane
+        self._rng: random.Random | None = None  # seeded on first use (only sampled start turns draw)
         self.first = True
         self.turns: list[SimRequest] = []
         self.pos = 0
         self.salt = 0
+
+    @property
+    def rng(self) -> random.Random:
+        if self._rng is None:
+            self._rng = random.Random(self.seed)
+        return self._rng
 
 
 class Driver:

@@ -40,10 +40,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from operator import or_
+from operator import gt, or_
 from typing import TYPE_CHECKING
 
-from disagg.router.index import IndexUpdate
 from disagg.router.types import TailProbe
 from disagg.sim.cache import LRUTier
 from disagg.sim.cost_model import CostModel
@@ -112,23 +111,29 @@ class StateModel:
 
     # ---- index publication -------------------------------------------------------
     def listener(self, tier: str, reporter: str, spill: LRUTier | None = None) -> Callable[[str, Hashable], None]:
-        """Tier event callback: index updates (and host -> disk spill, NOTE 3)."""
-        apply = self.index.apply_update
+        """Tier event callback: index updates (and host -> disk spill, NOTE 3).
+
+        Each event is the index's ``apply_update`` of ``IndexUpdate(op, kind, digest, tier,
+        reporter)``, through its per-producer hot path (``PrefixIndex.updater``).
+        """
+        update = self.index.updater(tier, reporter)
         units = self.ckpt_units
 
         def on_event(op: str, key: Hashable) -> None:
             assert isinstance(key, bytes)
+            stored = op == "stored"  # else "evicted" (LRUTier's two events)
             if len(key) == 16:
-                apply(IndexUpdate(op, "mla", key, tier, reporter))
+                update(stored, "mla", key)
                 self.num_events += 1
             elif key[:1] == _K:
-                apply(IndexUpdate(op, "kda", key[1:], tier, reporter))
+                update(stored, "kda", key[1:])
                 self.num_events += 1
             else:
-                apply(IndexUpdate(op, "tail", key[1:], tier, reporter))
-                apply(IndexUpdate(op, "kda", key[1:], tier, reporter))
+                digest = key[1:]
+                update(stored, "tail", digest)
+                update(stored, "kda", digest)
                 self.num_events += 2
-            if spill is not None and op == "evicted":
+            if spill is not None and not stored:
                 spill.put(key, 1 if len(key) == 16 else units)
 
         return on_event
@@ -197,7 +202,7 @@ class StateModel:
         if missing:
             if host is not None:
                 on_host = flags[1][:m]
-                from_host = sum(1 for a, b in zip(on_dev, on_host, strict=True) if not a and b)
+                from_host = sum(map(gt, on_host, on_dev))  # on the host, not on the device (bools)
             else:
                 from_host = 0
             from_disk = missing - from_host

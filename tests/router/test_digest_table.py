@@ -115,3 +115,50 @@ def test_find_on_an_empty_table():
     t = DigestTable()
     rows, recs = t.find([os.urandom(16) for _ in range(5)])
     assert rows.tolist() == [-1] * 5 and recs.shape == (5, REC_MASKS + 4) and not np.any(recs)
+
+
+def test_add_and_clear_bits_are_change_by_key():
+    t, ref = DigestTable(), DigestTable()
+    rng = random.Random(5)
+    keys = [os.urandom(16) for _ in range(40)]
+    frees = 0
+    for _ in range(2000):
+        k, tier, mask = rng.choice(keys), rng.choice((0, 0, 1, 3)), 1 << rng.randrange(6) | 1 << rng.randrange(6)
+        row = ref.row(k)
+        if rng.random() < 0.6:
+            new = row is None
+            if new:
+                row = ref.insert(k)
+            ref.change(row, tier, mask, 0)
+            assert t.add_bits(k, tier, mask) == (row if new else -1)
+        else:
+            mask = 63 if rng.random() < 0.5 else mask
+            freed = row is not None and not ref.change(row, tier, 0, mask)
+            if freed:
+                ref.delete(k)
+                frees += 1
+            assert t.clear_bits(k, tier, mask) is freed
+    assert frees > 20
+    live = sorted(ref._row)
+    assert sorted(t._row) == live
+    assert [t.int_masks(t.row(k)) for k in live] == [ref.int_masks(ref.row(k)) for k in live]
+    assert t.rec[[t.row(k) for k in live], REC_MASKS:].tolist() == ref.rec[[ref.row(k) for k in live], REC_MASKS:].tolist()
+    assert t.prefix_ints(live) == [t._ints[t.row(k)] for k in live]
+    gone = os.urandom(16)
+    assert t.prefix_ints(live[:3] + [gone] + live[3:]) == [t._ints[t.row(k)] for k in live[:3]]
+
+
+def test_settle_flushes_a_long_backlog_only(monkeypatch):
+    import disagg.router.digest_table as dt
+
+    monkeypatch.setattr(dt, "BACKLOG", 10)
+    t = DigestTable()
+    for i in range(5):
+        t.add_bits(bytes([i + 1]) * 16, 0, 1)
+    t.settle()
+    assert t._dirty  # 5 pending rows: kept
+    for i in range(5, 12):
+        t.add_bits(bytes([i + 1]) * 16, 0, 1)
+    t.settle()
+    assert not t._dirty and not t._new
+    assert t.find([bytes([3]) * 16])[0].tolist() == [2]

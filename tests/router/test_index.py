@@ -258,3 +258,42 @@ def test_remove_worker_objects_and_tier_masks_past_64_workers():
     idx.remove_worker_objects("w66")
     assert idx.resumable(req(h, 4 * BS + 1), "w66") == (0, None)
     assert idx.num_objects() == {"mla": 2, "kda": 0, "tail": 0}  # h[0] stays on n8's host, h[1] remote
+
+
+def _table_state(idx: PrefixIndex) -> dict:
+    out = {}
+    for kind, table in idx._tables.items():
+        for key in table._row:
+            row = table.row(key)
+            link = table.link(row) if kind == "mla" else None
+            out[kind, key] = (idx.tier_masks(kind, key), None if link is None else idx._kda.digest(link))
+    return out
+
+
+def test_updater_applies_what_apply_update_applies():
+    import random
+
+    from disagg.router.index import IndexUpdate
+
+    rng = random.Random(3)
+    h = chain(30)
+    slow, fast = PrefixIndex(), PrefixIndex()
+    for idx in (slow, fast):
+        idx.add_worker("a", "n0")
+    producers = [("device", "a"), ("host", "a"), ("host", "n0"), ("disk", "b"), ("remote", "c"), ("device", "n0")]
+    updaters = {p: fast.updater(*p) for p in producers}
+    for step in range(3000):
+        if step == 1000:  # a node mate joins after the updaters were made: n0's host tier reaches it too
+            for idx in (slow, fast):
+                idx.add_worker("d", "n0")
+        tier, reporter = rng.choice(producers)
+        op, kind, digest = rng.choice(("stored", "stored", "evicted")), rng.choice(("mla", "kda", "tail")), rng.choice(h)
+        slow.apply_update(IndexUpdate(op, kind, digest, tier, reporter))
+        updaters[tier, reporter](op == "stored", kind, digest)
+        if step % 500 == 0:
+            assert _table_state(fast) == _table_state(slow)
+    assert _table_state(fast) == _table_state(slow)
+    assert fast.num_events == slow.num_events == 3000
+    assert fast.worker_ids == slow.worker_ids
+    r = req(h, 30 * BS + 1)
+    assert fast.match(r, fast.worker_ids, 2).resumable == slow.match(r, slow.worker_ids, 2).resumable
