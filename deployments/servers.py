@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import time
+from contextlib import aclosing
 
 from ray import serve
 
@@ -159,10 +160,11 @@ class DecodeServer(_ServerBase):
         try:
             fn = self._prefill if self.prefill_handle is not None else None
             try:
-                async for chunk in self.worker.generate(params, fn):
-                    if chunk.token_ids and "first_yield" not in stamps:
-                        stamps["first_yield"] = time.perf_counter()
-                    yield chunk
+                async with aclosing(self.worker.generate(params, fn)) as chunks:  # a cancelled call aborts it
+                    async for chunk in chunks:
+                        if chunk.token_ids and "first_yield" not in stamps:
+                            stamps["first_yield"] = time.perf_counter()
+                        yield chunk
             except ValueError as exc:  # refused by the engine: the client's fault
                 yield StreamChunk(finished=True, finish_reason="invalid", error=str(exc), replica_id=self.replica_id)
         finally:

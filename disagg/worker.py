@@ -43,6 +43,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -303,21 +304,23 @@ class StatefulWorker:
         finished = False
         num_streamed = first_index - params.resumed_output_tokens
         try:
-            async for out in self.engine.generate(req):
-                chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason, len(params.prompt_token_ids),
-                                    cached if handle else out.num_cached_tokens, source if handle else out.cached_source,
-                                    out.error, transfer_bytes, transfer_s, self.replica_id)
-                if out.finished:
-                    finished = True
-                    if out.finish_reason in ("length", "stop"):  # checkpoint the turn end off the response path
-                        self._spawn(self._publish_turn_end(rid, hasher), _session_key(params))
-                yield chunk
-                num_streamed += len(out.new_token_ids)
-                if kill_after is not None and not finished and num_streamed >= kill_after:
-                    await self._injected_kill(params, num_streamed)
+            async with aclosing(self.engine.generate(req)) as outs:  # closing this stream aborts the request
+                async for out in outs:
+                    chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason,
+                                        len(params.prompt_token_ids), cached if handle else out.num_cached_tokens,
+                                        source if handle else out.cached_source, out.error, transfer_bytes,
+                                        transfer_s, self.replica_id)
+                    if out.finished:
+                        finished = True
+                        if out.finish_reason in ("length", "stop"):  # checkpoint the turn end off the response path
+                            self._spawn(self._publish_turn_end(rid, hasher), _session_key(params))
+                    yield chunk
+                    num_streamed += len(out.new_token_ids)
+                    if kill_after is not None and not finished and num_streamed >= kill_after:
+                        await self._injected_kill(params, num_streamed)
         finally:
-            if not finished:
-                await self.engine.release(rid, False)
+            if not finished:  # not awaited: this may run inside a cancelled task (async_engine NOTE 4)
+                self.engine.abort_soon(rid)
             self.counters["decodes"] += 1
 
     async def _open_device_state(self, handle: PrefillHandle, release_fn: ReleaseFn | None) -> _Resume | None:

@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -161,8 +162,8 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         run = _Run(backend, metrics, params, stops, kind, body.model, body.return_token_ids)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(run.sse(usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _ClosingStreamingResponse(run.sse(usage), media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(await run.whole())
 
     return app
@@ -295,15 +296,34 @@ class _Run:
             if self.kind == "chat.completion":
                 first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
                 yield _sse(first)
-            async for piece in self._pieces():
-                if piece or self.return_token_ids:
-                    yield _sse({**head, "choices": [self._choice(piece, None, delta=True)]})
+            async with aclosing(self._pieces()) as pieces:
+                async for piece in pieces:
+                    if piece or self.return_token_ids:
+                        yield _sse({**head, "choices": [self._choice(piece, None, delta=True)]})
             yield _sse({**head, "choices": [self._choice("", self.finish_reason, delta=True)]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": self._usage()})
         except APIError as exc:
             yield _sse({"error": exc.body()})
         yield b"data: [DONE]\n\n"
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body generator when it ends, however it ends.
+
+    When the client disconnects, Starlette cancels the task sending the body and leaves the
+    generator suspended; its ``finally`` blocks (which abort the generation in the engine and
+    free its state) would run only when the garbage collector finds it, and until then the engine
+    would go on generating for nobody. Closing it here runs them at once.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 async def _guarded(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:

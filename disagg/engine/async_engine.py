@@ -16,6 +16,11 @@ NOTES
    ``step_end`` / ``step_cpu`` (CPU seconds) of the step that produced the
    first token, ``first_out`` (the consumer got it). Set by both threads, one
    key each, before the consumer reads them.
+4. A consumer that leaves (closes its stream, or its task is cancelled) has its
+   request aborted by the stepping thread before the next step (``abort_soon``):
+   the consumer never awaits the abort, so it happens even while the consumer's
+   task is being cancelled (an anyio cancel scope, e.g. Starlette's on a client
+   disconnect, cancels every await of a ``finally`` block too).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -41,6 +46,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._aborts: deque[str] = deque()  # requests to abort before the next step (NOTE 4)
         self._stop = False
         self._idle_wait_s = idle_wait_s
         self.step_times: list[float] = []
@@ -53,6 +59,8 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop:
             with self._lock:
+                while self._aborts:
+                    self.engine.abort(self._aborts.popleft())
                 busy = self.engine.has_work()
                 if busy:
                     t0, c0 = time.perf_counter(), time.thread_time()
@@ -129,7 +137,12 @@ class AsyncEngine:
             while len(self._traces) > TRACE_CAPACITY:
                 self._traces.popitem(last=False)
             if not finished:
-                await self.call(self.engine.abort, request.request_id)
+                self.abort_soon(request.request_id)
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort (or drop, if held) ``request_id`` before the next step, without waiting (NOTE 4)."""
+        self._aborts.append(request_id)
+        self._wake.set()
 
     async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """Run ``fn`` under the engine lock in a worker thread."""
