@@ -253,8 +253,8 @@ class _Run:
                         if new:
                             yield new
                         break
-                if chunk.token_ids:
-                    yield new  # may be ""
+                if chunk.token_ids or new:
+                    yield new  # may be "" (a token whose text is held)
                 if chunk.finished:
                     self.finish_reason = chunk.finish_reason
                     break

@@ -75,3 +75,24 @@ def test_split_multibyte_character_is_held_until_complete():
         texts = _events(url, len(seq))
     assert "".join(texts) == "x\u20acy"
     assert "\ufffd" not in "".join(texts) and "\u20ac" in texts
+
+
+class ScriptedEnd(Scripted):
+    """Every byte as a token, then a final chunk without tokens (as a backend may end a stream)."""
+
+    async def stream(self, params):
+        for b in self.bytes:
+            await asyncio.sleep(0.01)
+            yield StreamChunk([b + OFFSET], False, None, len(params.prompt_token_ids))
+        yield StreamChunk([], True, "length", len(params.prompt_token_ids))
+
+
+def test_text_held_at_the_end_of_the_stream_is_sent():
+    seq = [ord("x"), 0xE2, 0x82]  # ends inside the euro sign: nothing can complete it now
+    backend = ScriptedEnd(seq)
+    with serve_asgi(create_app(backend)) as url:
+        texts = _events(url, len(seq))
+        whole = httpx.post(url + "/v1/completions", json={"model": "disagg-tiny", "prompt": [10, 11, 12],
+                                                          "max_tokens": len(seq)}, timeout=30).json()
+    expected = backend.tokenizer.decode([b + OFFSET for b in seq])
+    assert "".join(texts) == whole["choices"][0]["text"] == expected == "x\ufffd"
