@@ -239,11 +239,15 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         params = _params(pending_request)
-        if params is None or len(candidate_replicas) <= 1:
+        if params is None:
+            return [candidate_replicas]
+        if len(candidate_replicas) <= 1:  # counted too: the decisions by reason cover every routed request
+            self._policy.metrics.record_decision("single_candidate", None)
             return [candidate_replicas]
         workers = [self._sync(r) for r in candidate_replicas]
         self._node_events.poll()
         if self._hasher is None:  # no replica has reported yet: spread by load alone
+            self._policy.metrics.record_decision("no_stats", None)
             return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
         hasher = self._hasher.with_salt(params.cache_salt)
         tokens = params.prompt_token_ids

@@ -13,10 +13,12 @@ space, byte-level merges) decode the new tokens as the whole text would.
 
 NOTES
 1. A piece is held back while its bytes end inside a UTF-8 character: the tokenizer says so
-   where it has ``incomplete_tail(ids)``; otherwise a trailing replacement character is held for
-   at most ``MAX_HELD_TOKENS`` tokens (a UTF-8 character is at most 4 bytes, so after that it
-   stands for invalid bytes, e.g. a random model's output, and holding it longer would hold every
-   later token back until the end of the stream).
+   where it has ``incomplete_tail(ids)``; otherwise a trailing replacement character is held
+   while it stands for fewer than ``MAX_HELD_TOKENS`` trailing tokens (a UTF-8 character is at
+   most 4 bytes, so one standing for more is invalid bytes, e.g. a random model's output, and
+   holding it longer would hold every later token back until the end of the stream). Without
+   ``incomplete_tail`` the pieces add up to the whole text for valid UTF-8 output; invalid
+   bytes right before a character can make it stream as replacement characters.
 2. ``flush()`` emits whatever is held (the end of the stream), so the concatenated pieces are
    the text of all tokens.
 """
@@ -62,8 +64,17 @@ class IncrementalText:
             if self._incomplete is not None:
                 held = self._incomplete(window)
             else:
-                held = text.endswith("\ufffd") and self.num_held < MAX_HELD_TOKENS
+                held = text.endswith("\ufffd") and self._waiting_on(window) < MAX_HELD_TOKENS
             if held or len(text) <= len(context):  # nothing new yet (or a token with no text)
                 return ""
         self._prefix, self._read = self._read, len(self.ids)
         return text[len(context) :]
+
+    def _waiting_on(self, window: list[int]) -> int:
+        """How many trailing tokens of ``window`` its final replacement character stands for: the
+        fewest whose removal leaves text that does not end in one (``MAX_HELD_TOKENS``: more than
+        a UTF-8 character can still be waiting on, NOTE 1). Several tokens may arrive at once."""
+        for k in range(1, min(MAX_HELD_TOKENS - 1, len(window)) + 1):
+            if not self.tokenizer.decode(window[:-k]).endswith("\ufffd"):
+                return k
+        return MAX_HELD_TOKENS

@@ -47,12 +47,21 @@ def _stream(tok, ids: list[int], chunks: list[int]) -> list[str]:
     return pieces
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, BYTE_OFFSET + 255), max_size=60), st.lists(st.integers(1, 5), max_size=30),
-       st.booleans())
-def test_pieces_add_up_to_the_whole_decode(ids, chunks, tail_check):
-    tok = BYTES if tail_check else NoTailCheck()
-    assert "".join(_stream(tok, ids, chunks)) == BYTES.decode(ids)
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, BYTE_OFFSET + 255), max_size=60), st.lists(st.integers(1, 5), max_size=30))
+def test_pieces_add_up_to_the_whole_decode(ids, chunks):
+    """Any tokens (special, invalid and split bytes), any chunking, with the tokenizer's tail check."""
+    assert "".join(_stream(BYTES, ids, chunks)) == BYTES.decode(ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.characters(), st.sampled_from(["<pad>", "<eos>"])), max_size=30),
+       st.lists(st.integers(1, 5), max_size=30))
+def test_without_a_tail_check_valid_text_adds_up_too(pieces, chunks):
+    """Valid UTF-8 with special tokens between characters, any chunking, no tail check (detok NOTE 1)."""
+    ids = [t for p in pieces for t in ([BYTES.pad_token_id if p == "<pad>" else BYTES.eos_token_id]
+                                       if p in ("<pad>", "<eos>") else BYTES.encode(p))]
+    assert "".join(_stream(NoTailCheck(), ids, chunks)) == BYTES.decode(ids)
 
 
 def test_a_split_character_is_held_until_it_completes():
