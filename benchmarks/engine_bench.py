@@ -116,7 +116,6 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
             variants.append(("resume_host_tier_staged", None))
         for name, to_device in variants if store is not None else []:
             eng = make_engine(model, device, budget_mb, chunk, resident_sessions=False)
-            loaded = None
             gc.collect()  # the previous variant's buffers go back to torch's caches first
             _sync(device)
             t0 = time.perf_counter()

@@ -318,9 +318,7 @@ class StatefulWorker:
                     num_streamed += len(out.new_token_ids)
                     if kill_after is not None and not finished and num_streamed >= kill_after:
                         await self._injected_kill(params, num_streamed)
-        finally:
-            if not finished:  # not awaited: this may run inside a cancelled task (async_engine NOTE 4)
-                self.engine.abort_soon(rid)
+        finally:  # an unfinished request was aborted when ``outs`` closed (async_engine NOTE 4)
             self.counters["decodes"] += 1
 
     async def _open_device_state(self, handle: PrefillHandle, release_fn: ReleaseFn | None) -> _Resume | None:

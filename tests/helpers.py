@@ -29,3 +29,25 @@ def serve_asgi(app, port: int | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def tiny_aggregated_backend() -> Iterator:
+    """An aggregated ``InProcessBackend`` over the tiny reference model (one torch thread, small
+    cache and host tier); torch's thread count is restored afterwards."""
+    import torch
+
+    from disagg.config import load_config
+    from disagg.inprocess import InProcessBackend
+
+    threads = torch.get_num_threads()
+    cfg = load_config({"model": {"name": "tiny"},
+                       "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1},
+                       "transfer": {"host": {"capacity_mb": 64, "pin_memory": False}},
+                       "deployment": {"mode": "aggregated"}})
+    backend = InProcessBackend(cfg)
+    try:
+        yield backend
+    finally:
+        backend.shutdown()
+        torch.set_num_threads(threads)

@@ -40,11 +40,6 @@ class IncrementalText:
         self._read = 0  # tokens whose text has been emitted
         self._incomplete = getattr(tokenizer, "incomplete_tail", None)
 
-    @property
-    def num_held(self) -> int:
-        """Tokens whose text has not been emitted yet."""
-        return len(self.ids) - self._read
-
     def push(self, new_ids: Sequence[int]) -> str:
         """Add tokens; the new text they settle ("" while it is held, NOTE 1)."""
         self.ids.extend(new_ids)

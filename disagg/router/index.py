@@ -425,15 +425,21 @@ class PrefixIndex:
         c = self._candidates(worker_ids)
         if len(request.block_hashes) <= self.int_walk_blocks:  # the same walk on ints (disagg.router.walk)
             common, resumable, tiers, lengths = walk_ints(self, c, request, common_min)
-            return MatchResult(
-                None,
-                common,
-                worker_ids=worker_ids if type(worker_ids) is list else list(worker_ids),
-                resumable=resumable,
-                tiers=tiers,
-                mla_blocks=lengths,
-                arrays=(np.array(resumable, np.float64), np.array(tiers, np.int64)),
-            )
+        else:
+            common, resumable, tiers, lengths = self._walk_numpy(c, request, common_min)
+        return MatchResult(
+            None,
+            common,
+            worker_ids=worker_ids if type(worker_ids) is list else list(worker_ids),
+            resumable=resumable,
+            tiers=tiers,
+            mla_blocks=lengths,
+            arrays=(np.array(resumable, np.float64), np.array(tiers, np.int64)),  # the columns plugins read
+        )
+
+    def _walk_numpy(self, c: _Candidates, request: RouteRequest, common_min: int | None
+                    ) -> tuple[int, list[int], list[int], _Lengths]:
+        """(common, resumable, tiers, lengths) of ``match`` by the numpy walk over the le tables."""
         bs, plen = request.block_size, request.prompt_len
         rows, recs = self._prefix(request)
         cum = _le(self._mla.rec_masks(recs))  # (tier, n, word): le
@@ -451,16 +457,7 @@ class PrefixIndex:
                 cum, recs = cum[:, :n], recs[:n]
         alive = cum[_ANY]  # alive[k - 1] = candidates reading blocks 0..k-1 (alive(0) = cand)
         resumable, tiers, _ = self._resolve(c, request, recs, cum, bs, plen)
-        res_a, tier_a = np.array(resumable, np.float64), np.array(tiers, np.int64)  # the columns plugins read
-        return MatchResult(
-            None,
-            common,
-            worker_ids=worker_ids if type(worker_ids) is list else list(worker_ids),
-            resumable=resumable,
-            tiers=tiers,
-            mla_blocks=_Lengths(alive, c.word, c.shift),
-            arrays=(res_a, tier_a),
-        )
+        return common, resumable, tiers, _Lengths(alive, c.word, c.shift)
 
     def _resolve(self, c: _Candidates, request: RouteRequest, recs: np.ndarray, cum: np.ndarray, bs: int,
                  plen: int) -> tuple[list[int], list[int], list[int]]:

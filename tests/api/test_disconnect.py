@@ -13,25 +13,16 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from disagg.api.app import create_app
-from disagg.config import HTTPConfig, load_config
-from disagg.inprocess import InProcessBackend
-from tests.helpers import serve_asgi
+from disagg.config import HTTPConfig
+from tests.helpers import serve_asgi, tiny_aggregated_backend
 
 
 @pytest.fixture(scope="module")
 def backend():
-    threads = torch.get_num_threads()
-    cfg = load_config({"model": {"name": "tiny"},
-                       "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1},
-                       "transfer": {"host": {"capacity_mb": 64, "pin_memory": False}},
-                       "deployment": {"mode": "aggregated"}})
-    b = InProcessBackend(cfg)
-    yield b
-    b.shutdown()
-    torch.set_num_threads(threads)
+    with tiny_aggregated_backend() as b:
+        yield b
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
