@@ -66,6 +66,39 @@ def bench_prefill(model, device, budget_mb, chunk, length, reps) -> float:
     return length / statistics.median(times)
 
 
+def _moe_nonzero_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Baseline for ``--moe-ab``: the routed experts' loop as it was, one ``nonzero`` (a host wait) per expert."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        out.index_add_(0, tok, self.experts[e](x[tok]).to(out.dtype) * weights[tok, slot].unsqueeze(-1))
+    return out
+
+
+def bench_prefill_moe_ab(model, device, budget_mb, chunk, length, reps) -> dict:
+    """Prefill tok/s with the MoE grouped by one sort (moe NOTE 4) against the per-expert
+    ``nonzero`` loop, interleaved rep by rep; the first tokens must agree."""
+    from disagg.engine.reference.moe import SparseMoE
+
+    grouped = SparseMoE._grouped
+    times: dict[str, list[float]] = {"grouped": [], "nonzero": []}
+    first = set()
+    try:
+        for r in range(reps):
+            for name, fn in (("nonzero", _moe_nonzero_loop), ("grouped", grouped))[:: 1 if r % 2 else -1]:
+                SparseMoE._grouped = fn
+                eng = make_engine(model, device, budget_mb, chunk, resident_sessions=False)
+                t, tok = ttft(eng, f"ab{r}{name}", _ids(length, r, model.config.vocab_size), device)
+                times[name].append(t)
+                first.add((r, tok))
+    finally:
+        SparseMoE._grouped = grouped
+    assert len(first) == reps, "the two MoE loops sampled different first tokens"
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"grouped_tok_s": round(length / med["grouped"], 1), "nonzero_tok_s": round(length / med["nonzero"], 1),
+            "speedup": round(med["nonzero"] / med["grouped"], 3)}
+
+
 def bench_decode(model, device, budget_mb, chunk, batch, context, steps) -> float:
     """Median decode step time (s) with ``batch`` sequences at ``context`` tokens."""
     eng = make_engine(model, device, budget_mb, max(chunk, batch), resident_sessions=False, max_num_seqs=batch)
@@ -183,6 +216,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile-resume", help="write a profiler table of one resumed follow-up at the first --context")
+    ap.add_argument("--moe-ab", action="store_true",
+                    help="also time each --prefill-lens with the former per-expert nonzero MoE loop (same run)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     if args.threads:
@@ -197,6 +232,11 @@ def main() -> None:
         figures[f"prefill_tok_s_{n}"] = round(bench_prefill(model, args.device, args.budget_mb, args.chunk, n,
                                                             args.reps), 1)
         print(f"prefill {n:>6} tokens: {figures[f'prefill_tok_s_{n}']:>10.1f} tok/s", flush=True)
+        if args.moe_ab:
+            ab = figures[f"prefill_moe_ab_{n}"] = bench_prefill_moe_ab(model, args.device, args.budget_mb,
+                                                                      args.chunk, n, args.reps)
+            print(f"prefill {n:>6} tokens, MoE grouped vs nonzero loop: {ab['grouped_tok_s']:.1f} vs "
+                  f"{ab['nonzero_tok_s']:.1f} tok/s ({ab['speedup']:.3f}x)", flush=True)
     for b in [int(x) for x in args.decode_batches.split(",") if x]:
         step = bench_decode(model, args.device, args.budget_mb, args.chunk, b, args.decode_context, 12)
         figures[f"decode_step_ms_b{b}"] = round(1000 * step, 3)

@@ -6,6 +6,10 @@
 #                                                     recompute at 8K/32K/128K, publishing on vs off,
 #                                                     a resumed follow-up's profile, where a resume through
 #                                                     the host tier spends its time (staged vs direct)
+#   bash benchmarks/gpu/h200_perf.sh OUT_DIR state    the state path's open figures alone: the CUDA tests,
+#                                                     publishing on / off with its partial paths (hold,
+#                                                     export), the GIL probe, the MoE loop A/B on prefill,
+#                                                     the resume breakdown at 8K/32K
 #   bash benchmarks/gpu/h200_perf.sh OUT_DIR e2e      agentic trace, prefill + decode engines sharing the GPU
 set -uo pipefail
 out=${1:-results/h200}
@@ -15,7 +19,19 @@ source benchmarks/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv > "$out/card.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/card.txt"
 python3 -c "import fla; print('fla-core', fla.__version__)" >> "$out/card.txt" 2>&1
-if [ "$part" = engine ]; then
+if [ "$part" = state ]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv_transfer/test_kvt_direct.py tests/engine/reference/test_kda.py \
+    2>&1 | tail -4
+  python3 benchmarks/overlap_bench.py --device cuda --preset small --dtype bfloat16 --prompt 8192 --batch 8 \
+    --rounds 4 --chunk 8192 --budget-mb 20000 --modes off,on,hold,export --json "$out/overlap.json" 2>&1 \
+    | grep -E "^round|Error|ratio" | head -40
+  python3 benchmarks/overlap_bench.py --gil --prompt 8192 --rounds 12 --json "$out/gil.json" 2>&1 | grep -E "progress|Error"
+  python3 benchmarks/engine_bench.py --device cuda --preset small --dtype bfloat16 --budget-mb 30000 --chunk 8192 \
+    --reps 3 --prefill-lens 8192,32768 --moe-ab --decode-batches "" --context "" --json "$out/moe_ab.json" 2>&1 \
+    | grep -E "^prefill|Error"
+  python3 benchmarks/gpu/resume_breakdown.py --context 8192,32768 --reps 3 --json "$out/resume_breakdown.json" \
+    2>&1 | grep -E "^@|Error"
+elif [ "$part" = engine ]; then
   python3 benchmarks/gpu_transfer_bench.py --json "$out/transfer.json" 2>&1 | grep -E "vs_ceiling|bit_exact"
   common=(--device cuda --preset small --dtype bfloat16 --budget-mb 30000 --chunk 8192 --followup 256 --reps 3)
   python3 benchmarks/engine_bench.py "${common[@]}" --prefill-lens 8192,32768 --decode-batches 1,16,64 \

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -70,3 +72,27 @@ def test_moe_block_equals_per_token_sum(tiny_fp64):
         ]
     )
     torch.testing.assert_close(moe(x), expect, rtol=1e-12, atol=1e-12)
+
+
+def _per_expert_nonzero(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The former loop: one ``nonzero`` per chosen expert."""
+    ids, weights = moe.route(x)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        out.index_add_(0, tok, moe.experts[e](x[tok]).to(out.dtype) * weights[tok, slot].unsqueeze(-1))
+    out = out.to(x.dtype)
+    return out + moe.shared_experts(x) if moe.shared_experts is not None else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_grouped_loop_is_bit_identical_to_per_expert_nonzero(tiny_fp64, dtype, n):
+    """NOTE 4: one sort and one read of the group sizes, same tokens per expert in the same order."""
+    moe = copy.deepcopy(tiny_fp64.model.layers[1].block_sparse_moe).to(dtype)  # the fixture stays fp64
+    x = torch.randn(n, tiny_fp64.config.hidden_size, generator=torch.Generator().manual_seed(n)).to(dtype)
+    ids, w = moe.route(x)
+    got = moe._grouped(x, ids, w).to(dtype) + moe.shared_experts(x)
+    assert torch.equal(got, _per_expert_nonzero(moe, x))
+    if n * moe.top_k > len(moe.experts):  # the loop path of forward itself
+        assert torch.equal(moe(x), _per_expert_nonzero(moe, x))
