@@ -201,17 +201,26 @@ class Simulator:
             self._node_workers.setdefault(w.node_id, []).append(w)
 
     def node_slowdown(self, w: SimWorker) -> float:
-        """Step-time factor of ``w`` from the busy engines of its node (1 without compute sharing).
+        """Step-time factor of ``w`` from the busy engines of its node now (1 without compute sharing).
 
         n busy engines (``w`` included) take max(1, n / slots) each; one busy engine runs as it
         was timed alone (a profile's points and a bench fit already hold the machine's state then,
-        so a slots figure below 1 from a loaded machine must not slow it a second time).
+        so a slots figure below 1 from a loaded machine must not slow it a second time). The
+        factor holds while n does (processor sharing: see ``busy_changed``, NOTE 5 of the worker).
         """
         slots = self.cluster.node_compute_slots
         if slots <= 0:
             return 1.0
         busy = sum(1 for x in self._node_workers[w.node_id] if x.busy)
         return max(1.0, busy / slots) if busy > 1 else 1.0
+
+    def busy_changed(self, w: SimWorker, now: float) -> None:
+        """``w`` started or ended its work: the busy engines of its node continue at the new rate."""
+        if self.cluster.node_compute_slots <= 0:
+            return
+        rate = 1.0 / self.node_slowdown(w)
+        for x in self._node_workers[w.node_id]:
+            x.rerate(now, rate)
 
     def schedule(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         assert t >= self.now - 1e-9, "event scheduled in the past"

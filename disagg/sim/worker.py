@@ -35,9 +35,21 @@ NOTES
    every change of this worker; ``running_decode_tokens`` is exact at step
    boundaries.
 5. Engines of one node may share its compute (``node_compute_slots``, e.g. CPU
-   replicas on one machine): a step that starts while n engines of the node
-   are busy takes max(1, n / slots) times its cost (fixed for that step); n = 1
-   takes its cost (an engine alone is what the profile timed).
+   replicas on one machine), as processor sharing: while n engines of the node
+   are busy (in a step), each progresses through its step's cost at rate
+   1 / max(1, n / slots); n = 1 runs at its cost (an engine alone is what the
+   profile timed). A step's cost is in seconds of the engine alone; when n
+   changes (an engine of the node starts or ends its work) every busy engine's
+   step end is re-timed from the cost it has left::
+
+       engine A  |=========== long prefill step ===========|
+       engine B        |== short ==|                          n = 2 in between:
+       A's rate  1      1/s'        1                         both at 1 / s'
+
+   (Fixing each step's factor when it starts charged the whole overlap to the
+   step that started second: a short step started under a long one paid for
+   all of it, the long one for none.) A macro decode step cut by new work is
+   cut by the cost done so far.
 """
 
 from __future__ import annotations
@@ -106,8 +118,11 @@ class SimWorker:
         self.step_n = 0  # decode steps in the current step
         self.step_s0 = 0.0  # sum context at the start of the current step
         self.step_dt = 0.0  # first decode step's time in the current step
-        self.step_a = 0.0  # growth of each further decode step's time, halved (f * batch / 2, NOTE 5 applied)
+        self.step_a = 0.0  # growth of each further decode step's time, halved (f * batch / 2)
         self.step_prefill_s = 0.0  # prefill part of the current step
+        self.step_rate = 1.0  # cost-seconds per second the current step progresses at (NOTE 5)
+        self.step_w_t = 0.0  # time of the current step's last rate change (its start at first)
+        self.step_w_done = 0.0  # cost-seconds of the current step done by step_w_t
         self.step_prefill: list[tuple[SimJob, int]] = []  # (job, tokens) in the current step
         self.q_area = 0.0  # integral of queued_prefill_tokens over time
         self.q_last_t = 0.0
@@ -160,11 +175,35 @@ class SimWorker:
             return
         if self.step_prefill or self.step_n <= 1:
             return
-        done = self._steps_by(now - self.step_start) + 1  # the step in progress completes
+        done = self._steps_by(self._progress(now)) + 1  # the step in progress completes
         if done < self.step_n:
             self.step_n = done
             self.version += 1
-            self.sim.schedule(self.step_start + self._decode_time(done), self._end_step, self.version)
+            self.sim.schedule(self._end_time(done), self._end_step, self.version)
+
+    # ---- compute sharing (NOTE 5) ----------------------------------------------------
+    def _progress(self, now: float) -> float:
+        """Cost-seconds of the current step done by ``now``."""
+        if self.step_w_done == 0.0 and self.step_rate == 1.0:  # never re-timed: as without sharing
+            return now - self.step_start
+        return self.step_w_done + (now - self.step_w_t) * self.step_rate
+
+    def _end_time(self, n_steps: int) -> float:
+        """When the current step ends with ``n_steps`` decode steps, at the current rate."""
+        if self.step_w_done == 0.0 and self.step_rate == 1.0:
+            return self.step_start + self.step_prefill_s + self._decode_time(n_steps)
+        left = self.step_prefill_s + self._decode_time(n_steps) - self.step_w_done
+        return self.step_w_t + max(left, 0.0) / self.step_rate
+
+    def rerate(self, now: float, rate: float) -> None:
+        """The node's busy engines changed: the rest of the current step runs at ``rate``."""
+        if not self.busy or rate == self.step_rate:
+            return
+        self.step_w_done += (now - self.step_w_t) * self.step_rate
+        self.step_w_t = now
+        self.step_rate = rate
+        self.version += 1
+        self.sim.schedule(max(self._end_time(self.step_n), now), self._end_step, self.version)
 
     # ---- steps -------------------------------------------------------------------
     def _decode_time(self, k: int) -> float:
@@ -222,15 +261,17 @@ class SimWorker:
             chunks.append((job, n))
             budget -= n
         if not chunks and not batch:
-            self.busy = False
+            if self.busy:
+                self.busy = False
+                self.sim.busy_changed(self, now)
             return
         s0 = self._ctx_offset + batch * self.steps
+        started = not self.busy
         self.busy = True
-        slow = self.sim.node_slowdown(self)  # engines of a node sharing its compute (NOTE 5)
-        dt = cost.decode_step_time(batch, s0) * slow if batch else 0.0
-        self.step_a = cost.decode_per_ctx_token_s * batch / 2 * slow
+        dt = cost.decode_step_time(batch, s0) if batch else 0.0
+        self.step_a = cost.decode_per_ctx_token_s * batch / 2
         if chunks:
-            prefill_s = (prefill_s + cost.prefill_base_s) * slow
+            prefill_s = prefill_s + cost.prefill_base_s
             n_steps = 1 if batch else 0
         else:
             n_steps = min(self.macro_steps, self._batch[0][0] - self.steps)
@@ -240,8 +281,13 @@ class SimWorker:
         self.step_n = n_steps
         self.step_prefill = chunks
         self.step_prefill_s = prefill_s
+        self.step_rate = 1.0 / self.sim.node_slowdown(self)  # engines of a node sharing its compute (NOTE 5)
+        self.step_w_t = now
+        self.step_w_done = 0.0
         self.version += 1
-        self.sim.schedule(now + prefill_s + self._decode_time(n_steps), self._end_step, self.version)
+        self.sim.schedule(self._end_time(n_steps), self._end_step, self.version)
+        if started:
+            self.sim.busy_changed(self, now)
 
     def _end_step(self, now: float, version: int) -> None:
         if version != self.version:
@@ -265,6 +311,5 @@ class SimWorker:
                 if job.computed >= job.prompt_len:
                     self.prefill_q.remove(job)
                     self.sim.prefill_done(job, self, now)
-        self.busy = False
         self._publish()
-        self._start_step(now)
+        self._start_step(now)  # busy until it finds no work (NOTE 5)

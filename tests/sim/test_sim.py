@@ -150,15 +150,55 @@ def test_hand_computed_disaggregated_request():
 
 
 def test_engines_of_a_node_share_its_compute():
-    """With one compute slot per node, a step that starts while the other engine is busy takes twice as long."""
+    """Processor sharing: with one compute slot per node, two busy engines progress at half speed each."""
     a = SimRequest("a", 0, 0, 0, 1000, 1, list(range(4)), 256)
     b = SimRequest("b", 0, 0, 0, 1000, 1, list(range(10, 14)), 256)
     shared = ClusterConfig(num_workers=2, workers_per_node=2, node_compute_slots=1.0)
     res = Simulator([a, b], "round_robin", shared, HAND, lanes=2, lane_stagger_s=0.0).run()
-    assert sorted(r.ttft for r in res.records) == pytest.approx([1.01, 2 * 1.01])
+    assert sorted(r.ttft for r in res.records) == pytest.approx([2 * 1.01, 2 * 1.01])
     apart = ClusterConfig(num_workers=2, workers_per_node=1, node_compute_slots=1.0)  # one engine per node
     res = Simulator([a, b], "round_robin", apart, HAND, lanes=2, lane_stagger_s=0.0).run()
     assert [r.ttft for r in res.records] == pytest.approx([1.01, 1.01])
     loaded = ClusterConfig(num_workers=2, workers_per_node=2, node_compute_slots=0.5)  # a loaded machine
     res = Simulator([a, b], "round_robin", loaded, HAND, lanes=2, lane_stagger_s=0.0).run()
-    assert sorted(r.ttft for r in res.records) == pytest.approx([1.01, 4 * 1.01])  # alone: as timed
+    assert sorted(r.ttft for r in res.records) == pytest.approx([4 * 1.01, 4 * 1.01])
+    res = Simulator([a], "round_robin", loaded, HAND, lanes=1).run()
+    assert res.records[0].ttft == pytest.approx(1.01)  # alone: as timed
+
+
+def test_compute_sharing_charges_the_overlap_to_both_steps():
+    """A short step started under a long one: both run at half speed while they overlap, then the long one at
+    full speed again (a factor fixed when a step starts would charge the whole overlap to the short one)."""
+    long_ = SimRequest("a", 0, 0, 0, 1000, 1, list(range(4)), 256)  # 1.01 s alone
+    short = SimRequest("b", 0, 0, 0, 100, 1, [10], 256)  # 0.11 s alone, sent at 0.5
+    shared = ClusterConfig(num_workers=2, workers_per_node=2, node_compute_slots=1.0)
+    res = Simulator([long_, short], "round_robin", shared, HAND, lanes=2, lane_stagger_s=0.5).run()
+    ttft = {r.session_id: r.ttft for r in res.records}
+    assert ttft["b"] == pytest.approx(2 * 0.11)  # 0.5 -> 0.72 at half speed
+    assert ttft["a"] == pytest.approx(0.72 + (1.01 - 0.5 - 0.11))  # 0.61 of its cost done at 0.72
+    assert res.records[0].prefill_worker != res.records[1].prefill_worker
+    big = ClusterConfig(num_workers=2, workers_per_node=2, node_compute_slots=2.0)  # enough for both
+    res = Simulator([long_, short], "round_robin", big, HAND, lanes=2, lane_stagger_s=0.5).run()
+    assert sorted(r.ttft for r in res.records) == pytest.approx([0.11, 1.01])
+
+
+def test_compute_sharing_cuts_macro_decode_steps_by_work_done():
+    """Decode as one macro event or step by step gives the same records under compute sharing."""
+    # a decodes on w00 from 0.31 s (one macro step); b (w01, 0.35 s) slows it until b's prefill ends and the
+    # lane sends c (w00), which cuts a's macro step by the work it has done; d (w01, 0.7 s) slows c's prefill
+    reqs = [SimRequest(s, 0, 0, 0, n, out, list(range(10 * i, 10 * i + 2)), 256)
+            for i, (s, n, out) in enumerate([("a", 300, 60), ("b", 100, 1), ("c", 200, 20), ("d", 400, 25)])]
+    out = []
+    for macro in (1, 64):
+        cl = ClusterConfig(num_workers=2, workers_per_node=2, node_compute_slots=1.3, macro_steps=macro)
+        res = Simulator(reqs, "round_robin", cl, HAND, lanes=4, lane_stagger_s=0.35).run()
+        out.append(sorted((r.session_id, r.first_token, r.finish) for r in res.records))
+    for x, y in zip(*out, strict=True):
+        assert x[0] == y[0] and x[1:] == pytest.approx(y[1:], rel=1e-9, abs=1e-9)
+    # by hand: a's decode runs 0.04 s alone, then at 1.3 / 2 while b's 0.11 s prefill runs; c arrives as b ends,
+    # with 0.15 s (7.5 steps) of a's decode done: the 8th ends 0.01 s later, then c's step (0.21 + 0.02 s) runs,
+    # at 1.3 / 2 from d's arrival at 0.7 s
+    b_end = 0.35 + 0.11 * 2 / 1.3
+    c_first = 0.7 + (0.23 - (0.7 - (b_end + 0.01))) * 2 / 1.3
+    c = next(x for x in out[1] if x[0] == "c")
+    assert c[1] == pytest.approx(c_first)
