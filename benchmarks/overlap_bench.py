@@ -1,7 +1,7 @@
 """Prefill with state publishing on, against off, in the same run.
 
     python benchmarks/overlap_bench.py [--device cuda --preset small --dtype bfloat16]
-        [--prompt 8192] [--batch 4] [--rounds 4] [--modes off,on,hold,export] [--json out.json]
+        [--prompt 8192] [--batch 4] [--rounds 4] [--modes off,on,node,hold,export] [--json out.json]
 
 A round submits ``--batch`` distinct prompts at once to one engine (the
 prefill server's engine and worker, in this process) and times the makespan:
@@ -10,6 +10,9 @@ prefill server's engine and worker, in this process) and times the makespan:
     on    StatefulWorker.prefill: compute, then export the prompt's state
           (batched device gather) and put it into the host tier (checksummed),
           while the engine goes on stepping the round's other prompts
+    node  the same, into a host tier owned by another process (the node's
+          store process, as the deployments run it), through its client: the
+          blocks go in without checksums and that process seals them
 
 and, with ``--modes``, two partial paths that locate what publishing costs:
 
@@ -77,16 +80,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-async def _round(worker: StatefulWorker, engine: AsyncEngine, prompts: list[list[int]], mode: str, tag: str):
-    """(prefill makespan, total makespan) of one round in ``mode`` (off / on / hold / export)."""
+async def _round(workers: dict[str, StatefulWorker], engine: AsyncEngine, prompts: list[list[int]], mode: str,
+                 tag: str):
+    """(prefill makespan, total makespan) of one round in ``mode`` (off / on / node / hold / export)."""
     sp = SamplingParams(max_tokens=1, ignore_eos=True)
     t0 = time.perf_counter()
     done: list[float] = []
 
     async def one(i: int, p: list[int]) -> None:
         rid = f"{tag}-{i}"
-        if mode == "on":
-            handle = await worker.prefill(GenerateParams(rid, p, sp))
+        if mode in workers:
+            handle = await workers[mode].prefill(GenerateParams(rid, p, sp))
             done.append(handle.prefill_seconds)  # from the call's start (all start at t0) to the first token
             return
         async for _ in engine.generate(EngineRequest(rid, p, sp, keep_state=mode != "off")):
@@ -109,11 +113,25 @@ async def run(args) -> dict:
     engine = AsyncEngine(ReferenceEngine(model, "bench", opts))
     state_bytes = engine.layout.mla_block_bytes() * (args.prompt // 64 + 1) + engine.layout.kda_checkpoint_bytes()
     host = HostTier(max(512 << 20, 3 * args.batch * state_bytes), pin_memory=args.device.startswith("cuda"))
-    store = StateStore([host], engine.layout)
-    worker = StatefulWorker(engine, store, "prefill-0", "local")
     modes = ["off"] + [m for m in args.modes.split(",") if m and m != "off"]
+    workers = {"on": StatefulWorker(engine, StateStore([host], engine.layout), "prefill-0", "local")}
+    node = None
+    if "node" in modes:  # the node's store process: a child owning the tier, this process its client
+        import multiprocessing as mp
+
+        from kv_transfer.tiers.host_ipc import HostTierClient
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from kv_transfer_bench import _serve_host
+
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        node = (ctx.Process(target=_serve_host, args=(host.capacity_bytes, there), daemon=True), here)
+        node[0].start()
+        client = HostTierClient(here.recv())
+        workers["node"] = StatefulWorker(engine, StateStore([client], engine.layout), "prefill-1", "local")
     for i, mode in enumerate(modes):  # kernels compiled / autotuned, staging buffers cached
-        await _round(worker, engine, [_ids(args.prompt, 1 + i)], mode, f"warm-{mode}")
+        await _round(workers, engine, [_ids(args.prompt, 1 + i)], mode, f"warm-{mode}")
     prefill: dict[str, list[float]] = {m: [] for m in modes}
     total: dict[str, list[float]] = {m: [] for m in modes}
     seed = 100
@@ -122,15 +140,19 @@ async def run(args) -> dict:
             prompts = [_ids(args.prompt, seed + i) for i in range(args.batch)]
             seed += args.batch
             _sync(args.device)
-            p, t = await _round(worker, engine, prompts, mode, f"{mode}{r}")
+            p, t = await _round(workers, engine, prompts, mode, f"{mode}{r}")
             prefill[mode].append(p)
             total[mode].append(t)
-            if mode == "on":  # what was published resumes to the prompt's full length
+            if mode in workers:  # what was published resumes to the prompt's full length
+                w = workers[mode]
                 for q in prompts:
-                    got = store.resumable_length(q, worker.hasher, len(q)).position
+                    got = w.store.resumable_length(q, w.hasher, len(q)).position
                     assert got == len(q), f"published state resumes at {got}, not {len(q)}"
             print(f"round {r} {mode:>6}: prefill {p * 1000:9.1f} ms  total {t * 1000:9.1f} ms", flush=True)
     engine.shutdown()
+    if node is not None:
+        node[1].send("stop")
+        node[0].join(timeout=10)
     med_p = {k: statistics.median(v) for k, v in prefill.items()}
     med_t = {k: statistics.median(v) for k, v in total.items()}
     out = {"device": args.device, "preset": args.preset, "prompt_tokens": args.prompt, "batch": args.batch,
@@ -139,7 +161,7 @@ async def run(args) -> dict:
            "total_makespan_ms": {k: 1000 * v for k, v in med_t.items()},
            "prefill_ratio_vs_off": {k: v / med_p["off"] for k, v in med_p.items()},
            "total_ratio_vs_off": {k: v / med_t["off"] for k, v in med_t.items()},
-           "published_bytes": worker.counters["published_bytes"],
+           "published_bytes": {k: w.counters["published_bytes"] for k, w in workers.items()},
            "gil_switch_interval_s": sys.getswitchinterval(),
            "prefill_tok_s": {k: args.batch * args.prompt / v for k, v in med_p.items()}}
     if "on" in modes:  # the names the earlier runs' JSON used
@@ -187,6 +209,20 @@ def gil_probe(args) -> dict:
                  ("per-object crc32", False, checksum.CRC32)]
         if checksum.WRITE_ALGO != checksum.CRC32C:
             paths = paths[1:]
+    node = None
+    if checksum is not None and hasattr(checksum, "seal"):  # the node's store process seals what its client put
+        import multiprocessing as mp
+
+        from kv_transfer.tiers.host_ipc import HostTierClient
+        from kv_transfer_bench import _serve_host
+
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        node = (ctx.Process(target=_serve_host, args=(tier.capacity_bytes, there), daemon=True), here)
+        node[0].start()
+        node = (*node, HostTierClient(here.recv()))
+        paths.insert(1, ("node, sealed there", True, checksum.CRC32C))
+    node_client = node[2] if node is not None else None
     period = nbytes / (args.publish_mb_s * 1e6)  # seconds per state at the target rate
 
     class Publisher(threading.Thread):
@@ -196,6 +232,7 @@ def gil_probe(args) -> dict:
             super().__init__(daemon=True)
             self.store, self.go, self.idle, self.stop, self.num_bytes = store, threading.Event(), \
                 threading.Event(), False, 0
+            self.count = 0
 
         def run(self) -> None:
             while not self.stop:
@@ -204,9 +241,13 @@ def gil_probe(args) -> dict:
                     continue
                 self.idle.clear()
                 t0 = time.perf_counter()
-                put = self.store.put_state(tokens, state, hasher)
-                for key in put.keys_stored:
-                    tier.delete(key)
+                if self.store.tiers[0] is node_client:  # new keys each time: the node's tier evicts in its process
+                    self.count += 1
+                    put = self.store.put_state(tokens, state, hasher.with_salt(str(self.count)))
+                else:
+                    put = self.store.put_state(tokens, state, hasher)
+                    for key in put.keys_stored:
+                        tier.delete(key)
                 self.num_bytes += put.bytes_stored
                 self.idle.set()
                 time.sleep(max(0.0, period - (time.perf_counter() - t0)))
@@ -219,7 +260,8 @@ def gil_probe(args) -> dict:
             if algo is not None:
                 checksum.WRITE_ALGO = algo
                 codec.block_codec.cache_clear()
-            pub = Publisher(StateStore([tier if batched else _PerObject(tier)], layout, io_threads=args.io_threads))
+            first = node[2] if name.startswith("node") else tier if batched else _PerObject(tier)
+            pub = Publisher(StateStore([first], layout, io_threads=args.io_threads))
             pub.start()
             ratios, on_time = [], 0.0
             for _ in range(args.rounds):  # adjacent off / on windows: slow drifts of the machine cancel
@@ -244,6 +286,10 @@ def gil_probe(args) -> dict:
             checksum.WRITE_ALGO = write_algo
             codec.block_codec.cache_clear()
         tier.close()
+        if node is not None:
+            node[2].close()
+            node[1].send("stop")
+            node[0].join(timeout=10)
     out = {"prompt_tokens": args.prompt, "state_mb": nbytes / 1e6, "io_threads": args.io_threads,
            "target_mb_s": args.publish_mb_s, "window_s": args.window, "pairs": args.rounds,
            "switch_interval_s": sys.getswitchinterval(), "progress": out_progress, "published_mb_s": out_rate}
@@ -264,7 +310,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--budget-mb", type=int, default=1024)
-    ap.add_argument("--modes", default="off,on", help="comma list of off, on, hold, export")
+    ap.add_argument("--modes", default="off,on", help="comma list of off, on, node, hold, export")
     ap.add_argument("--json")
     ap.add_argument("--gil", action="store_true", help="run the GIL probe (no model) instead")
     ap.add_argument("--window", type=float, default=0.5, help="--gil: seconds per measured window")

@@ -119,6 +119,19 @@ WRITE_ALGO = CRC32C if _native is not None else CRC32
 _BY_CODE: dict[int, Callable[[Buffer, int], int]] = {CRC32: crc32, CRC32C: crc32c}
 
 
+TRAILER = 4  # bytes: a u32, little-endian, at the end of an object
+
+
+def seal(buf: memoryview, algo: int) -> int:
+    """Write ``buf``'s trailer: its last ``TRAILER`` bytes become the ``algo`` checksum of the bytes
+    before them (the codec's object layout). Lets the process that owns a tier checksum objects
+    that a client wrote without one (``HostTier.seal_many``). Returns the checksum."""
+    mv = buf.cast("B") if buf.format != "B" else buf
+    value = compute(algo, mv[: len(mv) - TRAILER])
+    mv[len(mv) - TRAILER :] = value.to_bytes(TRAILER, "little")
+    return value
+
+
 def compute(algo: int, buf: Buffer, value: int = 0) -> int:
     """Checksum ``buf`` with algorithm ``algo`` (``CRC32`` or ``CRC32C``), continuing from ``value``."""
     fn = _BY_CODE.get(algo)

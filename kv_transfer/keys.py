@@ -94,9 +94,15 @@ class BlockHasher:
         """Digests of every *full* block of ``tokens`` (h_1 .. h_n)."""
         bs = self.block_size
         h = self._root if parent is None else parent
+        n = len(tokens) // bs
+        raw = _token_bytes(tokens[: n * bs])  # one conversion; block i is raw[i * 8 bs : (i + 1) * 8 bs]
         out: list[bytes] = []
-        for start in range(0, len(tokens) - bs + 1, bs):
-            h = _h(h, _token_bytes(tokens[start : start + bs]))
+        step = 8 * bs
+        sha = hashlib.sha256
+        for i in range(n):
+            m = sha(h)
+            m.update(raw[i * step : (i + 1) * step])
+            h = m.digest()[:DIGEST_BYTES]
             out.append(h)
         return out
 

@@ -29,20 +29,34 @@ threads (CRC and copies release the GIL).
 Batch path (a first tier with ``reserve_many`` / ``commit_many`` / ``get_views``
 / ``release_many``, e.g. the host tier or its client in another process):
 
-    put   reserve every piece (1 round trip) -> encode each into its region on
-          the I/O threads (full blocks: ``codec.BlockCodec``) -> commit all (1)
+    put   reserve every piece (1 round trip) -> encode into the regions on the
+          I/O threads -> commit all (1), or have the tier's owner seal them (1)
     load  pin every block (1 round trip) -> checksum + copy each straight into
           one rows buffer on the I/O threads -> release all (1); a block that
           is missing or fails there takes the per-object path through the tiers
 
-Per piece only a struct pack or compare, one numpy copy and one checksum call
-(both release the GIL) run, so an engine stepping in the same process keeps
-the GIL. Objects stay one per block (their keys are what routers, events and
+Objects stay one per block (their keys are what routers, events and
 ``contains_keys`` callers see); the batches remove the per-object round trips.
+
+Publishing from an engine's process. Every call into numpy or the checksum
+library releases the GIL and takes it back; taking it back from an engine
+thread that is busy launching kernels costs that thread a hand-off (a switch
+interval's wait, then a wake-up). With one copy and one checksum per 64-token
+block, an 8K prompt's put took ~260 hand-offs, and an H200 prefill ran 10-20%
+slower while the store published (docs/perf). So a put encodes full blocks in
+runs: blocks that are consecutive slices of the state's staging buffer and
+sit in evenly spaced slots (one size class) are written by
+``BlockCodec.encode_run``, headers by two array assignments and rows by one
+strided copy per run part (parts of at most 1 / ``io_threads`` of the blocks).
+When the first tier is a client of the node's store process
+(``seals_remotely``), the blocks are written without checksums and the
+process that owns the tier computes them and commits (``seal_many``, one
+round trip): the engine's process then spends no CPU on checksums at all.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -214,40 +228,38 @@ class StateStore:
         return result
 
     def _put_pieces(self, todo: list[tuple[str, MLABlock | KDACheckpoint, bytes | None, int]],
-                    staging: dict[int, object] | None = None) -> list[str | None]:
+                    staging: _Staging | None = None) -> list[str | None]:
         """Store each piece; the tier that took it (None: refused everywhere).
 
         When the first tier reserves in batches (``reserve_many`` / ``commit_many``: one round
         trip each to a node's store process), every piece is reserved at once, encoded straight
         into its region on the I/O threads (full blocks through ``BlockCodec``), then committed
-        at once; pieces it refuses go down the tiers one by one. ``staging`` maps ``id(block)``
-        to a numpy view of its rows when the state carries them as one buffer.
+        at once (or sealed by the tier's owner); pieces it refuses go down the tiers one by
+        one. ``staging``: the state's one buffer of rows, when it carries them so.
         """
         first = self.tiers[0]
         if not todo or _batch_op(first, "reserve_many") is None:
             return self._parallel(lambda piece: self._put_object(*piece), todo)
         reservations = first.reserve_many([(key, nbytes) for key, _, _, nbytes in todo])
         blocks = codec.block_codec(self.layout)
-
-        def encode(job) -> None:
-            (_, obj, parent, _), res = job
-            if res is None or res.duplicate:
-                return
-            if isinstance(obj, MLABlock) and parent is None and obj.dcp_size == 1:
-                src = staging.get(id(obj)) if staging else None
-                if src is None:  # a block of its own (on a device: one copy to the host first)
-                    src = codec._as_numpy(obj.rows if obj.rows.device.type == "cpu" else obj.rows.cpu())
-                blocks.encode_into(res.view, src, obj.start)
-            else:
-                codec.encode_into(obj, self.layout, res.view, parent)
-
+        # the owner of a node's tier checksums what a client wrote (module docstring, "Publishing")
+        remote_seal = getattr(first, "seals_remotely", False) and _batch_op(first, "seal_many") is not None
+        jobs, unsealed = self._encode_jobs(todo, reservations, staging, blocks, first, remote_seal)
         written = [res for res in reservations if res is not None and not res.duplicate]
         try:
-            self._parallel(encode, list(zip(todo, reservations, strict=True)))
+            self._parallel(lambda job: job(), jobs, min_per_thread=0)
         except BaseException:
             first.abort_many(written)
             raise
-        committed = iter(first.commit_many(written))
+        if unsealed:
+            sealed = dict(zip(map(id, unsealed), first.seal_many(unsealed, blocks.algo), strict=True))
+            rest = [res for res in written if id(res) not in sealed]
+            done = dict(zip(map(id, rest), first.commit_many(rest), strict=True)) | sealed
+            committed = iter([done[id(res)] for res in written])
+            return self._after_commit(todo, reservations, committed, first)
+        return self._after_commit(todo, reservations, iter(first.commit_many(written)), first)
+
+    def _after_commit(self, todo, reservations, committed, first) -> list[str | None]:
         out: list[str | None] = []
         for piece, res in zip(todo, reservations, strict=True):
             if res is not None and (res.duplicate or next(committed)):
@@ -255,6 +267,65 @@ class StateStore:
             else:  # no room in the first tier (backpressure): the lower tiers, one by one
                 out.append(self._put_object(*piece, first_tier=1))
         return out
+
+    def _encode_jobs(self, todo, reservations, staging: _Staging | None, blocks: codec.BlockCodec, tier,
+                     remote_seal: bool) -> tuple[list, list]:
+        """(encode jobs for the I/O threads, reservations left for the tier to seal).
+
+        Full blocks that are consecutive slices of the state's staging buffer and sit in evenly
+        spaced slots of the arena form runs; a run is encoded by ``BlockCodec.encode_run`` in parts
+        of at most 1 / ``io_threads`` of the state's blocks. Every other piece is encoded on its own."""
+        size = blocks.total_len
+        arena = np.frombuffer(tier.arena.view, dtype=np.uint8) if staging is not None else None
+        step = -(-len(staging.index) // max(self.io_threads, 1)) if staging is not None else 1  # blocks per part
+        jobs: list = []
+        unsealed: list = []
+        run: list = []  # [(block index in the staging buffer, reservation, block start)]
+
+        def flush() -> None:
+            if not run:
+                return
+            pitch = run[1][1].offset - run[0][1].offset if len(run) > 1 else size
+            for k in range(0, len(run), step):
+                part = run[k : k + step]
+                dst = np.lib.stride_tricks.as_strided(arena[part[0][1].offset :], (len(part), size), (pitch, 1))
+                i0 = part[0][0]
+                src = staging.rows[:, i0 * blocks.block_size : (i0 + len(part)) * blocks.block_size]
+                starts = np.array([start for _, _, start in part], dtype=np.int64)
+                jobs.append(functools.partial(blocks.encode_run, dst, src, starts, not remote_seal))
+            if remote_seal:
+                unsealed.extend(res for _, res, _ in run)
+            run.clear()
+
+        def extends_run(i: int, res) -> bool:
+            if not run or i != run[-1][0] + 1:
+                return False
+            gap = res.offset - run[-1][1].offset
+            pitch = run[1][1].offset - run[0][1].offset if len(run) > 1 else gap
+            return gap == pitch and gap >= size
+
+        for (_, obj, parent, _), res in zip(todo, reservations, strict=True):
+            if res is None or res.duplicate:
+                continue
+            full = isinstance(obj, MLABlock) and parent is None and obj.dcp_size == 1
+            i = staging.index.get(id(obj)) if staging is not None and full else None
+            if i is not None and res.nbytes == size:
+                if not extends_run(i, res):
+                    flush()
+                run.append((i, res, obj.start))
+                continue
+            flush()
+            if full:
+                src = staging.view(obj) if staging is not None else None
+                if src is None:  # a block of its own (on a device: one copy to the host first)
+                    src = codec._as_numpy(obj.rows if obj.rows.device.type == "cpu" else obj.rows.cpu())
+                jobs.append(functools.partial(blocks.encode_into, res.view, src, obj.start, not remote_seal))
+                if remote_seal:
+                    unsealed.append(res)
+            else:
+                jobs.append(functools.partial(codec.encode_into, obj, self.layout, res.view, parent))
+        flush()
+        return jobs, unsealed
 
     def _put_object(self, key: str, obj: MLABlock | KDACheckpoint, parent: bytes | None,
                     nbytes: int, first_tier: int = 0) -> str | None:
@@ -318,8 +389,8 @@ class StateStore:
             n_avail += 1
         # candidates: (position, pieces at the point: kda shards + tail shards)
         candidates: list[tuple[int, list[str], list[str], bytes]] = []
-        for k in range(1, n_avail + 1):
-            candidates.append((k * bs, self._shards("kda", hashes[k - 1]), [], hashes[k - 1]))
+        for k in range(1, n_avail + 1):  # KDA keys made only for the candidates looked up (below)
+            candidates.append((k * bs, None, [], hashes[k - 1]))
         with self._lock:
             tails = {k: sorted(self._tails.get(hashes[k - 1] if k else hasher.root, ()))
                      for k in range(n_avail + 1)}
@@ -339,17 +410,23 @@ class StateStore:
             for t, digest in enumerate(hasher.tail_digests(parent, tokens[start:probe_end]), start=1):
                 if start + t not in known:
                     candidates.append((start + t, self._shards("kda", digest), self._shards("tail", digest), digest))
-        where.update(self._locate([k for _, kda, tail, _ in candidates for k in kda + tail]))
-        with self._lock:
-            for _, _, tail, digest in candidates:
-                if tail and not any(k in where for k in tail):
-                    self._forget_tail(digest)
-        for p, kda, tail, _ in sorted(candidates, key=lambda c: c[0], reverse=True):
-            if all(k in where for k in kda + tail):
-                pieces = [k for ks in block_keys[: p // bs] for k in ks] + tail + kda
-                tiers = {k: self.tiers[where[k]].name for k in pieces}
-                slowest = self.tiers[max(where[k] for k in pieces)].name
-                return ResumePoint(p, p // bs, bool(tail), tiers, slowest)
+        # Furthest first, located a few at a time: the latest checkpoint is usually there, so the
+        # hundreds of earlier block boundaries of a long prompt are rarely looked up at all.
+        candidates.sort(key=lambda c: c[0], reverse=True)
+        for lo, hi in _chunks(len(candidates)):
+            batch = [(p, self._shards("kda", d) if kda is None else kda, tail, d)
+                     for p, kda, tail, d in candidates[lo:hi]]
+            where.update(self._locate([k for _, kda, tail, _ in batch for k in kda + tail]))
+            with self._lock:
+                for _, _, tail, digest in batch:
+                    if tail and not any(k in where for k in tail):
+                        self._forget_tail(digest)
+            for p, kda, tail, _ in batch:
+                if all(k in where for k in kda + tail):
+                    pieces = [k for ks in block_keys[: p // bs] for k in ks] + tail + kda
+                    tiers = {k: self.tiers[where[k]].name for k in pieces}
+                    slowest = self.tiers[max(where[k] for k in pieces)].name
+                    return ResumePoint(p, p // bs, bool(tail), tiers, slowest)
         return ResumePoint(0, 0, False)
 
     # ---- load ----------------------------------------------------------
@@ -494,10 +571,11 @@ class StateStore:
             got.rows[:, j * bs : (j + 1) * bs].copy_(host)
         return got.rows
 
-    def _parallel(self, fn, items: list) -> list:
-        """``[fn(x) for x in items]`` on the I/O threads when there are enough items: CRC checks
-        and copies in and out of the tiers release the GIL, so pieces encode and verify in parallel."""
-        if self.io_threads <= 1 or len(items) < 2 * self.io_threads:
+    def _parallel(self, fn, items: list, min_per_thread: int = 2) -> list:
+        """``[fn(x) for x in items]`` on the I/O threads when there are enough items (at least
+        ``min_per_thread`` per thread, and two): CRC checks and copies in and out of the tiers
+        release the GIL, so pieces encode and verify in parallel."""
+        if self.io_threads <= 1 or len(items) < max(2, min_per_thread * self.io_threads):
             return [fn(x) for x in items]
         if self._pool is None:
             with self._lock:
@@ -578,9 +656,32 @@ def _decode_to(buf, layout: StateLayout, out: torch.Tensor | None, copy: bool):
     return MLABlock(out, obj.start, obj.span, obj.dcp_size, obj.dcp_rank)
 
 
-def _staging_views(state: ResumeState) -> dict[int, object] | None:
-    """id(block) -> numpy view of its rows in ``state.mla_rows`` (one conversion for all blocks),
-    when the blocks are that buffer's views in order (ResumeState's contract; checked at both ends)."""
+def _chunks(n: int, first: int = 8, rest: int = 128) -> list[tuple[int, int]]:
+    """[(start, end)] covering range(n): ``first`` items, then ``rest`` at a time."""
+    out, i = [], 0
+    while i < n:
+        j = min(n, i + (first if i == 0 else rest))
+        out.append((i, j))
+        i = j
+    return out
+
+
+@dataclass(slots=True)
+class _Staging:
+    """A state's one buffer of MLA rows (numpy [layers, n * bs, D]) and where each block is in it."""
+
+    rows: np.ndarray
+    index: dict[int, int]  # id(block) -> the block's index in ``rows``
+    block_size: int
+
+    def view(self, block) -> np.ndarray | None:
+        i = self.index.get(id(block))
+        return None if i is None else self.rows[:, i * self.block_size : (i + 1) * self.block_size]
+
+
+def _staging_views(state: ResumeState) -> _Staging | None:
+    """The blocks' rows in ``state.mla_rows`` (one conversion for all blocks), when the blocks
+    are that buffer's views in order (ResumeState's contract; checked at both ends)."""
     rows, blocks = state.mla_rows, state.mla_blocks
     if rows is None or not blocks or rows.device.type != "cpu" or blocks[0].dcp_size != 1:
         return None
@@ -589,8 +690,7 @@ def _staging_views(state: ResumeState) -> dict[int, object] | None:
     if rows.shape[1] != n * bs or blocks[0].rows.data_ptr() != rows.data_ptr() or \
             blocks[-1].rows.data_ptr() != rows[:, (n - 1) * bs].data_ptr():
         return None
-    arr = codec._as_numpy(rows)
-    return {id(b): arr[:, i * bs : (i + 1) * bs] for i, b in enumerate(blocks)}
+    return _Staging(codec._as_numpy(rows), {id(b): i for i, b in enumerate(blocks)}, bs)
 
 
 def _batch_op(tier, name: str):

@@ -2,10 +2,11 @@
 # One-GPU performance run (H200). Run from the repository root on a CUDA machine
 # with the wheels it lacks in .whl/ (fla-core, einops; pydantic, fastapi,
 # starlette, uvicorn for the e2e part):
-#   bash benchmarks/gpu/h200_perf.sh OUT_DIR engine   state copies, engine (fla vs torch), resume vs
-#                                                     recompute at 8K/32K/128K, publishing on vs off,
-#                                                     a resumed follow-up's profile, where a resume through
-#                                                     the host tier spends its time (staged vs direct)
+#   bash benchmarks/gpu/h200_perf.sh OUT_DIR engine   publishing on vs off (in-process tier; node store
+#                                                     process), resume vs recompute at 8K/32K/128K from
+#                                                     memory and through the host tier (staged, direct)
+#                                                     with a load profile, the GIL probe, state copies,
+#                                                     engine (fla vs torch), a resumed follow-up's profile
 #   bash benchmarks/gpu/h200_perf.sh OUT_DIR state    the state path's open figures alone: the CUDA tests,
 #                                                     publishing on / off with its partial paths (hold,
 #                                                     export), the GIL probe, the MoE loop A/B on prefill,
@@ -31,22 +32,21 @@ if [ "$part" = state ]; then
     | grep -E "^prefill|Error"
   python3 benchmarks/gpu/resume_breakdown.py --context 8192,32768 --reps 3 --json "$out/resume_breakdown.json" \
     2>&1 | grep -E "^@|Error"
-elif [ "$part" = engine ]; then
+elif [ "$part" = engine ]; then  # the open goals first, so a run cut short still has them
+  python3 benchmarks/overlap_bench.py --device cuda --preset small --dtype bfloat16 --prompt 8192 --batch 8 \
+    --rounds 6 --chunk 8192 --budget-mb 20000 --modes off,on,node --json "$out/overlap.json" 2>&1 \
+    | grep -E "^round|Error" | head -40
+  python3 benchmarks/gpu/resume_breakdown.py --context 8192,32768,131072 --reps 3 --json "$out/resume_breakdown.json" \
+    --profile-load "$out/profile_load" 2>&1 | grep -E "^@|Error"
+  python3 benchmarks/overlap_bench.py --gil --prompt 8192 --rounds 8 --json "$out/gil.json" 2>&1 | grep -E "progress|Error"
   python3 benchmarks/gpu_transfer_bench.py --json "$out/transfer.json" 2>&1 | grep -E "vs_ceiling|bit_exact"
   common=(--device cuda --preset small --dtype bfloat16 --budget-mb 30000 --chunk 8192 --followup 256 --reps 3)
   python3 benchmarks/engine_bench.py "${common[@]}" --prefill-lens 8192,32768 --decode-batches 1,16,64 \
-    --decode-context 2048 --context 32768,8192 --profile-resume "$out/profile_resume_32k.txt" \
+    --decode-context 2048 --context 32768 --profile-resume "$out/profile_resume_32k.txt" \
     --json "$out/engine_fla.json" 2>&1 | grep -E "^(prefill|decode|resume)|Error" | head -20
-  python3 benchmarks/engine_bench.py "${common[@]}" --prefill-lens "" --decode-batches "" --context 131072 \
-    --json "$out/engine_fla_128k.json" 2>&1 | grep -E "^(prefill|decode|resume)|Error" | head -8
   DISAGG_KDA_BACKEND=torch python3 benchmarks/engine_bench.py "${common[@]}" --prefill-lens 8192,32768 \
     --decode-batches 1,16,64 --decode-context 2048 --context "" --json "$out/engine_torch.json" 2>&1 \
     | grep -E "^(prefill|decode)|Error" | head -10
-  python3 benchmarks/overlap_bench.py --device cuda --preset small --dtype bfloat16 --prompt 8192 --batch 8 \
-    --rounds 3 --chunk 8192 --budget-mb 20000 --json "$out/overlap.json" 2>&1 | tail -14
-  head -45 "$out/profile_resume_32k.txt"
-  python3 benchmarks/gpu/resume_breakdown.py --context 8192,32768,131072 --reps 3 --json "$out/resume_breakdown.json" \
-    2>&1 | grep -E "^@|Error"
 else
   python3 benchmarks/gpu/e2e_inprocess.py --out "$out/e2e" 2>&1 | tail -30
   cp "$out/e2e/e2e.json" "$out/e2e.json" 2>/dev/null

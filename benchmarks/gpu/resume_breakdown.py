@@ -100,6 +100,7 @@ def run_context(model, args, context: int) -> dict:
     t0 = time.perf_counter()
     store.put_state(src.computed_tokens("t1"), state, hasher)
     put_s = time.perf_counter() - t0
+    src_layout = src.layout
     del src
     keys = [str(ObjectKey("mla", d)) for d in hasher.block_hashes(turn2[: state.position // 64 * 64])]
     fig = {"context": context, "state_mb": round(nbytes / 1e6, 1), "mla_blocks": len(keys),
@@ -135,6 +136,21 @@ def run_context(model, args, context: int) -> dict:
             times["lookup"].append(t1 - t0)
             times[f"load_{name}"].append(t2 - t1)
             del loaded, eng
+    if args.profile_load:  # where one direct load's time goes, by function (host side)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        _sync(device)
+        prof.enable()
+        store.load_state(turn2, state.position, hasher, src_layout, contiguous=True, device=device)
+        _sync(device)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(22)
+        with open(f"{args.profile_load}_{context}.txt", "w") as f:
+            f.write(text.getvalue())
     assert len(first_tokens) == 1, f"resumed and recomputed first tokens differ: {first_tokens}"
     med = {k: _median_ms(v) for k, v in times.items()}
     fig.update({f"{k}_ms": v for k, v in med.items()})
@@ -154,6 +170,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--budget-mb", type=int, default=30000)
     ap.add_argument("--io-threads", type=int, default=0, help="the store's I/O threads (0: its default)")
+    ap.add_argument("--profile-load", help="write a cProfile of one direct load per context to PREFIX_<context>.txt")
     ap.add_argument("--json")
     args = ap.parse_args()
     model = K3ForCausalLM.random_init(load_preset(args.preset), seed=0, dtype=getattr(torch, args.dtype))

@@ -26,10 +26,15 @@ Protocol (little-endian), one request then one response per round trip:
     12  ABORT_MANY    u32 n | n x u64 reservation_id       -
     13  GET_MANY      u32 n | n x str key                  n x (u8 status | u64 lease_id | u64 offset | u64 nbytes)
     14  RELEASE_MANY  u32 n | n x u64 lease_id             -
+    15  SEAL_MANY     u8 algo | u32 n | n x u64 reservation_id   n x u8
 
 The batch ops (10-14) answer in one round trip what their single forms answer
 per key: a state of 512 blocks is put in two round trips and loaded in two,
-not 1,024 each.
+not 1,024 each. SEAL_MANY is COMMIT_MANY for objects written without their
+checksum: the server computes each trailer (``checksum.seal``) over the bytes
+the client wrote, then commits. A client publishing from an engine's process
+thereby hands the checksum work, and the GIL it would take per object, to the
+store's process (kv_transfer README, "Publishing").
 
 Leases and reservations belong to the connection: when a client goes away its
 pins are released and its uncommitted regions freed.
@@ -48,7 +53,7 @@ from kv_transfer.tiers.arena import SharedArena
 from kv_transfer.tiers.host import HostLease, HostTier, Reservation, put_via_reservation
 
 HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
-RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY = range(10, 15)
+RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY, SEAL_MANY = range(10, 16)
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
 
 
@@ -162,10 +167,16 @@ class HostTierServer:
         leases.add(got[0])
         return _U8.pack(1) + b"".join(_U64.pack(v) for v in got)
 
-    def _finish(self, op: int, rid: int, reservations: set[int]) -> bool:
+    def _finish(self, op: int, rid: int, reservations: set[int], algo: int = 0) -> bool:
         if rid not in reservations:
             return False
         reservations.discard(rid)
+        if op == SEAL_MANY:
+            try:
+                return self.tier.seal(rid, algo)
+            except ValueError:  # unknown algorithm, or no room for a trailer: nothing is stored
+                self.tier.abort(rid)
+                return False
         return self.tier.commit(rid) if op in (COMMIT, COMMIT_MANY) else self.tier.abort(rid) is None
 
     def _release(self, lease_id: int, leases: set[int]) -> None:
@@ -182,6 +193,9 @@ class HostTierServer:
         if op in (COMMIT_MANY, ABORT_MANY):
             done = [self._finish(op, r.take(_U64), reservations) for _ in range(r.take(_U32))]
             return bytes(int(ok) for ok in done) if op == COMMIT_MANY else _U8.pack(1)
+        if op == SEAL_MANY:
+            algo = r.take(_U8)
+            return bytes(int(self._finish(op, r.take(_U64), reservations, algo)) for _ in range(r.take(_U32)))
         if op == GET_MANY:
             return b"".join(self._get(r.str(), leases) for _ in range(r.take(_U32)))
         if op == RELEASE_MANY:
@@ -295,6 +309,17 @@ class HostTierClient:
             return []
         ids = b"".join(_U64.pack(res.reservation_id) for res in reservations)
         r = self._call(_U8.pack(COMMIT_MANY) + _U32.pack(len(reservations)) + ids)
+        return [bool(b) for b in r.buf[: len(reservations)]]
+
+    seals_remotely = True  # seal_many's checksums run in the tier owner's process
+
+    def seal_many(self, reservations: Sequence[Reservation], algo: int) -> list[bool]:
+        """Have the server checksum each (non-duplicate) reservation into its trailer and commit
+        it, in one round trip (``HostTier.seal``); False where it was not stored."""
+        if not reservations:
+            return []
+        ids = b"".join(_U64.pack(res.reservation_id) for res in reservations)
+        r = self._call(_U8.pack(SEAL_MANY) + _U8.pack(algo) + _U32.pack(len(reservations)) + ids)
         return [bool(b) for b in r.buf[: len(reservations)]]
 
     def abort_many(self, reservations: Sequence[Reservation]) -> None:
