@@ -26,7 +26,9 @@ engine's work), ``total`` when its last state is also in the host tier (the
 last prompt's put runs after every prefill, so ``total`` also counts one
 publish's latency, which a continuous stream of prompts would hide). The figures
 are median ratios against ``off`` (goal: prefill < 1.05). Every published prompt
-is checked to be resumable to its full length from the host tier.
+is checked to be resumable to its full length from the host tier. Also given:
+the median over rounds of each round's ratio to its own ``off`` (paired), with
+quartiles: on a host whose CPU time is noisy this is the steadier figure.
 
 GIL probe (``--gil``, no model): what publishing costs the engine's stepping
 thread when that thread is bound by Python (as a launch-bound GPU engine is).
@@ -164,6 +166,12 @@ async def run(args) -> dict:
            "published_bytes": {k: w.counters["published_bytes"] for k, w in workers.items()},
            "gil_switch_interval_s": sys.getswitchinterval(),
            "prefill_tok_s": {k: args.batch * args.prompt / v for k, v in med_p.items()}}
+    # paired: each round holds every mode once, so round r's ratio to its own off cancels slow drifts
+    for name, times in (("prefill", prefill), ("total", total)):
+        ratios = {k: sorted(a / b for a, b in zip(v, times["off"], strict=True)) for k, v in times.items() if k != "off"}
+        out[f"{name}_paired_ratio"] = {k: statistics.median(v) for k, v in ratios.items()}
+        out[f"{name}_paired_quartiles"] = {k: [v[len(v) // 4], v[(3 * len(v)) // 4]] for k, v in ratios.items()}
+    out["off_spread"] = [1000 * min(prefill["off"]), 1000 * max(prefill["off"])]
     if "on" in modes:  # the names the earlier runs' JSON used
         out.update(makespan_off_ms=1000 * med_t["off"], makespan_on_ms=1000 * med_t["on"],
                    ratio_on_off=med_t["on"] / med_t["off"], prefill_ratio_on_off=med_p["on"] / med_p["off"])
