@@ -20,6 +20,15 @@ lower P90 TTFT than every baseline; decision p99 <= 1 ms.
 and prints max/mean q per seed: with ~6 first turns per worker the figure
 moves by +-0.1 from seed to seed (docs/router.md).
 
+``--sessions-per-worker N`` sets the trace length at the same load (4
+closed-loop lanes per worker; default 6, the figures of earlier rounds).
+48 is the length chosen for the balance metric: the shortest of 6, 12, 24, 48
+at which a clairvoyant placement's own max/mean averages <= 1.10 over seeds
+0-7 (``benchmarks/router_balance_study.py``, docs/router.md):
+
+    python benchmarks/router_bench.py --sessions-per-worker 48 --balance-seeds 1 2 3 4 5 6 7 \
+        --out results/router_bench_48
+
 ``--latency-reps N`` repeats the decision-latency measurement N times over the
 same index (the shared machine's load moves each repetition's p99; the median
 over repetitions is printed with every repetition).
@@ -67,15 +76,26 @@ POLICIES = ["state_aware", "round_robin", "power_of_two", "prefix_affinity", "dy
 METRICS = [("hit_vs_theory", "hit/theory"), ("max_mean_queue", "max/mean q"), ("ttft_p90", "P90 TTFT s")]
 
 
-def run_sim(workers: int, seed: int, scale: float) -> dict[str, dict[str, float]]:
-    cfg = SynthConfig(num_sessions=max(4, int(6 * workers * scale)), turns=12, system_tokens=8192,
-                      first_user_tokens=8192, think_s=3.0)
+SESSIONS_PER_WORKER = 6.0  # the default trace: 6 sessions of 12 turns per worker (4 closed-loop lanes each)
+
+
+def sim_workload(workers: int, seed: int, scale: float = 1.0, sessions_per_worker: float = SESSIONS_PER_WORKER):
+    """(requests, cluster, lanes) of the simulated comparison. The lanes (4 per worker) set the load;
+    the sessions per worker set only how long the run lasts."""
+    cfg = SynthConfig(num_sessions=max(4, int(sessions_per_worker * workers * scale)), turns=12,
+                      system_tokens=8192, first_user_tokens=8192, think_s=3.0)
     reqs = synth_sessions(cfg, seed=seed)
     cluster = ClusterConfig(num_workers=workers, device_blocks=2048, host_blocks=32768)
+    return reqs, cluster, 4 * workers
+
+
+def run_sim(workers: int, seed: int, scale: float,
+            sessions_per_worker: float = SESSIONS_PER_WORKER) -> dict[str, dict[str, float]]:
+    reqs, cluster, lanes = sim_workload(workers, seed, scale, sessions_per_worker)
     out = {}
     for policy in POLICIES:
         t0 = time.perf_counter()
-        res = Simulator(reqs, policy, cluster, lanes=4 * workers, seed=seed).run()
+        res = Simulator(reqs, policy, cluster, lanes=lanes, seed=seed).run()
         out[policy] = dict(res.summary, wall_s=time.perf_counter() - t0)
         print(f"  {workers:>2} workers  {policy:<16} {len(reqs)} requests in {out[policy]['wall_s']:.1f}s",
               file=sys.stderr, flush=True)
@@ -338,7 +358,8 @@ def latency_text(lat: dict) -> str:
 
 def balance_by_seed(seed0: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
     """max/mean q and hit/theory at 16 workers for each workload seed."""
-    runs = {args.seed: seed0} | {s: run_sim(16, s, args.scale) for s in args.balance_seeds}
+    runs = {args.seed: seed0} | {s: run_sim(16, s, args.scale, args.sessions_per_worker)
+                                         for s in args.balance_seeds}
     head = f"{'16 workers, max/mean q (hit/theory) by seed':<44}" + "".join(f"{s:>14}" for s in runs)
     lines = [head, "-" * len(head)]
     for p in POLICIES:
@@ -507,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/router_bench", help="output directory (table, JSON, PNG)")
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--scale", type=float, default=1.0, help="sessions per worker multiplier")
+    ap.add_argument("--sessions-per-worker", type=float, default=SESSIONS_PER_WORKER,
+                    help="trace length at the same load (4 lanes per worker): 6 (default, earlier rounds' "
+                         "figures) or 48, the length chosen for the balance metric (docs/router.md)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--latency-blocks", type=int, default=1_000_000)
     ap.add_argument("--latency-decisions", type=int, default=2000)
@@ -540,10 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         cmp = compare_latency(args.compare_ref, num_blocks=args.latency_blocks, n=args.latency_decisions,
                               seed=args.seed, reps=args.latency_reps)
         return report("router_latency_ab", compare_text(cmp), cmp)
-    results = {} if args.latency_only else {w: run_sim(w, args.seed, args.scale) for w in args.workers}
+    results = {} if args.latency_only else {w: run_sim(w, args.seed, args.scale, args.sessions_per_worker)
+                                            for w in args.workers}
     text = table(results) if results else ""
     if args.balance_seeds and not args.latency_only:
-        text += "\n" + balance_by_seed(results.get(16) or run_sim(16, args.seed, args.scale), args)
+        text += "\n" + balance_by_seed(results.get(16) or run_sim(16, args.seed, args.scale,
+                                                                   args.sessions_per_worker), args)
     if text:
         print(text)
     print("decision latency: building the index ...", file=sys.stderr, flush=True)

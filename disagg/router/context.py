@@ -41,6 +41,7 @@ class EffectiveLoad:
     active_sessions: float = 0.0  # sessions whose last turn ran here within the TTL
     session_tokens: float = 0.0  # context tokens of those sessions (their last prompt)
     queue_avg: float = 0.0  # time-average of prefill_tokens (see disagg.router.loads)
+    booked_area: float = 0.0  # prefill area booked by routing, tokens^2 (see disagg.router.loads)
 
 
 LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EffectiveLoad))
@@ -93,6 +94,10 @@ class CandidateView:
     @property
     def queue_avg(self) -> np.ndarray:  # time-averaged queued prefill tokens
         return self.loads[6]
+
+    @property
+    def booked_area(self) -> np.ndarray:  # prefill area booked by routing, tokens^2
+        return self.loads[7]
 
 
 @dataclass(slots=True)

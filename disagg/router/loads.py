@@ -14,6 +14,11 @@ Per worker w, at decision time ``now`` (one numpy column each, see
         observes it; routing a request to w adds its uncached tokens at once), and
         queue_avg <- queue_avg + (1 - exp(-dt / tau)) * (held - queue_avg)
 
+    area(w)      = prefill area booked by routing: each request routed to w adds
+                   n (n / 2 + held(w)), n its uncached tokens (tokens^2: the token-seconds
+                   of queued prefill it adds, waiting behind the held queue and then
+                   draining, times the prefill rate); decays with area_tau_s (inf: never)
+
 Predictions made before the worker's stats timestamp are dropped (the stats
 include them; one made at the very instant of the stats is kept, so a burst
 routed in one instant is spread), so the router reacts to a burst before
@@ -45,6 +50,7 @@ from disagg.router.context import LOAD_FIELDS, LoadColumns
 from disagg.router.types import WorkerState
 
 _T = attrgetter("updated_at")
+_ROWS = 6  # per-slot state rows: sessions, their tokens, queue_avg, held prefill, its time, booked area
 
 
 @dataclass(slots=True)
@@ -60,12 +66,14 @@ class SessionPlacement:
 class LoadTracker:
     """Pending predictions, active sessions and smoothed queues per worker."""
 
-    def __init__(self, prediction_tau_s: float = 5.0, session_ttl_s: float = 120.0, queue_avg_tau_s: float = 60.0):
-        if min(prediction_tau_s, session_ttl_s, queue_avg_tau_s) <= 0:
+    def __init__(self, prediction_tau_s: float = 5.0, session_ttl_s: float = 120.0, queue_avg_tau_s: float = 60.0,
+                 area_tau_s: float = math.inf):
+        if min(prediction_tau_s, session_ttl_s, queue_avg_tau_s, area_tau_s) <= 0:
             raise ValueError("time constants must be positive")
         self.prediction_tau_s = prediction_tau_s
         self.session_ttl_s = session_ttl_s
         self.queue_avg_tau_s = queue_avg_tau_s
+        self.area_tau_s = area_tau_s
         self._slot: dict[str, int] = {}  # worker id -> slot (NOTE 1)
         self._last_ids: list[str] = []  # worker list of the last columns() call ...
         self._last_slots: np.ndarray | slice = slice(0, 0)  # ... and its slots
@@ -74,7 +82,7 @@ class LoadTracker:
         self._sessions: OrderedDict[str, SessionPlacement] = OrderedDict()  # oldest first
         # per slot (columns): active sessions, their tokens, queue_avg, the prefill load observed
         # last (held until the next observation) and the time of that observation
-        self._state = np.zeros((5, 0))
+        self._state = np.zeros((_ROWS, 0))
 
     # ---- slots ---------------------------------------------------------------
     def _slots(self, ids: list[str]) -> np.ndarray | slice:
@@ -105,7 +113,7 @@ class LoadTracker:
     def _grow(self, n: int) -> None:
         old = self._state.shape[1]
         if n > old:
-            self._state = np.concatenate([self._state, np.zeros((5, max(n, 2 * old, 16) - old))], axis=1)
+            self._state = np.concatenate([self._state, np.zeros((_ROWS, max(n, 2 * old, 16) - old))], axis=1)
 
     # ---- queries -------------------------------------------------------------
     def session(self, session_id: str) -> SessionPlacement | None:
@@ -165,6 +173,10 @@ class LoadTracker:
         data[4:6] = st[:2]
         data[6] = avg
         state = self._state
+        if self.area_tau_s != math.inf:
+            st[5] *= np.exp((st[4] - now) / self.area_tau_s)
+            state[5, slots] = st[5]
+        data[7] = st[5]
         state[2, slots] = avg
         state[3, slots] = base[0]
         state[4, slots] = now
@@ -173,10 +185,11 @@ class LoadTracker:
     # ---- feedback ------------------------------------------------------------
     def on_routed(self, session_id: str, prompt_len: int, uncached: int, prefill_worker: str,
                   decode_worker: str, decode_node: str, now: float) -> None:
-        """A request was dispatched: book its predicted load and its session."""
+        """A request was dispatched: book its predicted load, its prefill area and its session."""
         self._prefill_pending.setdefault(prefill_worker, []).append((now, uncached))
         self._decode_pending.setdefault(decode_worker, []).append((now, prompt_len))
         p_slot, d_slot = self._slot_of(prefill_worker), self._slot_of(decode_worker)
+        self._state[5, p_slot] += uncached * (0.5 * uncached + self._state[3, p_slot])
         self._state[3, p_slot] += uncached
         if session_id:
             old = self._sessions.pop(session_id, None)

@@ -57,11 +57,12 @@ class RouterConfig:
     prediction_tau_s: float = 5.0  # decay of in-flight predictions
     session_ttl_s: float = 120.0  # a session counts as active this long after its last turn
     queue_avg_tau_s: float = 60.0  # time constant of the time-averaged queued prefill
+    area_tau_s: float = math.inf  # decay of the booked prefill area (inf: none)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.common_fraction <= 1.0:
             raise ValueError("common_fraction must be in (0, 1]")
-        if min(self.prediction_tau_s, self.session_ttl_s, self.queue_avg_tau_s) <= 0:
+        if min(self.prediction_tau_s, self.session_ttl_s, self.queue_avg_tau_s, self.area_tau_s) <= 0:
             raise ValueError("time constants must be positive")
 
     @classmethod
@@ -96,7 +97,7 @@ class StateAwareRouter:
         self.profiles = build_profiles(cfg.profiles, cfg.plugins)
         self.decider = PDDecider(**cfg.decider)
         self.metrics = RouterMetrics()
-        self.loads = LoadTracker(cfg.prediction_tau_s, cfg.session_ttl_s, cfg.queue_avg_tau_s)
+        self.loads = LoadTracker(cfg.prediction_tau_s, cfg.session_ttl_s, cfg.queue_avg_tau_s, cfg.area_tau_s)
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (predicted, prompt_len)
         self._known: list[str] = []  # worker ids registered by the last route() call
 

@@ -50,6 +50,20 @@ def test_routing_adds_to_the_held_queue_and_pending_until_stats_catch_up():
     assert cols.data[6].tolist() == pytest.approx([0.0, 50 * E1])
 
 
+def test_routing_books_the_prefill_area_it_adds():
+    tr = LoadTracker()
+    tr.columns(_ws([0, 30], 0.0), 0.0)
+    tr.on_routed("s1", 120, 100, "w0", "w0", "n0", 0.0)  # 100 uncached tokens on an empty queue
+    tr.on_routed("s2", 60, 50, "w1", "w1", "n0", 0.0)  # 50 behind 30 queued
+    tr.on_routed("s3", 60, 20, "w1", "w1", "n0", 0.0)  # 20 behind 30 + 50
+    cols = tr.columns(_ws([0, 0], 100.0), 100.0)
+    assert cols.data[7].tolist() == [100 * 50, 50 * (25 + 30) + 20 * (10 + 80)]  # no decay by default
+    tr = LoadTracker(area_tau_s=10.0)
+    tr.columns(_ws([0], 0.0), 0.0)
+    tr.on_routed("s1", 120, 100, "w0", "w0", "n0", 0.0)
+    assert tr.columns(_ws([0], 10.0), 10.0).data[7].tolist() == pytest.approx([5000 * math.exp(-1.0)])
+
+
 def test_sessions_move_with_their_turns_and_expire():
     tr = LoadTracker(session_ttl_s=10.0)
     tr.on_routed("s1", 1000, 1000, "w0", "w0", "n0", 0.0)

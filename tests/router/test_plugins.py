@@ -97,8 +97,32 @@ def test_healthy_and_role_filters():
 )
 def test_load_guard(q, s, session, expect):
     loads = {w.worker_id: EffectiveLoad(qq, 0, 0, 0.0, ss) for w, qq, ss in zip(W3, q, s, strict=True)}
-    f = LoadGuardFilter(prefill_slack_tokens=0.0)
+    f = LoadGuardFilter(prefill_slack_tokens=0.0, first_turn_guard="sessions")
     assert [w.worker_id for w in f.filter(_ctx(loads=loads, session=session), W3)] == expect
+
+
+@pytest.mark.parametrize(
+    "booked, q, resumable, prompt_len, session, expect",
+    [
+        # every worker idle and empty: only those where the prompt's own area is least (cached prefix)
+        ([0, 0, 0], [0, 0, 0], {"b": 40}, 100, None, ["b"]),
+        # a small first turn fits under the largest booked area on a and c, not on b (the max)
+        ([10000, 15000, 0], [0, 0, 0], {}, 100, None, ["a", "c"]),
+        # a large one only where it raises the max least: c (post 12500) vs a (22500)
+        ([10000, 15000, 0], [0, 0, 0], {}, 150, None, ["c"]),
+        # the queue it would wait behind counts: n (n / 2 + q) = 100 * (50 + 100) on c
+        ([9000, 15000, 0], [0, 0, 100], {}, 100, None, ["a", "c"]),
+        ([5000, 20000, 0], [0, 0, 200], {}, 100, None, ["a"]),
+        # a live session's turn is not judged by the first-turn guard
+        ([10000, 15000, 0], [0, 0, 0], {}, 150, "a", ["a", "b", "c"]),
+    ],
+)
+def test_load_guard_area(booked, q, resumable, prompt_len, session, expect):
+    loads = {w.worker_id: EffectiveLoad(qq, booked_area=a) for w, qq, a in zip(W3, q, booked, strict=True)}
+    matches = {w: PrefixMatch(c, "device", 0) for w, c in resumable.items()}
+    f = LoadGuardFilter(prefill_slack_tokens=1e9)
+    ctx = _ctx(matches=matches, loads=loads, session=session, prompt_len=prompt_len)
+    assert [w.worker_id for w in f.filter(ctx, W3)] == expect
 
 
 def test_load_guard_never_empties():

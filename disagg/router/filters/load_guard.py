@@ -1,22 +1,34 @@
 """Load guard: exclude overloaded workers before scoring (anti-pinning).
 
-Two guards, both relative to the candidates' mean:
+Two guards, relative to the candidates:
 
-    prefill:   drop w if  q_w > prefill_ratio * mean(q) + prefill_slack_tokens
-    sessions:  drop w if  s_w > session_ratio * mean(s) + session_slack
-               (only for a session's first turn: moving a live session costs
-               its cache, so placed sessions are judged by the prefill guard)
+    prefill:     drop w if  q_w > prefill_ratio * mean(q) + prefill_slack_tokens
+    first turn:  only for a session's first turn (moving a live session costs its
+                 cache, so placed sessions are judged by the prefill guard), one of
+      "area"     (default) keep w only if placing the prompt there leaves the largest
+                 booked prefill area where the best placement would:
+                     post_w = A_w + n_w (n_w / 2 + q_w)       n_w = prompt - resumable(w)
+                     keep w if post_w <= max(max_v A_v, min_v post_v)
+      "sessions" drop w if  s_w > session_ratio * mean(s) + session_slack
+      "none"
 
 q is the effective queued prefill (live + in-flight predictions), s the
-active sessions placed on the worker. The guard never empties the list: if
-every worker would be dropped, the least loaded one stays. With a hot shared
-prompt this is what stops one worker from collecting every new session: once
-it holds more than its share, new sessions go to the next-best (cached)
-worker instead.
+active sessions placed on the worker, A the prefill area booked on it
+(``disagg.router.loads``: every routed request books ``n (n / 2 + q)``, the
+token-seconds times the prefill rate that its n uncached tokens add to the
+worker's queue, waiting behind q and then draining). ``n_w (n_w / 2 + q_w)``
+is the work the new session brings to w, cache included: a worker that holds
+the shared prompt books less. A small first turn fits under the current
+maximum almost anywhere (the scorers choose); a large one goes where it
+raises the maximum least. The guard never empties the list: if every worker
+would be dropped, the least loaded one stays. With a hot shared prompt either
+first-turn guard stops one worker from collecting every new session: the
+sessions' areas add up on it (area), or it holds more than its share of
+sessions (sessions); then new sessions go to the next-best (cached) worker.
 
 Config example (YAML)::
 
-    load_guard: {prefill_ratio: 1.25, prefill_slack_tokens: 8192,
+    load_guard: {prefill_ratio: 1.25, prefill_slack_tokens: 8192, first_turn_guard: area,
                  session_ratio: 1.1, session_slack: 1}
 """
 
@@ -34,14 +46,17 @@ from disagg.router.types import WorkerState
 class LoadGuardConfig:
     prefill_ratio: float = 1.25  # allowed multiple of the mean queued prefill
     prefill_slack_tokens: float = 8192.0  # absolute slack (idle clusters)
-    session_ratio: float = 1.1  # allowed multiple of the mean active sessions
-    session_slack: float = 1.0  # absolute slack in sessions
+    first_turn_guard: str = "area"  # a session's first turn: "area", "sessions" or "none"
+    session_ratio: float = 1.1  # "sessions": allowed multiple of the mean active sessions
+    session_slack: float = 1.0  # "sessions": absolute slack in sessions
 
     def __post_init__(self) -> None:
         if self.prefill_ratio < 1.0 or self.session_ratio < 1.0:
             raise ValueError("guard ratios must be >= 1")
         if self.prefill_slack_tokens < 0 or self.session_slack < 0:
             raise ValueError("guard slack must be >= 0")
+        if self.first_turn_guard not in ("area", "sessions", "none"):
+            raise ValueError("first_turn_guard must be 'area', 'sessions' or 'none'")
 
 
 class LoadGuardFilter:
@@ -58,9 +73,19 @@ class LoadGuardFilter:
         n = len(workers)
         q = v.prefill
         ok = q <= cfg.prefill_ratio * float(np.add.reduce(q)) / n + cfg.prefill_slack_tokens
-        if ctx.session_worker is None:  # a new session: also the session guard
-            s = v.sessions
-            ok &= s <= cfg.session_ratio * float(np.add.reduce(s)) / n + cfg.session_slack
+        guard = cfg.first_turn_guard
+        # a new session: also the first-turn guard
+        if ctx.session_worker is None and guard != "none":
+            if guard == "area":
+                if np.logical_or.reduce(ok):
+                    nu = np.maximum(ctx.request.prompt_len - v.resumable, 0.0)
+                    booked = v.booked_area
+                    post = booked + nu * (0.5 * nu + q)  # booked area after placing it there
+                    top = max(float(np.maximum.reduce(booked)), float(np.minimum.reduce(post[ok])))
+                    ok &= post <= top
+            else:
+                s = v.sessions
+                ok &= s <= cfg.session_ratio * float(np.add.reduce(s)) / n + cfg.session_slack
         num_kept = np.count_nonzero(ok)
         if num_kept == n:
             return workers
