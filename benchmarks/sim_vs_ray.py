@@ -27,8 +27,19 @@
 6. Prints, per concurrency, real vs simulated TTFT (mean, P50, P90), ITL
    P90, total tok/s/GPU and cache hit, with sim / real ratios; the goal is
    TTFT and throughput within 15%; and the real system against itself: the
-   calibration c1 run and the validation c1 run replay the same requests
-   (other salts), so their ratio is the noise floor of the comparison.
+   calibration runs and the validation runs at the same concurrency replay the
+   same requests (other salts), so their ratio is the noise floor of the
+   comparison.
+7. Bootstrap 90% intervals (``--bootstrap`` resamples of the measured
+   requests) of the real TTFT mean, P50 and P90, and of their sim / real
+   ratios (over the requests both ran, the same session and turn, resampled
+   as pairs: the closed loops of the two drift apart, so a few differ); and
+   per run the TTFT of the two kinds of request the distribution is made
+   of: cache hits whose uncached suffix the decode replica prefills (<= the
+   decider's threshold) and remote prefills. When about half the requests
+   are hits the TTFT P50 falls at the boundary of the two, and moves with
+   one request changing side; the intervals show by how much.
+   ``comparison.json`` holds every measured request, real and simulated.
 
 The CPU is shared: the real runs' absolute times move with the machine's
 load (printed with the results); the calibration comes from the same
@@ -46,9 +57,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from e2e_pareto import CONFIG, FIRST_TOKEN_ID, VOCAB_SIZE, cpu_trace, engine_replicas, warm_up
 
-from disagg.bench.report import load_sweep
+from disagg.bench.report import load_requests, load_sweep
 from disagg.bench.sweep import BenchParams, run_bench_sync
 from disagg.bench.tokens import shared_hash_ids
 from disagg.bench.trace import save_trace
@@ -64,6 +76,9 @@ METRICS = [("TTFT mean ms", lambda s: s["ttft_ms"]["mean"]), ("TTFT P50 ms", lam
            ("TTFT P90 ms", lambda s: s["ttft_ms"]["p90"]), ("ITL P90 ms", lambda s: s["itl_ms"]["p90"]),
            ("tok/s/GPU", lambda s: s["total_tps_per_gpu"]), ("cache hit", lambda s: s["cache_hit_usage"] or 0.0)]
 GATED = ("TTFT mean ms", "TTFT P50 ms", "tok/s/GPU")
+TTFT_STATS = {"TTFT mean ms": lambda x: np.mean(x, axis=-1),  # per-request figures (bootstrapped), of rows
+              "TTFT P50 ms": lambda x: np.percentile(x, 50, axis=-1),
+              "TTFT P90 ms": lambda x: np.percentile(x, 90, axis=-1)}
 
 
 def _time_engine_task(threads: int) -> dict:
@@ -126,7 +141,9 @@ def sim_cluster(cfg, prof: EngineProfile) -> ClusterConfig:
                          node_compute_slots=float(prof.limits.get("node_compute_slots", 0.0)))
 
 
-def simulate_sweep(records, bp: BenchParams, cluster: ClusterConfig, prof: EngineProfile, cfg) -> dict[str, dict]:
+def simulate_sweep(records, bp: BenchParams, cluster: ClusterConfig, prof: EngineProfile, cfg,
+                   requests: dict[str, list[dict]] | None = None) -> dict[str, dict]:
+    """Simulated bench summaries per run label; ``requests`` (if given) gets the measured requests of each."""
     reqs = from_trace_records(records, 64)
     shared = shared_hash_ids(records)
     router = {"decider": {"local_prefill_max_tokens": cfg.router.local_prefill_max_tokens}}
@@ -134,8 +151,52 @@ def simulate_sweep(records, bp: BenchParams, cluster: ClusterConfig, prof: Engin
     for rc in bp.run_configs():
         sim = Simulator(reqs, "state_aware", cluster, prof.cost_model(), replay=ReplayConfig.from_run_config(rc),
                         router_config=router, shared_ids=shared)
-        out[rc.label] = sim.run().bench_summary().to_dict()
+        res = sim.run()
+        out[rc.label] = res.bench_summary().to_dict()
+        if requests is not None:
+            requests[rc.label] = [
+                {"session_id": r.session_id, "turn": r.turn, "send_s": round(r.arrival, 6),
+                 "ttft_ms": round(1e3 * r.ttft, 3), "prompt_tokens": r.prompt_len, "cached_tokens": r.cached_tokens,
+                 "prefill_worker": r.prefill_worker, "decode_worker": r.decode_worker}
+                for r in res.records if not r.warmup and r.finish >= 0]
     return out
+
+
+def real_requests(sweep_dir: Path) -> dict[str, list[dict]]:
+    """The measured, successful requests of each run of a bench sweep (the benchmark's own selection)."""
+    out = {}
+    for e in load_sweep(sweep_dir)["runs"]:
+        rows = load_requests(sweep_dir / "runs" / e["label"])
+        out[e["label"]] = [{k: r[k] for k in ("session_id", "turn", "send_s", "ttft_ms", "prompt_tokens",
+                                              "cached_tokens")}
+                           for r in rows if not r["warmup"] and r["error"] is None]
+    return out
+
+
+def bootstrap(real: list[dict], sim: list[dict], stat, n: int, seed: int = 0):
+    """90% intervals of stat(real TTFT) (its requests resampled) and of stat(sim) / stat(real) over the requests
+    both ran (the same session and turn), resampled as pairs; and how many pairs there were."""
+    rng = np.random.default_rng(seed)
+    a = np.asarray([r["ttft_ms"] for r in real], dtype=np.float64)
+    lo, hi = np.percentile(stat(a[rng.integers(0, len(a), (n, len(a)))]), [5, 95])
+    sims = {(r["session_id"], r["turn"]): r["ttft_ms"] for r in sim}
+    pairs = np.asarray([(r["ttft_ms"], sims[k]) for r in real if (k := (r["session_id"], r["turn"])) in sims],
+                       dtype=np.float64).reshape(-1, 2)
+    if len(pairs) < 2:
+        return (float(lo), float(hi)), (float("nan"), float("nan")), len(pairs)
+    idx = rng.integers(0, len(pairs), (n, len(pairs)))
+    rlo, rhi = np.percentile(stat(pairs[idx, 1]) / stat(pairs[idx, 0]), [5, 95])
+    return (float(lo), float(hi)), (float(rlo), float(rhi)), len(pairs)
+
+
+def split_line(label: str, real: list[dict], sim: list[dict], threshold: int) -> str:
+    """TTFT of hits prefilled by the decode replica (uncached suffix <= threshold) and of remote prefills."""
+    def part(rows):
+        hit = [r["ttft_ms"] for r in rows if r["prompt_tokens"] - r["cached_tokens"] <= threshold]
+        miss = [r["ttft_ms"] for r in rows if r["prompt_tokens"] - r["cached_tokens"] > threshold]
+        f = lambda xs: f"{np.mean(xs):,.0f} / {np.median(xs):,.0f} / {max(xs):,.0f}" if xs else "-"
+        return f"{len(hit)} hits {f(hit)}, {len(miss)} remote {f(miss)}"
+    return f"- {label}: real {part(real)}; simulated {part(sim)}"
 
 
 SLOTS_GRID = [round(0.3 + 0.05 * i, 2) for i in range(35)]  # 0.3 .. 2.0
@@ -160,17 +221,23 @@ def fit_slots(records, cal: BenchParams, real: dict[str, dict], cfg, prof: Engin
 
 
 def noise_floor(cal_real: dict[str, dict], real: dict[str, dict], requests: int) -> str:
-    """The same requests at c1 twice (calibration, then validation): real / real."""
-    if "c1" not in cal_real or "c1" not in real:
+    """The same requests twice at each concurrency of both sweeps (calibration, then validation): real / real."""
+    lines = []
+    for label in [x for x in real if x in cal_real]:
+        a, b = cal_real[label], real[label]
+        parts = [f"{name} {get(b) / get(a):.2f}" for name, get in METRICS if name in GATED and get(a)]
+        lines.append(f"- {label}: " + ", ".join(parts))
+    if not lines:
         return ""
-    a, b = cal_real["c1"], real["c1"]
-    parts = [f"{name} {get(b) / get(a):.2f}" for name, get in METRICS if name in GATED and get(a)]
-    return (f"the real system against itself (the same {requests} requests at c1, calibration run -> validation run): "
-            + ", ".join(parts))
+    return (f"the real system against itself (the same {requests} requests, calibration run -> validation run):\n"
+            + "\n".join(lines))
 
 
-def compare(real: dict[str, dict], sim: dict[str, dict]) -> tuple[str, list[dict]]:
-    lines = ["| run | metric | real | simulated | sim / real |", "|---|---|---|---|---|"]
+def compare(real: dict[str, dict], sim: dict[str, dict], real_reqs: dict[str, list[dict]] | None = None,
+            sim_reqs: dict[str, list[dict]] | None = None, resamples: int = 0) -> tuple[str, list[dict]]:
+    """The table; TTFT figures get bootstrap 90% intervals when the requests are given (``resamples`` > 0)."""
+    lines = ["| run | metric | real | simulated | sim / real | real, 90% interval | sim / real, 90% interval (pairs) |",
+             "|---|---|---|---|---|---|---|"]
     rows = []
     for label, r in real.items():
         s = sim[label]
@@ -178,10 +245,18 @@ def compare(real: dict[str, dict], sim: dict[str, dict]) -> tuple[str, list[dict
             a, b = get(r), get(s)
             ratio = b / a if a else float("nan")
             ok = abs(ratio - 1) <= 0.15 if name in GATED else None
-            rows.append({"run": label, "metric": name, "real": a, "sim": b, "ratio": ratio, "within_15pct": ok})
+            row = {"run": label, "metric": name, "real": a, "sim": b, "ratio": ratio, "within_15pct": ok}
+            ci = ""
+            if (resamples and name in TTFT_STATS and real_reqs and sim_reqs and real_reqs.get(label)
+                    and sim_reqs.get(label)):
+                (lo, hi), (rlo, rhi), npairs = bootstrap(real_reqs[label], sim_reqs[label], TTFT_STATS[name],
+                                                         resamples)
+                row.update(real_90=[lo, hi], ratio_90=[rlo, rhi], pairs=npairs)
+                ci = f" {lo:,.1f} - {hi:,.1f} | {rlo:.2f} - {rhi:.2f} ({npairs}) |"
+            rows.append(row)
             flag = "" if ok is None else (" ok" if ok else " **off**")
             spec = ".3f" if name == "cache hit" else ",.1f"
-            lines.append(f"| {label} | {name} | {a:{spec}} | {b:{spec}} | {ratio:.2f}{flag} |")
+            lines.append(f"| {label} | {name} | {a:{spec}} | {b:{spec}} | {ratio:.2f}{flag} |{ci or ' | |'}")
     return "\n".join(lines), rows
 
 
@@ -200,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the engine in a Ray worker of the serving cluster, or in this process")
     ap.add_argument("--save-profile", help="also write the engine timing here (e.g. disagg/sim/profiles/cpu-tiny.json)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bootstrap", type=int, default=4000, help="resamples for the 90%% intervals (0: none)")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--analyze-only", action="store_true",
                     help="no serving: refit and re-simulate from a previous run's --out")
@@ -221,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         real_doc = load_sweep(out / "validation")
         prev = json.loads((out / "comparison.json").read_text()) if (out / "comparison.json").exists() else {}
         load = prev.get("load_avg", load)
+        run_s = prev.get("run_s", prev.get("elapsed_s"))  # the serving run's total, not this re-analysis
     else:
         base = load_profile(args.base) if args.base else None
         if base is None and args.engine_timing == "here":
@@ -254,18 +331,32 @@ def main(argv: list[str] | None = None) -> int:
                                       f"above c1 (tok/s/GPU off by {100 * slots_err:.1f}% there)")
     fitted.save(out / "fitted_profile.json")
     real = {e["label"]: e["summary"] for e in real_doc["runs"]}
-    sim = simulate_sweep(records, val, sim_cluster(cfg, fitted), fitted, cfg)
-    table, rows = compare(real, sim)
+    sim_reqs: dict[str, list[dict]] = {}
+    sim = simulate_sweep(records, val, sim_cluster(cfg, fitted), fitted, cfg, sim_reqs)
+    real_reqs = real_requests(out / "validation")
+    table, rows = compare(real, sim, real_reqs, sim_reqs, args.bootstrap)
+    threshold = cfg.router.local_prefill_max_tokens
+    split = "\n".join(split_line(label, real_reqs[label], sim_reqs[label], threshold)
+                      for label in real if label in real_reqs and label in sim_reqs)
     elapsed = time.monotonic() - t0
+    if not args.analyze_only:
+        run_s = elapsed
+    total = f"total {run_s:.0f} s" if run_s is not None else "total unknown"
+    if args.analyze_only:
+        total += f" (re-analysed with --analyze-only in {elapsed:.0f} s)"
     notes = "\n".join(f"- {n}" for n in fitted.source["notes"])
     cal_label = ", ".join(f"c{c}" for c in args.calibrate_concurrency)
-    text = (f"{table}\n\n{noise_floor(cal_real, real, args.requests)}\n\ncalibration ({cal_label}, salts of their own):\n{notes}\n\n"
+    text = (f"{table}\n\nTTFT ms (mean / median / max) of cache hits (uncached suffix <= {threshold} tokens, "
+            f"prefilled by the decode replica) and remote prefills:\n{split}\n\n"
+            f"{noise_floor(cal_real, real, args.requests)}\n\ncalibration ({cal_label}, salts of their own):\n{notes}\n\n"
             f"load average (1 min) at start / serving / end: {', '.join(f'{x:.1f}' for x in load)}; "
-            f"total {elapsed:.0f} s\n")
+            f"{total}\n")
     print(text)
     (out / "table.md").write_text(text)
     (out / "comparison.json").write_text(json.dumps({"rows": rows, "load_avg": load, "elapsed_s": round(elapsed, 1),
-                                                     "real": real, "sim": sim}, indent=2, default=str))
+                                                     "run_s": None if run_s is None else round(run_s, 1),
+                                                     "real": real, "sim": sim, "real_requests": real_reqs,
+                                                     "sim_requests": sim_reqs}, indent=2, default=str))
     gated = [r for r in rows if r["within_15pct"] is not None]
     print(f"{sum(r['within_15pct'] for r in gated)}/{len(gated)} gated figures within 15%", file=sys.stderr)
     return 0
