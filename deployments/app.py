@@ -28,13 +28,20 @@ ROUTERS = {
 }
 
 
+SERVE_AREA_TAU_S = 1800.0  # decay of the router's booked prefill area in a served cluster (docs/router.md)
+
+
 def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
     if cfg.router.policy not in ROUTERS:
         raise ValueError(f"unknown router.policy {cfg.router.policy!r}; choose one of {sorted(ROUTERS)}")
     kwargs = {}
     if cfg.router.policy == "state_aware":
+        # A served cluster runs for days: prefill area booked an hour ago says nothing about
+        # today's queues, so the first-turn guard's booking fades (the simulator's runs are
+        # minutes long and keep the router's default of no decay).
         kwargs["policy"] = {"profiles": {"both": {"filters": ["healthy", "role", "load_guard"],
-                                                  "scorers": dict(cfg.router.weights)}}}
+                                                  "scorers": dict(cfg.router.weights)}},
+                            "area_tau_s": SERVE_AREA_TAU_S}
     return RequestRouterConfig(request_router_class=ROUTERS[cfg.router.policy], request_router_kwargs=kwargs,
                                request_routing_stats_period_s=cfg.router.stats_period_s)
 
