@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kv_transfer.keys import BlockHasher, KeyExtras
@@ -78,3 +80,26 @@ def states_equal(a: ResumeState, b: ResumeState) -> bool:
     for x, y in zip(sorted(a.kda, key=lambda k: k.tp_rank), sorted(b.kda, key=lambda k: k.tp_rank), strict=True):
         pairs += [(x.conv, y.conv), (x.recurrent, y.recurrent)]
     return all(bit_equal(x, y) for x, y in pairs)
+
+
+@contextlib.contextmanager
+def host_pair(kind: str, capacity: int, slab_bytes: int):
+    """(tier to use, its owner): a host tier used directly ("in-process") or through a
+    HostTierClient of its server ("client", as the node store process serves it)."""
+    from kv_transfer.tiers.host import HostTier
+    from kv_transfer.tiers.host_ipc import HostTierClient, HostTierServer
+
+    owner = HostTier(capacity, slab_bytes=slab_bytes)
+    try:
+        if kind == "in-process":
+            yield owner, owner
+            return
+        server = HostTierServer(owner)
+        client = HostTierClient(server.socket_path)
+        try:
+            yield client, owner
+        finally:
+            client.close()
+            server.close()
+    finally:
+        owner.close()

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvt_util import bit_equal, hasher, make_state, small_layout, states_equal, tokens
+from kvt_util import bit_equal, hasher, host_pair, make_state, small_layout, states_equal, tokens
 
 from kv_transfer import codec, direct
 from kv_transfer.keys import ObjectKey
 from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
-from kv_transfer.tiers.host_ipc import HostTierClient, HostTierServer
 
 KiB, MiB = 1 << 10, 1 << 20
 LAYOUT = small_layout()
@@ -23,16 +22,8 @@ H = hasher(LAYOUT)
 @pytest.fixture(params=["in-process", "client"])
 def host(request):
     """A host tier, used directly or through a HostTierClient (the node store process's socket)."""
-    owner = HostTier(2 * MiB, slab_bytes=128 * KiB)
-    if request.param == "in-process":
-        yield owner, owner
-    else:
-        server = HostTierServer(owner)
-        client = HostTierClient(server.socket_path)
-        yield client, owner
-        client.close()
-        server.close()
-    owner.close()
+    with host_pair(request.param, 2 * MiB, 128 * KiB) as pair:
+        yield pair
 
 
 def test_direct_load_equals_the_staged_load_bit_for_bit(host) -> None:

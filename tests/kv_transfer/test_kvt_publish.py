@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvt_util import hasher, kda_shard, make_state, small_layout, states_equal, tokens
+from kvt_util import hasher, host_pair, kda_shard, make_state, small_layout, states_equal, tokens
 
 from kv_transfer import checksum, codec
 from kv_transfer.keys import ObjectKey
 from kv_transfer.objects import MLABlock, ResumeState
 from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
-from kv_transfer.tiers.host_ipc import SEAL_MANY, HostTierClient, HostTierServer, _U8, _U32, _U64
+from kv_transfer.tiers.host_ipc import _U8, _U32, _U64, SEAL_MANY, HostTierClient, HostTierServer
 
 KiB, MiB = 1 << 10, 1 << 20
 LAYOUT = small_layout(latent_dim=512)  # 32 KiB blocks: one size class packs them evenly in a slab
@@ -33,16 +33,8 @@ def staged_state(position: int, seed: int = 0) -> ResumeState:
 
 @pytest.fixture(params=["in-process", "client"])
 def host(request):
-    owner = HostTier(16 * MiB, slab_bytes=512 * KiB)
-    if request.param == "in-process":
-        yield owner, owner
-    else:
-        server = HostTierServer(owner)
-        client = HostTierClient(server.socket_path)
-        yield client, owner
-        client.close()
-        server.close()
-    owner.close()
+    with host_pair(request.param, 16 * MiB, 512 * KiB) as pair:
+        yield pair
 
 
 def test_encode_run_writes_what_encode_into_writes() -> None:
