@@ -221,8 +221,9 @@ def gil_probe(args) -> dict:
     if checksum is not None and hasattr(checksum, "seal"):  # the node's store process seals what its client put
         import multiprocessing as mp
 
-        from kv_transfer.tiers.host_ipc import HostTierClient
         from kv_transfer_bench import _serve_host
+
+        from kv_transfer.tiers.host_ipc import HostTierClient
 
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
