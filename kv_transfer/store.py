@@ -276,7 +276,8 @@ class StateStore:
         spaced slots of the arena form runs; a run is encoded by ``BlockCodec.encode_run`` in parts
         of at most 1 / ``io_threads`` of the state's blocks. Every other piece is encoded on its own."""
         size = blocks.total_len
-        arena = np.frombuffer(tier.arena.view, dtype=np.uint8) if staging is not None else None
+        mapping = getattr(getattr(tier, "arena", None), "view", None)  # runs need the tier's arena
+        arena = np.frombuffer(mapping, dtype=np.uint8) if staging is not None and mapping is not None else None
         step = -(-len(staging.index) // max(self.io_threads, 1)) if staging is not None else 1  # blocks per part
         jobs: list = []
         unsealed: list = []
@@ -308,7 +309,7 @@ class StateStore:
             if res is None or res.duplicate:
                 continue
             full = isinstance(obj, MLABlock) and parent is None and obj.dcp_size == 1
-            i = staging.index.get(id(obj)) if staging is not None and full else None
+            i = staging.index.get(id(obj)) if arena is not None and full else None
             if i is not None and res.nbytes == size:
                 if not extends_run(i, res):
                     flush()

@@ -176,10 +176,9 @@ class AsyncEngine:
             fut = loop.create_future()
             self._calls.append((fn, args, kwargs, loop, fut))
             self._wake.set()
-            if self._thread.is_alive():
-                return await fut
-            if not self._drain_calls():  # the thread ended after the append: ours may not have run
-                return await fut
+            if not self._thread.is_alive():  # it stopped since the check: run what it left (ours too)
+                self._drain_calls()
+            return await fut
 
         def locked():
             with self._lock:
@@ -187,12 +186,10 @@ class AsyncEngine:
 
         return await asyncio.to_thread(locked)
 
-    def _drain_calls(self) -> bool:
-        """Run calls the stopped thread left queued (from any thread); False if any ran."""
+    def _drain_calls(self) -> None:
+        """Run the calls a stopped stepping thread left queued (from any thread; each runs once)."""
         with self._lock:
-            empty = not self._calls
             self._run_calls()
-        return empty
 
     async def export_state(self, request_id: str, position: int | None = None, first_block: int = 0,
                            on_device: bool = False):

@@ -80,3 +80,17 @@ def test_calls_after_shutdown_run_in_the_callers_thread() -> None:
     front.shutdown()
     assert not front._thread.is_alive()
     assert asyncio.run(front.call(lambda x: x + 1, 41)) == 42
+
+
+def test_a_call_queued_as_the_thread_stops_runs_exactly_once() -> None:
+    front = AsyncEngine(BusyEngine(0.001))
+    ran = []
+
+    async def main() -> None:
+        front._stop = True  # the thread leaves its loop; the call may land before or after that
+        front._wake.set()
+        assert await front.call(lambda: ran.append(1) or len(ran)) == 1
+
+    asyncio.run(main())
+    front.shutdown()
+    assert ran == [1]
