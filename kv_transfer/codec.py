@@ -438,6 +438,7 @@ class BlockCodec:
         pos["start"], pos["span"], pos["size"] = starts, bs, 1
         dst[:, _POSITIONS_AT : _POSITIONS_AT + _POSITIONS.size] = pos.view(np.uint8).reshape(m, -1)
         payload = dst[:, HEADER_BYTES : HEADER_BYTES + self.nbytes].view(self.np_dtype).reshape(m, layers, bs, dim)
+        assert np.may_share_memory(payload, dst), "the rows view must be of the objects, not a copy"
         np.copyto(payload, src.reshape(layers, m, bs, dim).transpose(1, 0, 2, 3))  # the one bulk copy
         if self._pad:
             dst[:, HEADER_BYTES + self.nbytes : self.end] = 0
