@@ -179,13 +179,22 @@ def profile_resume(model, device, budget_mb, chunk, context, followup, path: str
     for i in range(2):  # the second one is profiled (kernels compiled and autotuned by the first)
         eng = make_engine(model, device, budget_mb, chunk, resident_sessions=False)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, with_stack=True,
+                     experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) as prof:
             ttft(eng, f"p{i}", turn2, device, resume=state)
     key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    # where the host waits for the device and copies small tensors, by Python call site
+    waits = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::_to_copy", "aten::item",
+             "aten::_local_scalar_dense", "aten::nonzero"}
+    sites = sorted((e for e in prof.key_averages(group_by_stack_n=6) if e.key in waits),
+                   key=lambda e: e.self_cpu_time_total, reverse=True)
+    lines = [f"{e.count:5d} x {e.key:<28} self CPU {e.self_cpu_time_total / 1e3:8.2f} ms  <- "
+             + " | ".join(fr for fr in (e.stack or [])[:6]) for e in sites[:40]]
     with open(path, "w") as f:
-        f.write(table + "\n\n" + cpu)
+        f.write(table + "\n\n" + cpu + "\n\nhost waits and small copies by call site (count, op, self CPU, stack):\n"
+                + "\n".join(lines) + "\n")
     print(table, flush=True)
 
 
