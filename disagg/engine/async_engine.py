@@ -30,7 +30,10 @@ NOTES
    GPU, publishing a prefill's state waited until every queued prefill was done).
    Calls queue instead and the stepping thread runs them between two steps, so a
    call waits at most for the step in progress. Once the thread has stopped,
-   calls run in the caller's worker thread.
+   calls run in the caller's worker thread. Admissions (``generate``) are calls
+   too: the event loop never blocks on the lock while a step runs. Calls run
+   before the pending aborts, so a request whose consumer left while its
+   admission was queued is aborted right after it is admitted.
 """
 
 from __future__ import annotations
@@ -70,9 +73,9 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop:
             with self._lock:
+                self._run_calls()  # before the aborts: a request admitted by a call can be aborted at once
                 while self._aborts:
                     self.engine.abort(self._aborts.popleft())
-                self._run_calls()
                 busy = self.engine.has_work()
                 if busy:
                     t0, c0 = time.perf_counter(), time.thread_time()
@@ -136,16 +139,22 @@ class AsyncEngine:
         q: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._queues[request.request_id] = (loop, q)
         trace: dict[str, float] = {}
+
+        def admit() -> None:
+            self.engine.add_request(request)
+            trace["admit"] = time.perf_counter()
+            self._live_traces[request.request_id] = trace
+
+        finished = False
         try:
-            with self._lock:
-                self.engine.add_request(request)
-                trace["admit"] = time.perf_counter()
-                self._live_traces[request.request_id] = trace
-        except Exception:
+            await self.call(admit)  # NOTE 5: the event loop never waits on the engine lock
+        except asyncio.CancelledError:  # the admission may still run: abort it right after (NOTE 5)
+            self._queues.pop(request.request_id, None)
+            self.abort_soon(request.request_id)
+            raise
+        except Exception:  # refused: nothing was admitted
             self._queues.pop(request.request_id, None)
             raise
-        self._wake.set()
-        finished = False
         try:
             while True:
                 out = await q.get()

@@ -4,6 +4,7 @@ busy engine, errors handed to the caller, and still served once the thread has s
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -94,3 +95,72 @@ def test_a_call_queued_as_the_thread_stops_runs_exactly_once() -> None:
     asyncio.run(main())
     front.shutdown()
     assert ran == [1]
+
+
+class AdmittingEngine(BusyEngine):
+    """Records admissions and aborts (an unknown request's abort is a no-op, as in the reference
+    engine); while ``gate`` is closed a step waits for it (at most 1 s), holding the engine lock."""
+
+    def __init__(self):
+        super().__init__(0.001)
+        self.admitted: list[str] = []
+        self.aborted: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def step(self) -> list:
+        self.gate.wait(1.0)
+        return super().step()
+
+    def add_request(self, request) -> None:
+        if request.request_id == "bad":
+            raise ValueError("refused")
+        self.admitted.append(request.request_id)
+
+    def abort(self, request_id: str) -> list:
+        self.aborted.append(request_id)
+        return []
+
+
+def _request(rid: str):
+    from disagg.engine.protocol import EngineRequest, SamplingParams
+
+    return EngineRequest(rid, [5, 6, 7], SamplingParams(max_tokens=1))
+
+
+def test_admission_waits_for_the_step_without_blocking_the_event_loop() -> None:
+    engine = AdmittingEngine()
+    front = AsyncEngine(engine)
+
+    async def main() -> None:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        tick = asyncio.create_task(ticker())
+        engine.gate.clear()
+        await asyncio.sleep(0.02)  # the stepping thread is now inside a step, holding the lock
+        first = asyncio.create_task(front.generate(_request("r1")).__anext__())
+        await asyncio.sleep(0.001)
+        t0 = ticks
+        await asyncio.sleep(0.1)
+        assert not engine.admitted, "admitted during a step"
+        assert ticks - t0 >= 10, "the event loop stood still while the admission waited"
+        first.cancel()  # the consumer leaves while its admission is still queued
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        engine.gate.set()
+        with pytest.raises(ValueError, match="refused"):
+            await front.generate(_request("bad")).__anext__()
+        await asyncio.sleep(0.05)
+        tick.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert engine.admitted == ["r1"] and engine.aborted == ["r1"], "admitted, then aborted at once"
