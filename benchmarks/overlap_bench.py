@@ -119,19 +119,8 @@ async def run(args) -> dict:
     workers = {"on": StatefulWorker(engine, StateStore([host], engine.layout), "prefill-0", "local")}
     node = None
     if "node" in modes:  # the node's store process: a child owning the tier, this process its client
-        import multiprocessing as mp
-
-        from kv_transfer.tiers.host_ipc import HostTierClient
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from kv_transfer_bench import _serve_host
-
-        ctx = mp.get_context("spawn")
-        here, there = ctx.Pipe()
-        node = (ctx.Process(target=_serve_host, args=(host.capacity_bytes, there), daemon=True), here)
-        node[0].start()
-        client = HostTierClient(here.recv())
-        workers["node"] = StatefulWorker(engine, StateStore([client], engine.layout), "prefill-1", "local")
+        node = _NodeStore(host.capacity_bytes)
+        workers["node"] = StatefulWorker(engine, StateStore([node.client], engine.layout), "prefill-1", "local")
     for i, mode in enumerate(modes):  # kernels compiled / autotuned, staging buffers cached
         await _round(workers, engine, [_ids(args.prompt, 1 + i)], mode, f"warm-{mode}")
     prefill: dict[str, list[float]] = {m: [] for m in modes}
@@ -153,8 +142,7 @@ async def run(args) -> dict:
             print(f"round {r} {mode:>6}: prefill {p * 1000:9.1f} ms  total {t * 1000:9.1f} ms", flush=True)
     engine.shutdown()
     if node is not None:
-        node[1].send("stop")
-        node[0].join(timeout=10)
+        node.close()
     med_p = {k: statistics.median(v) for k, v in prefill.items()}
     med_t = {k: statistics.median(v) for k, v in total.items()}
     out = {"device": args.device, "preset": args.preset, "prompt_tokens": args.prompt, "batch": args.batch,
@@ -177,6 +165,30 @@ async def run(args) -> dict:
                    ratio_on_off=med_t["on"] / med_t["off"], prefill_ratio_on_off=med_p["on"] / med_p["off"])
     print(json.dumps(out, indent=2))
     return out
+
+
+class _NodeStore:
+    """A child process owning a host tier of ``capacity`` bytes (the node's store process), and
+    this process's client of it."""
+
+    def __init__(self, capacity: int):
+        import multiprocessing as mp
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from kv_transfer_bench import _serve_host
+
+        from kv_transfer.tiers.host_ipc import HostTierClient
+
+        ctx = mp.get_context("spawn")
+        self._pipe, there = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_host, args=(capacity, there), daemon=True)
+        self._proc.start()
+        self.client = HostTierClient(self._pipe.recv())
+
+    def close(self) -> None:
+        self.client.close()
+        self._pipe.send("stop")
+        self._proc.join(timeout=10)
 
 
 def _spin(window: float) -> float:
@@ -219,19 +231,9 @@ def gil_probe(args) -> dict:
             paths = paths[1:]
     node = None
     if checksum is not None and hasattr(checksum, "seal"):  # the node's store process seals what its client put
-        import multiprocessing as mp
-
-        from kv_transfer_bench import _serve_host
-
-        from kv_transfer.tiers.host_ipc import HostTierClient
-
-        ctx = mp.get_context("spawn")
-        here, there = ctx.Pipe()
-        node = (ctx.Process(target=_serve_host, args=(tier.capacity_bytes, there), daemon=True), here)
-        node[0].start()
-        node = (*node, HostTierClient(here.recv()))
+        node = _NodeStore(tier.capacity_bytes)
         paths.insert(1, ("node, sealed there", True, checksum.CRC32C))
-    node_client = node[2] if node is not None else None
+    node_client = node.client if node is not None else None
     period = nbytes / (args.publish_mb_s * 1e6)  # seconds per state at the target rate
 
     class Publisher(threading.Thread):
@@ -269,7 +271,7 @@ def gil_probe(args) -> dict:
             if algo is not None:
                 checksum.WRITE_ALGO = algo
                 codec.block_codec.cache_clear()
-            first = node[2] if name.startswith("node") else tier if batched else _PerObject(tier)
+            first = node_client if name.startswith("node") else tier if batched else _PerObject(tier)
             pub = Publisher(StateStore([first], layout, io_threads=args.io_threads))
             pub.start()
             ratios, on_time = [], 0.0
@@ -296,9 +298,7 @@ def gil_probe(args) -> dict:
             codec.block_codec.cache_clear()
         tier.close()
         if node is not None:
-            node[2].close()
-            node[1].send("stop")
-            node[0].join(timeout=10)
+            node.close()
     out = {"prompt_tokens": args.prompt, "state_mb": nbytes / 1e6, "io_threads": args.io_threads,
            "target_mb_s": args.publish_mb_s, "window_s": args.window, "pairs": args.rounds,
            "switch_interval_s": sys.getswitchinterval(), "progress": out_progress, "published_mb_s": out_rate}

@@ -251,15 +251,11 @@ class StateStore:
         except BaseException:
             first.abort_many(written)
             raise
-        if unsealed:
-            sealed = dict(zip(map(id, unsealed), first.seal_many(unsealed, blocks.algo), strict=True))
-            rest = [res for res in written if id(res) not in sealed]
-            done = dict(zip(map(id, rest), first.commit_many(rest), strict=True)) | sealed
-            committed = iter([done[id(res)] for res in written])
-            return self._after_commit(todo, reservations, committed, first)
-        return self._after_commit(todo, reservations, iter(first.commit_many(written)), first)
-
-    def _after_commit(self, todo, reservations, committed, first) -> list[str | None]:
+        to_seal = {id(res) for res in unsealed}
+        rest = [res for res in written if id(res) not in to_seal]
+        stored = dict(zip(map(id, unsealed), first.seal_many(unsealed, blocks.algo) if unsealed else [], strict=True))
+        stored.update(zip(map(id, rest), first.commit_many(rest), strict=True))
+        committed = (stored[id(res)] for res in written)
         out: list[str | None] = []
         for piece, res in zip(todo, reservations, strict=True):
             if res is not None and (res.duplicate or next(committed)):

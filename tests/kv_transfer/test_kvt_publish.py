@@ -65,7 +65,9 @@ def test_a_put_encodes_runs_and_every_object_is_the_one_block_encoding(host, mon
     monkeypatch.setattr(codec.BlockCodec, "encode_run",
                         lambda self, dst, *a, **kw: (runs.append(len(dst)), original(self, dst, *a, **kw))[1])
     sealed = []
-    monkeypatch.setattr(HostTierClient, "seal_many", lambda self, res, algo: _seal_many(self, res, algo, sealed))
+    real_seal = HostTierClient.seal_many
+    monkeypatch.setattr(HostTierClient, "seal_many",
+                        lambda self, res, algo: (sealed.append(len(res)), real_seal(self, res, algo))[1])
     toks = tokens(700, seed=2)
     state = staged_state(640, seed=3)  # 40 full blocks
     store = StateStore([tier], LAYOUT, io_threads=4)
@@ -82,14 +84,6 @@ def test_a_put_encodes_runs_and_every_object_is_the_one_block_encoding(host, mon
         assert sealed == [40], "the 40 blocks were sealed by the tier's owner in one round trip"
     loaded = store.load_state(toks, 640, H, contiguous=True)
     assert loaded is not None and states_equal(loaded, state)
-
-
-_REAL_SEAL_MANY = HostTierClient.seal_many
-
-
-def _seal_many(client, reservations, algo, log):
-    log.append(len(reservations))
-    return _REAL_SEAL_MANY(client, reservations, algo)
 
 
 def test_a_state_without_one_rows_buffer_still_goes_block_by_block(host) -> None:
