@@ -182,6 +182,31 @@ def profile_resume(model, device, budget_mb, chunk, context, followup, path: str
         with profile(activities=acts, with_stack=True,
                      experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) as prof:
             ttft(eng, f"p{i}", turn2, device, resume=state)
+    table = _write_profile(prof, device, path)
+    print(table, flush=True)
+
+
+def profile_decode(model, device, budget_mb, chunk, batch, context, path: str) -> None:
+    """torch.profiler table of one decode step of ``batch`` sequences at ``context`` tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = make_engine(model, device, budget_mb, max(chunk, batch), resident_sessions=False, max_num_seqs=batch)
+    for i in range(batch):
+        eng.add_request(EngineRequest(f"pd{i}", _ids(context, i, model.config.vocab_size),
+                                      SamplingParams(max_tokens=16, ignore_eos=True)))
+    while any(len(r.token_ids) == r.num_prompt for r in eng._running) or eng._waiting:
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    _sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts, with_stack=True) as prof:
+        eng.step()
+        _sync(device)
+    _write_profile(prof, device, path)
+
+
+def _write_profile(prof, device: str, path: str) -> str:
     key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
@@ -192,10 +217,14 @@ def profile_resume(model, device, budget_mb, chunk, context, followup, path: str
                    key=lambda e: e.self_cpu_time_total, reverse=True)
     lines = [f"{e.count:5d} x {e.key:<28} self CPU {e.self_cpu_time_total / 1e3:8.2f} ms  <- "
              + " | ".join(fr for fr in (e.stack or [])[:6]) for e in sites[:40]]
+    ops = sorted(prof.key_averages(), key=lambda e: e.count, reverse=True)
+    n_aten = sum(e.count for e in ops if e.key.startswith("aten::"))
+    launches = sum(e.count for e in ops if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))
+    head = f"aten ops {n_aten}, kernel launches {launches}\n"
     with open(path, "w") as f:
-        f.write(table + "\n\n" + cpu + "\n\nhost waits and small copies by call site (count, op, self CPU, stack):\n"
-                + "\n".join(lines) + "\n")
-    print(table, flush=True)
+        f.write(head + table + "\n\n" + cpu + "\n\nhost waits and small copies by call site (count, op, self CPU, "
+                "stack):\n" + "\n".join(lines) + "\n")
+    return table
 
 
 def _store(layout, nbytes: int):
@@ -225,6 +254,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile-resume", help="write a profiler table of one resumed follow-up at the first --context")
+    ap.add_argument("--profile-decode", help="write a profiler table of one decode step at the first --decode-batches")
     ap.add_argument("--moe-ab", action="store_true",
                     help="also time each --prefill-lens with the former per-expert nonzero MoE loop (same run)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
@@ -260,6 +290,9 @@ def main() -> None:
     if args.profile_resume:
         ctx = int(args.context.split(",")[0])
         profile_resume(model, args.device, args.budget_mb, args.chunk, ctx, args.followup, args.profile_resume)
+    if args.profile_decode:
+        b = int(args.decode_batches.split(",")[0])
+        profile_decode(model, args.device, args.budget_mb, args.chunk, b, args.decode_context, args.profile_decode)
     print(json.dumps(figures, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -452,14 +452,23 @@ class BlockCodec:
         CorruptObjectError on a checksum mismatch. Its rows are bytes
         ``[HEADER_BYTES, HEADER_BYTES + nbytes)`` of the object."""
         mv = buf.cast("B") if buf.format != "B" else buf
+        start = self.check_header(mv)
+        if start is None:
+            return None
+        (stored,) = _CRC.unpack_from(mv, self.end)
+        if _checksum.compute(self.algo, mv[: self.end]) != stored:
+            raise CorruptObjectError(f"checksum ({_checksum.NAMES[self.algo]}) mismatch")
+        return start
+
+    def check_header(self, buf: memoryview) -> int | None:
+        """``verify`` without the checksum: the block's start if ``buf`` is a template block of this
+        layout, else None (the caller checks the checksum, e.g. on the device)."""
+        mv = buf.cast("B") if buf.format != "B" else buf
         if len(mv) != self.total_len or mv[:_POSITIONS_AT] != self._head or mv[_FIXED.size : HEADER_BYTES] != self._rest:
             return None
         start, span, rank, size = _POSITIONS.unpack_from(mv, _POSITIONS_AT)
         if span != self.block_size or rank != 0 or size != 1 or start % self.block_size:
             return None
-        (stored,) = _CRC.unpack_from(mv, self.end)
-        if _checksum.compute(self.algo, mv[: self.end]) != stored:
-            raise CorruptObjectError(f"checksum ({_checksum.NAMES[self.algo]}) mismatch")
         return start
 
     def decode_into(self, buf: memoryview, dst: np.ndarray) -> int | None:

@@ -19,6 +19,11 @@ NOTES
 2. Every copy has completed when ``load_blocks`` returns (or raises): only then may the caller
    release the leases, since the DMA reads the arena.
 3. On a CPU device the same steps run synchronously, so the tests cover the logic there.
+4. Where the device can checksum (``device_crc``: CUDA and Triton), it checks the bytes it
+   received, one kernel over ``raw`` after the copies on the same stream, and the host only
+   compares each block's header with the layout's template: the host never reads the rows.
+   That also covers the copy itself. A block that fails either check takes the general path
+   (NOTE 1), whose host check then counts and deletes it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kv_transfer import device_crc
 from kv_transfer.codec import HEADER_BYTES, BlockCodec
 from kv_transfer.errors import CorruptObjectError
 
@@ -48,12 +54,13 @@ class DirectLoad:
 
 
 def load_blocks(leases: Sequence, codec: BlockCodec, first_block: int, device: torch.device,
-                parallel: Callable[[Callable, list], list]) -> DirectLoad:
+                parallel: Callable[[Callable, list], list], device_checks: bool = True) -> DirectLoad:
     """Copy the objects under ``leases`` (``HostLease`` or None per block) to ``device`` and
     verify them there and then; block j is expected at position ``(first_block + j) * bs``.
 
     Args:
         parallel: ``parallel(fn, items) -> [fn(x) for x in items]``, on I/O threads.
+        device_checks: compute the checksums on the device where it can (NOTE 4).
     """
     n = len(leases)
     layers, bs, dim = codec.shape
@@ -62,6 +69,7 @@ def load_blocks(leases: Sequence, codec: BlockCodec, first_block: int, device: t
     cuda = device.type == "cuda"
     stream = _copy_stream(device) if cuda else None
     pitch, runs = _runs(leases, size)
+    on_device = device_checks and device_crc.available(device) and codec.end % device_crc.CHUNK == 0
     raw = torch.empty((n, pitch), dtype=torch.uint8, device=device)
     sources = []  # host tensors over arena bytes, alive until the copies complete (NOTE 2)
     try:
@@ -72,16 +80,24 @@ def load_blocks(leases: Sequence, codec: BlockCodec, first_block: int, device: t
                 raw[j0:j1].view(-1)[:nbytes].copy_(src, non_blocking=True)
                 sources.append(src)
 
+        sums = None
+        if on_device:  # NOTE 4: the device checks the bytes it received, after the copies
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                sums = device_crc.verify(raw, codec.end, codec.algo)
+
         def check(j: int) -> bool:
             lease = leases[j]
             if lease is None:
                 return False
             try:
+                if on_device:
+                    return codec.check_header(lease.view) == (first_block + j) * bs
                 return codec.verify(lease.view) == (first_block + j) * bs
             except CorruptObjectError:
                 return False  # the general path counts it, deletes it and tries the next tier
 
-        verified = parallel(check, list(range(n)))  # while the copies run
+        # while the copies run: headers only (fast, inline) or whole checks on the I/O threads
+        verified = [check(j) for j in range(n)] if on_device else parallel(check, list(range(n)))
         rows = torch.empty((layers, n * bs, dim), dtype=dtype, device=device)
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             ints = _INT[dtype.itemsize]
@@ -90,6 +106,8 @@ def load_blocks(leases: Sequence, codec: BlockCodec, first_block: int, device: t
     finally:
         if stream is not None:
             stream.synchronize()
+    if sums is not None:
+        verified = [v and ok for v, ok in zip(verified, sums.tolist(), strict=True)]
     return DirectLoad(rows, verified, len(sources))
 
 

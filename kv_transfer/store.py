@@ -114,7 +114,8 @@ class StateStore:
 
     def __init__(self, tiers: Sequence[ByteStore], layout: StateLayout, *, tp_size: int = 1,
                  dcp_size: int = 1, write_behind: bool = True, promote: bool = True,
-                 event_log: EventLog | None = None, worker_id: str = "", io_threads: int | None = None):
+                 event_log: EventLog | None = None, worker_id: str = "", io_threads: int | None = None,
+                 device_checks: bool = True):
         if not tiers:
             raise ValueError("a StateStore needs at least one tier")
         if layout.kda_heads % tp_size:
@@ -126,6 +127,7 @@ class StateStore:
         self.event_log, self.worker_id = event_log, worker_id
         self._lock = threading.Lock()
         self.io_threads = io_threads if io_threads is not None else min(8, os.cpu_count() or 1)
+        self.device_checks = device_checks  # direct loads checksum on the device where it can (direct NOTE 4)
         self._pool: ThreadPoolExecutor | None = None
         self._tails: dict[bytes, set[int]] = {}  # parent digest -> tail lengths
         self._tail_keys: dict[bytes, tuple[bytes, int]] = {}  # tail digest -> (parent, length)
@@ -557,7 +559,8 @@ class StateStore:
         first = self.tiers[0]
         leases = first.get_views(keys)
         try:
-            got = direct.load_blocks(leases, codec.block_codec(layout), first_block, device, self._parallel)
+            got = direct.load_blocks(leases, codec.block_codec(layout), first_block, device, self._parallel,
+                                     device_checks=self.device_checks)
         finally:  # every copy has completed (direct NOTE 2)
             first.release_many([lease for lease in leases if lease is not None])
         bs = layout.block_size

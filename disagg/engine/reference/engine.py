@@ -67,6 +67,7 @@ class EngineOptions:
     prompt_checkpoints: bool = True  # keep the KDA state at each prompt's end (resume point of a re-sent prompt)
     aligned_checkpoints: bool = True  # keep the KDA state at each prompt's last block boundary (NOTE 5)
     gil_switch_interval_s: float | None = 0.0005  # NOTE 4 (None: leave the interpreter's setting)
+    cuda_graphs: bool = True  # on CUDA, small steps replay their token-wise parts as CUDA graphs (model NOTE 6)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 64:
@@ -122,6 +123,7 @@ class ReferenceEngine:
         self.layout = model.state_layout(model_id, self.block_size, dtype)
         self.geometry = size_cache(self.layout, self.options.cache_budget_bytes, self.options.max_num_seqs)
         self.cache = PagedStateCache(self.layout, self.geometry, self.device)
+        self._graphs = self.options.cuda_graphs and self.device.type == "cuda"
         self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
         self.vocab_size = model.config.vocab_size
         self._waiting: deque[_Request] = deque()
@@ -294,8 +296,9 @@ class ReferenceEngine:
             start = (state.position // bs) * bs
             for layer in range(self.layout.num_mla_layers):
                 self.cache.write_rows(layer, req.block_table, start, state.tail.rows[layer].to(self.device))
-        kda = state.kda[0]
-        self._load_slot(req.slot, list(kda.conv), list(kda.recurrent))
+        kda = state.kda[0]  # every layer's state in one copy per kind (not a copy per layer: each
+        self.cache.conv_all[:, req.slot].copy_(kda.conv)  # pageable one waits for the device)
+        self.cache.rec_all[:, req.slot].copy_(kda.recurrent)
         req.num_computed = req.num_cached = state.position
         return True
 
@@ -387,7 +390,7 @@ class ReferenceEngine:
             view = PagedSeqCache(self.cache, req.block_table, req.slot, req.num_computed)
             seqs.append(SeqInput(ids, req.num_computed, view))
         with torch.inference_mode():
-            logits = self.model.forward(seqs)
+            logits = self.model.forward(seqs, graphs=self._graphs)
         self.counters["steps"] += 1
         for (req, n), lg in zip(plan, logits, strict=True):
             req.num_computed += n

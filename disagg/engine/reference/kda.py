@@ -253,22 +253,38 @@ class KimiDeltaAttention(nn.Module):
         a = self.A_log.to(cd).view(self.num_heads, 1).exp()
         return -a * F.softplus(f + self.dt_bias.to(cd).view(self.num_heads, self.head_dim))
 
-    def forward(
-        self, x: torch.Tensor, spans: list[TokenSpan], kda_idx: int, decode: DecodeBatch | None = None
-    ) -> torch.Tensor:
-        """``decode`` batches single-token sequences of one paged cache (one recurrence step
-        each); ``spans`` are the sequences left for the per-sequence path."""
+    def conv_weight(self) -> torch.Tensor:
+        """The q | k | v depthwise conv weights as one [3*H*K, W] matrix, built once (and again
+        only when a weight is replaced or changed in place)."""
+        ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        key = tuple((w.data_ptr(), w._version) for w in ws)
+        if getattr(self, "_conv_key", None) != key:
+            self._conv_w = torch.cat([w[:, 0, :] for w in ws])
+            self._conv_key = key
+        return self._conv_w
+
+    # The layer runs in three parts (model NOTE 6): ``pre`` and ``post`` are token-wise,
+    # ``mix`` is the sequence mixing over each sequence's state.
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token-wise inputs of the mixing: (qkv [N, 3D] raw projections (NOTE 1), g [N, H, K],
+        beta [N, H] in the state dtype, output gate [N, H, K])."""
         h, dk = self.num_heads, self.head_dim
         sd = state_dtype(x.dtype)
-        qkv = torch.cat(
-            [self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1
-        )  # [N, 3D] (NOTE 1)
-        conv_w = torch.cat(
-            [m.weight[:, 0, :] for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        )
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.decay(x).to(sd)
         beta = torch.sigmoid(self.b_proj(x).to(sd))
-        o = x.new_zeros(x.shape[0], h, dk, dtype=sd)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, h, dk)
+        return qkv, g, beta, gate
+
+    def mix(self, pre, spans: list[TokenSpan], kda_idx: int, decode: DecodeBatch | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sequence mixing -> o [N, H, V] in the state dtype, written into ``out`` when given
+        (every row that belongs to a sequence; other rows are left as they are)."""
+        qkv, g, beta, _ = pre
+        h, dk = self.num_heads, self.head_dim
+        sd = g.dtype
+        conv_w = self.conv_weight()
+        o = out if out is not None else qkv.new_zeros(qkv.shape[0], h, dk, dtype=sd)
         if decode is not None:
             r = decode.rows
             o[r] = self._decode_batch(qkv[r], conv_w, g[r], beta[r], kda_idx, decode)
@@ -283,10 +299,21 @@ class KimiDeltaAttention(nn.Module):
             assert rec_new.shape == rec.shape, "KDA state changed shape"
             span.cache.kda_update(kda_idx, new_conv, rec_new)
             o[rows] = o_seq
-        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, h, dk)
-        cd = compute_dtype(x.dtype)
+        return o
+
+    def post(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gated output norm and projection of the mixing's output -> [N, hidden]."""
+        cd = compute_dtype(dtype)
         y = self.o_norm(o.to(cd)) * torch.sigmoid(gate.to(cd))
-        return self.o_proj(y.to(x.dtype).reshape(x.shape[0], h * dk))
+        return self.o_proj(y.to(dtype).reshape(o.shape[0], self.num_heads * self.head_dim))
+
+    def forward(
+        self, x: torch.Tensor, spans: list[TokenSpan], kda_idx: int, decode: DecodeBatch | None = None
+    ) -> torch.Tensor:
+        """``decode`` batches single-token sequences of one paged cache (one recurrence step
+        each); ``spans`` are the sequences left for the per-sequence path."""
+        pre = self.pre(x)
+        return self.post(self.mix(pre, spans, kda_idx, decode), pre[3], x.dtype)
 
     def _decode_batch(self, qkv, conv_w, g, beta, kda_idx: int, batch: DecodeBatch) -> torch.Tensor:
         """One token per sequence: conv + one delta-rule step for B slots at once -> o [B, H, V]."""

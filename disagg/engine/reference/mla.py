@@ -143,27 +143,24 @@ class KimiMLAAttention(nn.Module):
         rows = torch.cat([c, ckv[:, self.kv_lora_rank :]], dim=-1)
         return q.view(x.shape[0], self.num_heads, self.q_head_dim), rows
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        spans: list[TokenSpan],
-        mla_idx: int,
-        absorbed: bool | None = None,
-        decode: DecodeBatch | None = None,
-    ) -> torch.Tensor:
-        """``absorbed`` None: absorbed form for single-token steps, expanded otherwise.
+    # The layer runs in three parts (model NOTE 6): ``pre`` (= ``project``) and ``post`` are
+    # token-wise, ``mix`` is the attention over each sequence's cached rows.
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.project(x)
 
-        ``decode`` (absorbed form) batches single-token sequences of one paged
-        cache; ``spans`` are the sequences left for the per-sequence loop.
-        """
-        q, rows = self.project(x)
-        cd = compute_dtype(x.dtype)
+    def mix(self, pre, spans: list[TokenSpan], mla_idx: int, absorbed: bool | None = None,
+            decode: DecodeBatch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention -> [N, H, dv] in the compute dtype, written into ``out`` when given (every
+        row that belongs to a sequence; other rows are left as they are)."""
+        q, rows = pre
+        cd = compute_dtype(q.dtype)
         w = self.kv_b_proj.weight.to(cd)
-        out = x.new_zeros(x.shape[0], self.num_heads, self.v_dim, dtype=cd)
+        if out is None:
+            out = q.new_zeros(q.shape[0], self.num_heads, self.v_dim, dtype=cd)
         kw = dict(
             kv_lora_rank=self.kv_lora_rank, nope=self.nope, v_dim=self.v_dim, scale=self.scale
         )
-        fused = x.dtype if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) else None
+        fused = q.dtype if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
         if decode is not None:
             out[decode.rows] = self._decode_batch(q[decode.rows].to(cd), rows[decode.rows], w, mla_idx, decode)
         for span in spans:
@@ -179,7 +176,25 @@ class KimiMLAAttention(nn.Module):
                 out[span.rows] = mla_absorbed(q[span.rows].to(cd), latent, w, **kw)
             else:
                 out[span.rows] = mla_expanded(q[span.rows].to(cd), latent, w, fused_dtype=fused, **kw)
-        return self.o_proj(out.to(x.dtype).reshape(x.shape[0], self.num_heads * self.v_dim))
+        return out
+
+    def post(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.o_proj(out.to(dtype).reshape(out.shape[0], self.num_heads * self.v_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        spans: list[TokenSpan],
+        mla_idx: int,
+        absorbed: bool | None = None,
+        decode: DecodeBatch | None = None,
+    ) -> torch.Tensor:
+        """``absorbed`` None: absorbed form for single-token steps, expanded otherwise.
+
+        ``decode`` (absorbed form) batches single-token sequences of one paged
+        cache; ``spans`` are the sequences left for the per-sequence loop.
+        """
+        return self.post(self.mix(self.pre(x), spans, mla_idx, absorbed, decode), x.dtype)
 
     def _decode_batch(self, q, new_rows, w_kv_b, mla_idx: int, batch: DecodeBatch) -> torch.Tensor:
         """Absorbed attention of B single tokens over their paged histories -> [B, H, dv]."""

@@ -32,6 +32,17 @@ NOTES
    (``DecodeBatch``: one gather of the paged latents per MLA layer, one slot
    gather/scatter per KDA layer) instead of one sequence at a time; the
    arithmetic is the same, reduced over padded lengths (rounding as in NOTE 4).
+6. Each layer runs in three parts: ``pre`` (input norm, the attention's
+   projections) and ``post`` (output projection, residual, feed-forward) are
+   token-wise, ``mix`` is the sequence mixing over each sequence's state. A
+   step of a few hundred tokens launches ~1,500 kernels, most of them in the
+   token-wise parts, and on a GPU the host takes several times longer to
+   launch them than the device to run them. So on CUDA (``graphs=True``) a
+   step of up to ``MAX_GRAPH_TOKENS`` tokens, padded to a bucket, replays the
+   token-wise parts as CUDA graphs (``graphs.StepGraphs``: post of layer i and
+   pre of layer i+1 are one graph) and runs only the mixing eagerly between
+   them. Token-wise work is row by row, so pad rows never reach real ones; the
+   padded matmuls may round differently (as in NOTE 4).
 """
 
 from __future__ import annotations
@@ -46,11 +57,12 @@ from disagg.engine.reference.config import K3Config
 from disagg.engine.reference.kda import KimiDeltaAttention
 from disagg.engine.reference.layers import RMSNorm, TokenSpan, state_dtype
 from disagg.engine.reference.mla import KimiMLAAttention
-from disagg.engine.reference.moe import SparseMoE, SwiGLU
+from disagg.engine.reference.moe import DENSE_MAX_TOKENS_CUDA, SparseMoE, SwiGLU
 from disagg.engine.reference.paged_cache import DecodeBatch
 from kv_transfer.objects import StateLayout
 
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")  # NOTE 2
+MAX_GRAPH_TOKENS = DENSE_MAX_TOKENS_CUDA  # NOTE 6: the largest step replayed from graphs (MoE's dense path)
 LOGIT_STD = 6.0  # random init: logits std, so greedy choices have wide margins
 
 
@@ -73,6 +85,26 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
+    # NOTE 6: ``pre`` and ``post`` are token-wise, ``mix`` is the sequence mixing.
+    def pre(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Input norm and the attention's token-wise projections."""
+        return self.self_attn.pre(self.input_layernorm(h))
+
+    def mix(self, pre, spans: list[TokenSpan], kind_idx: int, absorbed: bool | None,
+            decode: DecodeBatch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_kda:
+            return self.self_attn.mix(pre, spans, kind_idx, decode, out)
+        return self.self_attn.mix(pre, spans, kind_idx, absorbed, decode, out)
+
+    def post(self, h: torch.Tensor, pre, mixed: torch.Tensor) -> torch.Tensor:
+        """The attention's output projection, the residual, and the feed-forward block."""
+        if self.is_kda:
+            h = h + self.self_attn.post(mixed, pre[3], h.dtype)
+        else:
+            h = h + self.self_attn.post(mixed, h.dtype)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return h + ffn(self.post_attention_layernorm(h))
+
     def forward(
         self,
         h: torch.Tensor,
@@ -81,13 +113,8 @@ class DecoderLayer(nn.Module):
         absorbed: bool | None,
         decode: DecodeBatch | None = None,
     ) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        if self.is_kda:
-            h = h + self.self_attn(x, spans, kind_idx, decode)
-        else:
-            h = h + self.self_attn(x, spans, kind_idx, absorbed, decode)
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return h + ffn(self.post_attention_layernorm(h))
+        pre = self.pre(h)
+        return self.post(h, pre, self.mix(pre, spans, kind_idx, absorbed, decode))
 
 
 class K3Model(nn.Module):
@@ -124,6 +151,17 @@ class K3ForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         ]
 
+    def step_graphs(self):
+        """This model's CUDA graph runner (``StepGraphs``), or None off CUDA (NOTE 6)."""
+        if self.model.embed_tokens.weight.device.type != "cuda":
+            return None
+        from disagg.engine.reference.graphs import StepGraphs
+
+        key = StepGraphs.weights_key(self)
+        if getattr(self, "_graphs", None) is None or self._graphs.key != key:
+            self._graphs = StepGraphs(self)
+        return self._graphs
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -137,12 +175,14 @@ class K3ForCausalLM(nn.Module):
 
     # -- forward ---------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, seqs: list[SeqInput], absorbed: bool | None = None) -> list[torch.Tensor]:
+    def forward(self, seqs: list[SeqInput], absorbed: bool | None = None, graphs: bool = False) -> list[torch.Tensor]:
         """Logits per sequence: [1, vocab] for the last new token, or [n, vocab] with ``all_logits``.
 
         Args:
             seqs: sequences of this step (each: new token ids, start_pos, cache).
             absorbed: MLA form; None picks absorbed for 1-token steps, expanded otherwise.
+            graphs: on CUDA, replay the token-wise parts of steps of up to ``MAX_GRAPH_TOKENS``
+                tokens from captured CUDA graphs (NOTE 6).
         """
         assert seqs, "forward needs at least one sequence"
         device = self.model.embed_tokens.weight.device
@@ -154,10 +194,7 @@ class K3ForCausalLM(nn.Module):
             spans.append(TokenSpan(offset, n, s.start_pos, s.cache))
             offset += n
         ids = torch.cat([s.input_ids.to(device=device, dtype=torch.long) for s in seqs])
-        h = self.model.embed_tokens(ids)
         decode, mixed = (None, spans) if absorbed is False else DecodeBatch.split(spans)  # NOTE 5
-        for layer, kind_idx in zip(self.model.layers, self._kind_idx, strict=True):
-            h = layer(h, mixed, kind_idx, absorbed, decode)
         pick = torch.cat(
             [
                 torch.arange(sp.offset, sp.offset + sp.num_tokens)
@@ -166,7 +203,19 @@ class K3ForCausalLM(nn.Module):
                 for s, sp in zip(seqs, spans, strict=True)
             ]
         ).to(device)
-        logits = self.lm_head(self.model.norm(h[pick])).to(state_dtype(self.dtype))
+        runner = self.step_graphs() if graphs and offset <= MAX_GRAPH_TOKENS else None
+        if runner is not None:  # NOTE 6
+            h = runner.forward(ids, pick, mixed, absorbed, decode)
+        else:
+            h = self.model.embed_tokens(ids)
+            layers = self.model.layers
+            pre = layers[0].pre(h)
+            for i, (layer, kind_idx) in enumerate(zip(layers, self._kind_idx, strict=True)):
+                h = layer.post(h, pre, layer.mix(pre, mixed, kind_idx, absorbed, decode))
+                if i + 1 < len(layers):
+                    pre = layers[i + 1].pre(h)
+            h = h[pick]
+        logits = self.lm_head(self.model.norm(h)).to(state_dtype(self.dtype))
         sizes = [sp.num_tokens if s.all_logits else 1 for s, sp in zip(seqs, spans, strict=True)]
         return list(logits.split(sizes))
 

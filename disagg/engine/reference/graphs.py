@@ -1,0 +1,139 @@
+"""Piecewise CUDA graphs of the reference model's token-wise work (model NOTE 6).
+
+A step of N <= ``MAX_GRAPH_TOKENS`` tokens runs on the buffers of the smallest
+bucket B >= N (rows N..B-1 are padding):
+
+    ids[B] -> [head: embed, pre_0] -> mix_0 -> [step_0: post_0, pre_1] -> mix_1 -> ...
+              -> [step_{L-1}: post_{L-1}] -> h[B, hidden] -> h[pick] (eager: norm, lm_head)
+
+``[...]`` is a captured graph; ``mix_i`` (sequence mixing over each sequence's
+cache: varying history lengths, per-sequence kernels) runs eagerly between
+them, reading the previous graph's outputs and writing its result into the
+next graph's input buffer. The head's and each step's outputs are the next
+graph's inputs in place, so nothing is copied between graphs.
+
+NOTES
+1. One runner per model, shared by every engine on it: the graphs and their
+   buffers depend only on the weights (and the bucket). A lock makes a forward
+   through the runner exclusive, so two engines in one process never replay
+   into the same buffers at once.
+2. Graphs of every bucket share one memory pool. Within a forward, graphs
+   replay in the order they were captured, and every output is referenced for
+   the runner's life, so no graph writes over an output that is still needed;
+   an output of a later bucket may sit in an earlier bucket's scratch memory,
+   but it is read (``h[pick]``) before the lock is released.
+3. A bucket is captured the first time a step needs it (about 17 graphs for
+   the ``small`` preset, ~0.1 s): warm-up once on a side stream, then capture in
+   ``thread_local`` mode, so state-publishing threads using CUDA meanwhile do
+   not invalidate the capture.
+4. Everything runs under ``torch.inference_mode`` (the buffers are inference
+   tensors); weights replaced (not updated in place) make a new runner
+   (``weights_key``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from disagg.engine.reference.layers import compute_dtype, state_dtype
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+
+
+def bucket_for(n: int) -> int | None:
+    """The smallest bucket holding ``n`` tokens, or None above the largest."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+class _Bucket:
+    """The captured graphs and static buffers of one padded token count."""
+
+    def __init__(self, model, rows: int, pool, stream: torch.cuda.Stream):
+        layers = model.model.layers
+        dev = model.model.embed_tokens.weight.device
+        dtype = model.dtype
+        self.rows = rows
+        self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.mix = []  # per layer: the mixing's output buffer, the next graph's input
+        for layer in layers:
+            a = layer.self_attn
+            if layer.is_kda:
+                self.mix.append(torch.zeros(rows, a.num_heads, a.head_dim, dtype=state_dtype(dtype), device=dev))
+            else:
+                self.mix.append(torch.zeros(rows, a.num_heads, a.v_dim, dtype=compute_dtype(dtype), device=dev))
+        self._pool, self._stream = pool, stream
+
+        def head():
+            h = model.model.embed_tokens(self.ids)
+            return h, layers[0].pre(h)
+
+        self.graphs = []
+        self.h_in, self.pre = [], []  # per layer: the residual stream and pre outputs entering mix_i
+        h, pre = self._capture(head)
+        for i, layer in enumerate(layers):
+            self.h_in.append(h)
+            self.pre.append(pre)
+
+            def step(i=i, layer=layer, h=h, pre=pre):
+                h2 = layer.post(h, pre, self.mix[i])
+                return h2, (layers[i + 1].pre(h2) if i + 1 < len(layers) else None)
+
+            h, pre = self._capture(step)
+        self.h_out = h
+
+    def _capture(self, fn: Callable):
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):  # warm-up (cuBLAS workspaces, cached weights)
+            fn()
+        torch.cuda.current_stream().wait_stream(self._stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            out = fn()
+        self._pool = self._pool if self._pool is not None else graph.pool()
+        self.graphs.append(graph)
+        return out
+
+
+class StepGraphs:
+    """CUDA graph runner of one model: ``forward`` replaces the eager layer loop (see above)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.key = self.weights_key(model)
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None
+        self._stream = torch.cuda.Stream(model.model.embed_tokens.weight.device)
+        self._lock = threading.Lock()
+        self.captures = 0  # buckets captured so far
+
+    @staticmethod
+    def weights_key(model) -> tuple:
+        """Identity of the weights (NOTE 4): any parameter replaced by another tensor changes it."""
+        return tuple(p.data_ptr() for p in model.parameters())
+
+    def bucket(self, rows: int) -> _Bucket:
+        b = self._buckets.get(rows)
+        if b is None:
+            b = self._buckets[rows] = _Bucket(self.model, rows, self._pool, self._stream)
+            self._pool = b._pool
+            self.captures += 1
+        return b
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pick: torch.Tensor, spans, absorbed, decode) -> torch.Tensor:
+        """The residual stream after the last layer, at rows ``pick``."""
+        n = ids.shape[0]
+        rows = bucket_for(n)
+        assert rows is not None, f"{n} tokens is more than the largest graph bucket"
+        layers = self.model.model.layers
+        with self._lock:  # NOTE 1
+            b = self.bucket(rows)
+            b.ids[:n].copy_(ids)
+            b.graphs[0].replay()
+            for i, (layer, kind_idx) in enumerate(zip(layers, self.model._kind_idx, strict=True)):
+                layer.mix(b.pre[i], spans, kind_idx, absorbed, decode, out=b.mix[i])
+                b.graphs[i + 1].replay()
+            return b.h_out[pick]

@@ -1,0 +1,101 @@
+"""Piecewise CUDA graphs of the token-wise work (model NOTE 6, ``graphs.py``).
+
+The replay tests need a CUDA device (marked ``gpu``); on a CPU the graph flag
+is a no-op, and that is checked here too.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from disagg.engine.protocol import EngineRequest, SamplingParams
+from disagg.engine.reference.config import load_preset
+from disagg.engine.reference.engine import EngineOptions, ReferenceEngine
+from disagg.engine.reference.graphs import BUCKETS, bucket_for
+from disagg.engine.reference.model import MAX_GRAPH_TOKENS, K3ForCausalLM
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engine(model, graphs: bool, **kw) -> ReferenceEngine:
+    opts = dict(block_size=64, max_num_batched_tokens=1024, cache_budget_bytes=256 << 20, max_num_seqs=8,
+                capture_logits=True, cuda_graphs=graphs)
+    opts.update(kw)
+    return ReferenceEngine(model, "graphs-test", EngineOptions(**opts))
+
+
+def _run_mix(engine: ReferenceEngine) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """Prefills of several lengths (one above the graph limit), then batched decodes, and a
+    follow-up turn that extends a resident session (a prefill over cached history)."""
+    reqs = {"a": _prompt(700, 1), "b": _prompt(130, 2), "c": _prompt(5, 3)}
+    for rid, p in reqs.items():
+        engine.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=12, ignore_eos=True)))
+    out: dict[str, list[int]] = {rid: [] for rid in reqs}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    follow = reqs["b"] + out["b"] + _prompt(200, 4)
+    got, _ = engine.generate(EngineRequest("d", follow, SamplingParams(max_tokens=4, ignore_eos=True)))
+    out["d"] = got
+    return out, {k: v.float().cpu() for k, v in engine.last_logits.items()}
+
+
+def test_buckets_cover_every_graph_step():
+    assert BUCKETS[-1] == MAX_GRAPH_TOKENS and list(BUCKETS) == sorted(set(BUCKETS))
+    assert [bucket_for(n) for n in (1, 3, 24, 25, 257, 512)] == [1, 4, 24, 32, 320, 512]
+    assert bucket_for(MAX_GRAPH_TOKENS + 1) is None
+
+
+def test_graph_flag_is_eager_off_cuda(tiny_fp32):
+    """Off CUDA the model has no graph runner and the flag changes nothing, bit for bit."""
+    assert tiny_fp32.step_graphs() is None
+    a, la = _run_mix(_engine(tiny_fp32, graphs=True))
+    b, lb = _run_mix(_engine(tiny_fp32, graphs=False))
+    assert a == b and all(torch.equal(la[k], lb[k]) for k in la)
+
+
+@pytest.mark.gpu
+@cuda
+def test_graph_replay_matches_eager_steps():
+    """Prefill chunks, batched decodes and a resumed follow-up give the same greedy tokens with
+    graphs as without, logits to bf16 rounding; steps above the limit run eagerly."""
+    model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda")
+    eager, le = _run_mix(_engine(model, graphs=False))
+    assert getattr(model, "_graphs", None) is None
+    graphs, lg = _run_mix(_engine(model, graphs=True))
+    runner = model.step_graphs()
+    assert runner.captures >= 3  # the 130-, 5- and 3-token steps and the batched decodes
+    assert graphs == eager
+    for k in le:
+        torch.testing.assert_close(lg[k], le[k], rtol=0.05, atol=0.1)
+
+
+@pytest.mark.gpu
+@cuda
+def test_two_engines_on_one_model_replay_in_turn():
+    """Two engines stepping one model from two threads share its graphs without mixing their
+    buffers: each gets the tokens it gets alone."""
+    model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda")
+    alone = {rid: _engine(model, graphs=True).generate(
+        EngineRequest(rid, _prompt(40 + 30 * i, i), SamplingParams(max_tokens=24, ignore_eos=True)))[0]
+        for i, rid in enumerate(("x", "y"))}
+    got: dict[str, list[int]] = {}
+
+    def worker(i: int, rid: str) -> None:
+        eng = _engine(model, graphs=True)
+        got[rid] = eng.generate(EngineRequest(rid, _prompt(40 + 30 * i, i),
+                                              SamplingParams(max_tokens=24, ignore_eos=True)))[0]
+
+    threads = [threading.Thread(target=worker, args=(i, rid)) for i, rid in enumerate(("x", "y"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
