@@ -99,9 +99,10 @@ def bench_prefill_moe_ab(model, device, budget_mb, chunk, length, reps) -> dict:
             "speedup": round(med["nonzero"] / med["grouped"], 3)}
 
 
-def bench_decode(model, device, budget_mb, chunk, batch, context, steps) -> float:
+def bench_decode(model, device, budget_mb, chunk, batch, context, steps, graphs: bool = True) -> float:
     """Median decode step time (s) with ``batch`` sequences at ``context`` tokens."""
-    eng = make_engine(model, device, budget_mb, max(chunk, batch), resident_sessions=False, max_num_seqs=batch)
+    eng = make_engine(model, device, budget_mb, max(chunk, batch), resident_sessions=False, max_num_seqs=batch,
+                      cuda_graphs=graphs)
     for i in range(batch):
         eng.add_request(EngineRequest(f"d{i}", _ids(context, i, model.config.vocab_size),
                                       SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
@@ -255,6 +256,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile-resume", help="write a profiler table of one resumed follow-up at the first --context")
     ap.add_argument("--profile-decode", help="write a profiler table of one decode step at the first --decode-batches")
+    ap.add_argument("--graphs-ab", action="store_true", help="also time each decode batch without CUDA graphs")
     ap.add_argument("--moe-ab", action="store_true",
                     help="also time each --prefill-lens with the former per-expert nonzero MoE loop (same run)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
@@ -282,6 +284,12 @@ def main() -> None:
         figures[f"decode_tok_s_b{b}"] = round(b / step, 1)
         print(f"decode batch {b:>3} @ {args.decode_context} ctx: step {1000 * step:8.2f} ms  "
               f"{b / step:10.1f} tok/s", flush=True)
+        if args.graphs_ab:
+            eager = bench_decode(model, args.device, args.budget_mb, args.chunk, b, args.decode_context, 12,
+                                 graphs=False)
+            figures[f"decode_step_ms_b{b}_no_graphs"] = round(1000 * eager, 3)
+            print(f"decode batch {b:>3} @ {args.decode_context} ctx, no CUDA graphs: step {1000 * eager:8.2f} ms "
+                  f"({eager / step:.2f}x the step with graphs)", flush=True)
     for c in [int(x) for x in args.context.split(",") if x]:
         r = bench_resume(model, args.device, args.budget_mb, args.chunk, c, args.followup, args.reps)
         figures[f"resume_{c}"] = r

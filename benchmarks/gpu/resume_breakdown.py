@@ -9,8 +9,12 @@ follow-up turn, each of these is timed ``--reps`` times, interleaved, medians re
     recompute         the whole follow-up prompt computed
     memory            state handed to the engine from memory (an export of the first turn)
     staged            host tier -> verify + copy into page-locked host rows -> engine copies up
-    direct            host tier -> DMA of the objects to the device while they are verified in
-                      place -> rows unpacked on the device (``kv_transfer.direct``)
+    direct            host tier -> DMA of the objects to the device, checksummed there (headers
+                      on the host) -> rows unpacked on the device (``kv_transfer.direct``)
+
+and with ``--ab`` the same paths without the changes they measure: ``direct_host_checks``
+(checksums on the host's I/O threads, as before the device checks), ``memory_eager`` and
+``direct_eager`` (every kernel launched from Python: no CUDA graphs).
 
 and the pieces of a load: the prefix lookup, the load itself (staged and direct), and the
 primitives on the same bytes: one CRC32C pass (1 thread), one host memcpy into touched memory,
@@ -107,26 +111,34 @@ def run_context(model, args, context: int) -> dict:
            "arena_pinned": bool(getattr(store.tiers[0].arena, "pinned", False)),
            "io_threads": store.io_threads, "put_ms": round(1000 * put_s, 1)}
     fig.update(primitives(store, keys, mla_bytes, device, args.reps))
-    times: dict[str, list[float]] = {k: [] for k in ("recompute", "memory", "staged", "direct", "lookup",
-                                                     "load_staged", "load_direct")}
+    # (name, load to the device, checksums on the device, CUDA graphs); --ab adds the paths
+    # without this session's changes, interleaved with the rest
+    variants = [("staged", False, True, True), ("direct", True, True, True)]
+    if args.ab:
+        variants += [("direct_host_checks", True, False, True), ("direct_eager", True, True, False)]
+    names = ["recompute", "memory"] + (["memory_eager"] if args.ab else []) + [v[0] for v in variants]
+    times: dict[str, list[float]] = {k: [] for k in names + ["lookup"] + [f"load_{v[0]}" for v in variants]}
     first_tokens = set()
     for r in range(args.reps):
         t, tok = ttft(make_engine(model, device, args.budget_mb, args.chunk, resident_sessions=False),
                       f"r{r}", turn2, device)
         times["recompute"].append(t)
         first_tokens.add(tok)
-        t, tok = ttft(make_engine(model, device, args.budget_mb, args.chunk, resident_sessions=False),
-                      f"m{r}", turn2, device, resume=state)
-        times["memory"].append(t)
-        first_tokens.add(tok)
-        for name, to_device in (("staged", None), ("direct", device)):
-            eng = make_engine(model, device, args.budget_mb, args.chunk, resident_sessions=False)
+        for name, graphs in (("memory", True), ("memory_eager", False))[: 2 if args.ab else 1]:
+            t, tok = ttft(make_engine(model, device, args.budget_mb, args.chunk, resident_sessions=False,
+                                      cuda_graphs=graphs), f"{name}{r}", turn2, device, resume=state)
+            times[name].append(t)
+            first_tokens.add(tok)
+        for name, to_device, device_checks, graphs in variants:
+            eng = make_engine(model, device, args.budget_mb, args.chunk, resident_sessions=False, cuda_graphs=graphs)
+            store.device_checks = device_checks
             gc.collect()
             _sync(device)
             t0 = time.perf_counter()
             point = store.resumable_length(turn2, hasher, max_position=len(turn2) - 1)
             t1 = time.perf_counter()
-            loaded = store.load_state(turn2, point.position, hasher, eng.layout, contiguous=True, device=to_device)
+            loaded = store.load_state(turn2, point.position, hasher, eng.layout, contiguous=True,
+                                      device=device if to_device else None)
             _sync(device)
             t2 = time.perf_counter()
             assert loaded is not None and point.position == state.position
@@ -136,6 +148,7 @@ def run_context(model, args, context: int) -> dict:
             times["lookup"].append(t1 - t0)
             times[f"load_{name}"].append(t2 - t1)
             del loaded, eng
+    store.device_checks = True
     if args.profile_load:  # where one direct load's time goes, by function (host side)
         import cProfile
         import io
@@ -154,7 +167,7 @@ def run_context(model, args, context: int) -> dict:
     assert len(first_tokens) == 1, f"resumed and recomputed first tokens differ: {first_tokens}"
     med = {k: _median_ms(v) for k, v in times.items()}
     fig.update({f"{k}_ms": v for k, v in med.items()})
-    for k in ("memory", "staged", "direct"):
+    for k in names[1:]:
         fig[f"speedup_{k}"] = round(med["recompute"] / med[k], 2)
     return fig
 
@@ -171,6 +184,8 @@ def main() -> None:
     ap.add_argument("--budget-mb", type=int, default=30000)
     ap.add_argument("--io-threads", type=int, default=0, help="the store's I/O threads (0: its default)")
     ap.add_argument("--profile-load", help="write a cProfile of one direct load per context to PREFIX_<context>.txt")
+    ap.add_argument("--ab", action="store_true",
+                    help="also time direct loads checked on the host, and resumes without CUDA graphs")
     ap.add_argument("--json")
     args = ap.parse_args()
     model = K3ForCausalLM.random_init(load_preset(args.preset), seed=0, dtype=getattr(torch, args.dtype))
@@ -189,6 +204,11 @@ def main() -> None:
               f"direct {fig['direct_ms']} ({fig['speedup_direct']}x; load {fig['load_direct_ms']}) | "
               f"lookup {fig['lookup_ms']} | crc1 {fig['crc32c_1thread_ms']} memcpy {fig['memcpy_ms']} "
               f"pin-alloc {fig.get('pinned_alloc_fresh_ms')} h2d {fig.get('h2d_pinned_ms')}", flush=True)
+        if args.ab:
+            print(f"@{c} A/B: direct, host checks {fig['direct_host_checks_ms']} ms ({fig['speedup_direct_host_checks']}x;"
+                  f" load {fig['load_direct_host_checks_ms']}) | direct, no graphs {fig['direct_eager_ms']} "
+                  f"({fig['speedup_direct_eager']}x) | memory, no graphs {fig['memory_eager_ms']} "
+                  f"({fig['speedup_memory_eager']}x)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
