@@ -167,6 +167,7 @@ def run_context(model, args, context: int) -> dict:
     assert len(first_tokens) == 1, f"resumed and recomputed first tokens differ: {first_tokens}"
     med = {k: _median_ms(v) for k, v in times.items()}
     fig.update({f"{k}_ms": v for k, v in med.items()})
+    fig["reps_ms"] = {k: [round(1000 * x, 1) for x in v] for k, v in times.items()}
     for k in names[1:]:
         fig[f"speedup_{k}"] = round(med["recompute"] / med[k], 2)
     return fig

@@ -257,9 +257,12 @@ class KimiDeltaAttention(nn.Module):
         """The q | k | v depthwise conv weights as one [3*H*K, W] matrix, built once (and again
         only when a weight is replaced or changed in place)."""
         ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        if torch.is_grad_enabled():  # a cached tensor must not join an autograd graph
+            return torch.cat([w[:, 0, :] for w in ws])
         key = tuple((w.data_ptr(), w._version) for w in ws)
         if getattr(self, "_conv_key", None) != key:
-            self._conv_w = torch.cat([w[:, 0, :] for w in ws])
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode
+                self._conv_w = torch.cat([w[:, 0, :] for w in ws])
             self._conv_key = key
         return self._conv_w
 
