@@ -26,14 +26,19 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _engine(model, graphs: bool, **kw) -> ReferenceEngine:
     opts = dict(block_size=64, max_num_batched_tokens=1024, cache_budget_bytes=256 << 20, max_num_seqs=8,
-                capture_logits=True, cuda_graphs=graphs)
+                capture_logits=True, cuda_graphs=graphs, checkpoint_interval=64)
     opts.update(kw)
     return ReferenceEngine(model, "graphs-test", EngineOptions(**opts))
 
 
 def _run_mix(engine: ReferenceEngine) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-    """Prefills of several lengths (one above the graph limit), then batched decodes, and a
-    follow-up turn that extends a resident session (a prefill over cached history)."""
+    """Prefills of several lengths in one step (above the graph limit), then batched decodes; a
+    follow-up turn that extends a resident session at its turn end (a prefill over cached
+    history, unaligned); a lone prompt (a one-sequence prefill from 0) and an edited follow-up
+    that resumes it at a block boundary (a one-sequence prefill over history, aligned)."""
+    def gen(rid: str, tokens: list[int], n: int, **kw) -> list[int]:
+        return engine.generate(EngineRequest(rid, tokens, SamplingParams(max_tokens=n, ignore_eos=True), **kw))[0]
+
     reqs = {"a": _prompt(700, 1), "b": _prompt(130, 2), "c": _prompt(5, 3)}
     for rid, p in reqs.items():
         engine.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=12, ignore_eos=True)))
@@ -41,9 +46,11 @@ def _run_mix(engine: ReferenceEngine) -> tuple[dict[str, list[int]], dict[str, t
     while engine.has_work():
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
-    follow = reqs["b"] + out["b"] + _prompt(200, 4)
-    got, _ = engine.generate(EngineRequest("d", follow, SamplingParams(max_tokens=4, ignore_eos=True)))
-    out["d"] = got
+    out["d"] = gen("d", reqs["b"] + out["b"] + _prompt(200, 4), 4)
+    e = _prompt(300, 5)
+    out["e"] = gen("e", e, 6, keep_state=True)  # kept: KDA checkpoints every block
+    engine.release("e")
+    out["f"] = gen("f", e[:280] + _prompt(90, 6), 6)  # shares 280 tokens: resumes at 256
     return out, {k: v.float().cpu() for k, v in engine.last_logits.items()}
 
 
@@ -64,14 +71,15 @@ def test_graph_flag_is_eager_off_cuda(tiny_fp32):
 @pytest.mark.gpu
 @cuda
 def test_graph_replay_matches_eager_steps():
-    """Prefill chunks, batched decodes and a resumed follow-up give the same greedy tokens with
-    graphs as without, logits to bf16 rounding; steps above the limit run eagerly."""
+    """Prefill chunks, batched decodes and resumed follow-ups give the same greedy tokens with
+    graphs as without (every kind of step captured), logits to bf16 rounding; steps above the
+    limit run eagerly."""
     model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda")
     eager, le = _run_mix(_engine(model, graphs=False))
     assert getattr(model, "_graphs", None) is None
     graphs, lg = _run_mix(_engine(model, graphs=True))
     runner = model.step_graphs()
-    assert runner.captures >= 3  # the 130-, 5- and 3-token steps and the batched decodes
+    assert runner.failed is None and {k for k, _ in runner._buckets} == {"tokens", "prefill", "decode"}
     assert graphs == eager
     for k in le:
         torch.testing.assert_close(lg[k], le[k], rtol=0.05, atol=0.1)
@@ -99,3 +107,24 @@ def test_two_engines_on_one_model_replay_in_turn():
     for t in threads:
         t.join()
     assert got == alone
+
+
+def test_graph_parts_on_their_buffers_match_eager_steps(tiny_fp32):
+    """The runner without capture (graphs NOTE 6) runs the graphs' parts eagerly on the buckets'
+    buffers: padding rows, a prefill's padded KDA recurrence, KDA states copied in and back, and
+    the eager mixing between parts. Same greedy tokens as plain eager steps, logits to fp32
+    rounding (padded matmuls), and every kind of step was taken by the runner."""
+    from disagg.engine.reference.graphs import StepGraphs
+
+    plain, lp = _run_mix(_engine(tiny_fp32, graphs=False))
+    tiny_fp32._graphs = runner = StepGraphs(tiny_fp32, capture=False)
+    try:
+        eng = _engine(tiny_fp32, graphs=True)
+        eng._graphs = True  # the engine passes graphs only on CUDA; the test runner takes them on CPU
+        got, lg = _run_mix(eng)
+    finally:
+        tiny_fp32._graphs = None
+    assert {k for k, _ in runner._buckets} == {"tokens", "prefill", "decode"}
+    assert got == plain
+    for k in lp:
+        torch.testing.assert_close(lg[k], lp[k], rtol=1e-4, atol=1e-4)
