@@ -12,6 +12,12 @@
 #                                                     export), the GIL probe, the MoE loop A/B on prefill,
 #                                                     the resume breakdown at 8K/32K
 #   bash benchmarks/gpu/h200_perf.sh OUT_DIR e2e      agentic trace, prefill + decode engines sharing the GPU
+#   bash benchmarks/gpu/h200_perf.sh OUT_DIR resume   the graph and device-checksum tests, then resume vs recompute
+#                                                     at 8K/32K/128K with the A/B variants (host checks, no CUDA
+#                                                     graphs), decode steps with and without CUDA graphs, then
+#                                                     the agentic trace over HTTP on one GPU (prefill
+#                                                     and decode engine processes sharing it, host tier) against
+#                                                     one aggregated engine without a host tier
 set -uo pipefail
 out=${1:-results/h200}
 part=${2:-engine}
@@ -47,6 +53,16 @@ elif [ "$part" = engine ]; then  # the open goals first, so a run cut short stil
   DISAGG_KDA_BACKEND=torch python3 benchmarks/engine_bench.py "${common[@]}" --prefill-lens 8192,32768 \
     --decode-batches 1,16,64 --decode-context 2048 --context "" --json "$out/engine_torch.json" 2>&1 \
     | grep -E "^(prefill|decode)|Error" | head -10
+elif [ "$part" = resume ]; then
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/reference/test_graphs.py \
+    tests/kv_transfer/test_kvt_device_crc.py 2>&1 | tail -2
+  timeout 170 python3 benchmarks/gpu/resume_breakdown.py --context 8192,32768,131072 --reps 3 --ab \
+    --json "$out/resume_breakdown.json" 2>&1 | grep -E "^@|Error"
+  timeout 80 python3 benchmarks/engine_bench.py --device cuda --preset small --dtype bfloat16 --budget-mb 30000 \
+    --chunk 8192 --reps 2 --prefill-lens "" --decode-batches 1,16,64 --decode-context 2048 --graphs-ab --context "" \
+    --json "$out/decode.json" 2>&1 | grep -E "^decode|Error"
+  timeout 210 python3 benchmarks/gpu/two_gpu.py --out "$out/e2e" --part e2e --devices cuda:0,cuda:0 \
+    --layouts 1p1d_host,1x_aggregated_nohost --concurrency 2,8,16 --requests 12 2>&1 | tail -14
 else
   python3 benchmarks/gpu/e2e_inprocess.py --out "$out/e2e" 2>&1 | tail -30
   cp "$out/e2e/e2e.json" "$out/e2e.json" 2>/dev/null
