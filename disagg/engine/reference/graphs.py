@@ -49,6 +49,7 @@ NOTES
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -69,8 +70,15 @@ def bucket_for(n: int) -> int | None:
     return next((b for b in BUCKETS if b >= n), None)
 
 
+def mixing_captured() -> bool:
+    """Whether prefill and decode steps also capture their KDA mixing (NOTE 7)."""
+    return os.environ.get("DISAGG_CUDA_GRAPH_MIXING", "0") == "1"
+
+
 def kind_of(spans, decode) -> str:
     """Which captured shape a step fits (see the module docstring)."""
+    if not mixing_captured():
+        return "tokens"
     if decode is not None and not spans:
         return "decode"
     if decode is None and len(spans) == 1:
