@@ -294,56 +294,15 @@ class KimiDeltaAttention(nn.Module):
         for span in spans:
             conv_state, rec = span.cache.kda_state(kda_idx)
             y, new_conv = causal_conv(qkv[span.rows], conv_state, conv_w)
-            q, k, v = self._heads(y, sd)
+            q, k, v = (t.to(sd).reshape(-1, h, dk) for t in y.chunk(3, dim=-1))
+            q = l2norm(q) * dk**-0.5
+            k = l2norm(k)
             rows = span.rows
             o_seq, rec_new = kda_mix(q, k, v, g[rows], beta[rows], rec.to(sd), span.start_pos)
             assert rec_new.shape == rec.shape, "KDA state changed shape"
             span.cache.kda_update(kda_idx, new_conv, rec_new)
             o[rows] = o_seq
         return o
-
-    def _heads(self, y: torch.Tensor, sd: torch.dtype):
-        """The conv output [N, 3D] as (q, k, v) [N, H, K] in the state dtype, q and k normalized."""
-        h, dk = self.num_heads, self.head_dim
-        q, k, v = (t.to(sd).reshape(-1, h, dk) for t in y.chunk(3, dim=-1))
-        return l2norm(q) * dk**-0.5, l2norm(k), v
-
-    def mix_padded(self, pre, conv_state: torch.Tensor, rec: torch.Tensor, n: torch.Tensor, valid: torch.Tensor,
-                   out: torch.Tensor) -> None:
-        """One sequence's new tokens at an absolute position that is a multiple of ``CHUNK``, in the
-        first ``n`` of the rows (``valid``: row < n), the rest padding; for CUDA graphs, where the
-        shapes are the bucket's (graphs NOTE 5). The padding rows enter with g = 0, beta = 0 and
-        k = v = 0: the recurrence leaves the state unchanged over them, so ``rec`` is updated in
-        place to the state after the n tokens; ``conv_state`` to their last raw projections."""
-        qkv, g, beta, _ = pre
-        sd = g.dtype
-        conv_w = self.conv_weight()
-        y, _ = causal_conv(qkv, conv_state, conv_w)
-        width = conv_w.shape[-1]
-        xp = torch.cat([conv_state.to(qkv.dtype), qkv], dim=0)
-        tail = xp.index_select(0, n + torch.arange(width - 1, device=n.device))  # xp[n : n + W-1]
-        q, k, v = self._heads(y, sd)
-        m = valid.view(-1, 1, 1)
-        k, v, g = (torch.where(m, t, 0.0) for t in (k, v, g))
-        beta = torch.where(valid.view(-1, 1), beta, 0.0)
-        o, rec_new = kda_mix(q, k, v, g, beta, rec.to(sd), 0)
-        conv_state.copy_(tail)
-        rec.copy_(rec_new)
-        out.copy_(o)
-
-    def decode_step(self, qkv, conv_w, g, beta, conv_state, rec):
-        """One token per sequence: conv + one delta-rule step for B sequences at once, given their
-        states [B, ...] -> (o [B, H, V], new conv state, new recurrent state)."""
-        sd = g.dtype
-        xp = torch.cat([conv_state.to(qkv.dtype), qkv.unsqueeze(1)], dim=1)  # [B, W, C]
-        cd = compute_dtype(qkv.dtype)
-        y = F.silu((xp.to(cd) * conv_w.to(cd).T.unsqueeze(0)).sum(1))  # tap W-1 = this token
-        q, k, v = self._heads(y, sd)
-        s = rec.to(sd) * g.exp().unsqueeze(-1)  # [B, H, K, V]
-        pred = torch.einsum("bhk,bhkv->bhv", k, s)
-        s = s + (beta.unsqueeze(-1) * (v - pred)).unsqueeze(2) * k.unsqueeze(-1)
-        o = torch.einsum("bhk,bhkv->bhv", q, s)
-        return o, xp[:, 1:], s
 
     def post(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated output norm and projection of the mixing's output -> [N, hidden]."""
@@ -360,9 +319,20 @@ class KimiDeltaAttention(nn.Module):
         return self.post(self.mix(pre, spans, kda_idx, decode), pre[3], x.dtype)
 
     def _decode_batch(self, qkv, conv_w, g, beta, kda_idx: int, batch: DecodeBatch) -> torch.Tensor:
-        """``decode_step`` over B slots of the paged cache's pools -> o [B, H, V]."""
+        """One token per sequence: conv + one delta-rule step for B slots at once -> o [B, H, V]."""
+        h, dk = self.num_heads, self.head_dim
+        sd = g.dtype
         conv_pool, rec_pool = batch.cache.conv[kda_idx], batch.cache.rec[kda_idx]
-        o, conv_new, rec_new = self.decode_step(qkv, conv_w, g, beta, conv_pool[batch.slots], rec_pool[batch.slots])
-        conv_pool.index_copy_(0, batch.slots, conv_new.to(conv_pool.dtype))
-        rec_pool.index_copy_(0, batch.slots, rec_new.to(rec_pool.dtype))
+        xp = torch.cat([conv_pool[batch.slots].to(qkv.dtype), qkv.unsqueeze(1)], dim=1)  # [B, W, C]
+        cd = compute_dtype(qkv.dtype)
+        y = F.silu((xp.to(cd) * conv_w.to(cd).T.unsqueeze(0)).sum(1))  # tap W-1 = this token
+        q, k, v = (t.to(sd).reshape(-1, h, dk) for t in y.chunk(3, dim=-1))
+        q = l2norm(q) * dk**-0.5
+        k = l2norm(k)
+        s = rec_pool[batch.slots].to(sd) * g.exp().unsqueeze(-1)  # [B, H, K, V]
+        pred = torch.einsum("bhk,bhkv->bhv", k, s)
+        s = s + (beta.unsqueeze(-1) * (v - pred)).unsqueeze(2) * k.unsqueeze(-1)
+        o = torch.einsum("bhk,bhkv->bhv", q, s)
+        conv_pool.index_copy_(0, batch.slots, xp[:, 1:].to(conv_pool.dtype))
+        rec_pool.index_copy_(0, batch.slots, s.to(rec_pool.dtype))
         return o

@@ -20,10 +20,6 @@ NOTES
 3. The byte budget is split: KDA slots for ``max_num_seqs`` sequences first,
    the rest to MLA blocks. A request needing more blocks than exist is refused
    at admission with a ValueError.
-4. Block and row indices go to the device from page-locked memory without
-   blocking: a copy from pageable memory first waits for every kernel queued,
-   so each MLA layer of a step would stall the host until the device caught
-   up. A step's view computes them once for all its MLA layers.
 """
 
 from __future__ import annotations
@@ -138,72 +134,38 @@ class PagedStateCache:
         table = torch.as_tensor(block_table, dtype=torch.long)
         return table[pos // bs] * bs + pos % bs
 
-    def index(self, ids: torch.Tensor) -> torch.Tensor:
-        """A small CPU index tensor on the cache's device, without waiting for the device (NOTE 4)."""
-        if self.mla_all.device.type != "cuda":
-            return ids
-        return ids.pin_memory().to(self.mla_all.device, non_blocking=True)
-
-    def history_index(self, block_table: list[int], stop: int) -> torch.Tensor:
-        """Device ids of the blocks holding positions [0, stop)."""
-        bs = self.layout.block_size
-        return self.index(torch.as_tensor(block_table[: (stop + bs - 1) // bs], dtype=torch.long))
-
-    def read_rows(self, mla_idx: int, block_table: list[int], start: int, stop: int,
-                  blocks: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of positions [start, stop); ``blocks``: ``history_index(block_table, stop)`` when
-        the caller has it (start 0)."""
+    def read_rows(self, mla_idx: int, block_table: list[int], start: int, stop: int) -> torch.Tensor:
         flat = self.mla[mla_idx].view(-1, self.layout.latent_dim)
         if stop - start == 0:
             return flat[:0]
         bs = self.layout.block_size
-        if start == 0:  # whole blocks then a partial one: one gather
-            ids = blocks if blocks is not None else self.history_index(block_table, stop)
-            return self.mla[mla_idx].index_select(0, ids).reshape(-1, self.layout.latent_dim)[:stop]
-        if start % bs == 0:
+        if start % bs == 0:  # whole blocks then a partial one: one gather per block run
             first, last = start // bs, (stop + bs - 1) // bs
-            ids = self.index(torch.as_tensor(block_table[first:last], dtype=torch.long))
-            return self.mla[mla_idx].index_select(0, ids).reshape(-1, self.layout.latent_dim)[: stop - start]
-        return flat[self.index(self.row_index(block_table, start, stop))]
+            rows = self.mla[mla_idx][block_table[first:last]].reshape(-1, self.layout.latent_dim)
+            return rows[: stop - start]
+        return flat[self.row_index(block_table, start, stop)]
 
-    def write_rows(self, mla_idx: int, block_table: list[int], start: int, rows: torch.Tensor,
-                   at: torch.Tensor | None = None) -> None:
-        """Store rows at positions [start, start + n); ``at``: their flat row ids on the device
-        (``index(row_index(...))``) when the caller has them."""
+    def write_rows(self, mla_idx: int, block_table: list[int], start: int, rows: torch.Tensor) -> None:
         flat = self.mla[mla_idx].view(-1, self.layout.latent_dim)
-        if at is None:
-            at = self.index(self.row_index(block_table, start, start + rows.shape[0]))
-        flat[at] = rows.to(flat.dtype)
+        flat[self.row_index(block_table, start, start + rows.shape[0])] = rows.to(flat.dtype)
 
 
 class PagedSeqCache:
     """``SequenceCache`` view of one request over a ``PagedStateCache``."""
 
-    __slots__ = ("cache", "block_table", "slot", "start_pos", "_ids")
+    __slots__ = ("cache", "block_table", "slot", "start_pos")
 
     def __init__(self, cache: PagedStateCache, block_table: list[int], slot: int, start_pos: int):
         self.cache = cache
         self.block_table = block_table
         self.slot = slot
         self.start_pos = start_pos
-        self._ids: dict[tuple, torch.Tensor] = {}  # device indices, shared by the step's MLA layers
-
-    def _index(self, key: tuple, make) -> torch.Tensor:
-        ids = self._ids.get(key)
-        if ids is None:
-            ids = self._ids[key] = make()
-        return ids
 
     def mla_history(self, mla_idx: int) -> torch.Tensor:
-        blocks = self._index(("history", self.start_pos),
-                             lambda: self.cache.history_index(self.block_table, self.start_pos))
-        return self.cache.read_rows(mla_idx, self.block_table, 0, self.start_pos, blocks=blocks)
+        return self.cache.read_rows(mla_idx, self.block_table, 0, self.start_pos)
 
     def mla_append(self, mla_idx: int, rows: torch.Tensor) -> None:
-        start, n = self.start_pos, rows.shape[0]
-        at = self._index(("append", start, n), lambda: self.cache.index(
-            self.cache.row_index(self.block_table, start, start + n)))
-        self.cache.write_rows(mla_idx, self.block_table, start, rows, at=at)
+        self.cache.write_rows(mla_idx, self.block_table, self.start_pos, rows)
 
     def kda_state(self, kda_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.conv[kda_idx][self.slot], self.cache.rec[kda_idx][self.slot]

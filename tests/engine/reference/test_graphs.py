@@ -70,19 +70,15 @@ def test_graph_flag_is_eager_off_cuda(tiny_fp32):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("mixing", ["0", "1"])
-def test_graph_replay_matches_eager_steps(mixing, monkeypatch):
+def test_graph_replay_matches_eager_steps():
     """Prefill chunks, batched decodes and resumed follow-ups give the same greedy tokens with
-    graphs as without (every kind of step captured), logits to bf16 rounding; steps above the
-    limit run eagerly. ``mixing`` 1: KDA mixing captured too (graphs NOTE 7)."""
-    monkeypatch.setenv("DISAGG_CUDA_GRAPH_MIXING", mixing)
+    graphs as without, logits to bf16 rounding; steps above the limit run eagerly."""
     model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda")
     eager, le = _run_mix(_engine(model, graphs=False))
     assert getattr(model, "_graphs", None) is None
     graphs, lg = _run_mix(_engine(model, graphs=True))
     runner = model.step_graphs()
-    kinds = {"tokens", "prefill", "decode"} if mixing == "1" else {"tokens"}
-    assert runner.failed is None and {k for k, _ in runner._buckets} == kinds
+    assert runner.failed is None and runner.captures >= 4  # 300/370-token prefills, 114, 44, decodes
     assert graphs == eager
     for k in le:
         torch.testing.assert_close(lg[k], le[k], rtol=0.05, atol=0.1)
@@ -111,24 +107,3 @@ def test_two_engines_on_one_model_replay_in_turn():
         t.join()
     assert got == alone
 
-
-def test_graph_parts_on_their_buffers_match_eager_steps(tiny_fp32, monkeypatch):
-    """The runner without capture (graphs NOTE 6) runs the graphs' parts eagerly on the buckets'
-    buffers: padding rows, a prefill's padded KDA recurrence, KDA states copied in and back, and
-    the eager mixing between parts. Same greedy tokens as plain eager steps, logits to fp32
-    rounding (padded matmuls), and every kind of step was taken by the runner."""
-    from disagg.engine.reference.graphs import StepGraphs
-
-    monkeypatch.setenv("DISAGG_CUDA_GRAPH_MIXING", "1")
-    plain, lp = _run_mix(_engine(tiny_fp32, graphs=False))
-    tiny_fp32._graphs = runner = StepGraphs(tiny_fp32, capture=False)
-    try:
-        eng = _engine(tiny_fp32, graphs=True)
-        eng._graphs = True  # the engine passes graphs only on CUDA; the test runner takes them on CPU
-        got, lg = _run_mix(eng)
-    finally:
-        tiny_fp32._graphs = None
-    assert {k for k, _ in runner._buckets} == {"tokens", "prefill", "decode"}
-    assert got == plain
-    for k in lp:
-        torch.testing.assert_close(lg[k], lp[k], rtol=1e-4, atol=1e-4)
