@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU performance run (H200). Run from the repository root on a CUDA machine
-# with the wheels it lacks in .whl/ (fla-core, einops; pydantic, fastapi,
-# starlette, uvicorn for the e2e part):
+# with the wheels it lacks in .whl/ (benchmarks/gpu/fetch_wheels.sh: fla-core, google-crc32c; pydantic, fastapi,
+# opentelemetry-api, starlette, uvicorn for the e2e part):
 #   bash benchmarks/gpu/h200_perf.sh OUT_DIR engine   publishing on vs off (in-process tier; node store
 #                                                     process), resume vs recompute at 8K/32K/128K from
 #                                                     memory and through the host tier (staged, direct)
@@ -54,7 +54,7 @@ elif [ "$part" = engine ]; then  # the open goals first, so a run cut short stil
     --decode-batches 1,16,64 --decode-context 2048 --context "" --json "$out/engine_torch.json" 2>&1 \
     | grep -E "^(prefill|decode)|Error" | head -10
 elif [ "$part" = resume ]; then
-  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/reference/test_graphs.py \
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/reference/test_graphs.py \
     tests/kv_transfer/test_kvt_device_crc.py 2>&1 | tail -2
   timeout 170 python3 benchmarks/gpu/resume_breakdown.py --context 8192,32768,131072 --reps 3 --ab \
     --json "$out/resume_breakdown.json" 2>&1 | grep -E "^@|Error"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two-GPU disaggregation run (two H200s of one host). From the repository root,
-# with the wheels the machine lacks in .whl/ (fla-core, google-crc32c; pydantic, fastapi,
-# starlette, uvicorn for the HTTP front):
+# with the wheels the machine lacks in .whl/ (benchmarks/gpu/fetch_wheels.sh: fla-core, google-crc32c; pydantic, fastapi,
+# opentelemetry-api, starlette, uvicorn for the HTTP front):
 #   bash benchmarks/gpu/two_gpu.sh OUT_DIR [two_gpu.py options...]
 # NVLink multicast stays off (plain peer copies and CUDA IPC only).
 set -uo pipefail
