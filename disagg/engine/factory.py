@@ -43,6 +43,7 @@ def build_reference_engine(app: AppConfig):
         cache_budget_bytes=e.cache_budget_mb << 20,
         checkpoint_interval=e.checkpoint_interval,
         resident_sessions=e.resident_sessions,
+        cuda_graphs=e.cuda_graphs,
     )
     return ReferenceEngine(model, model_id, opts)
 
