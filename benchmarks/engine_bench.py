@@ -131,6 +131,7 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
     store = _store(src.layout, nbytes + (state.tail.rows.nbytes if state.tail else 0))
     hasher = None
     if store is not None:
+        store.warm(device)  # as a serving worker does at start: not in the first rep's load
         from kv_transfer.keys import BlockHasher, KeyExtras
 
         hasher = BlockHasher(64, KeyExtras("bench"))

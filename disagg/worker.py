@@ -99,6 +99,11 @@ class StatefulWorker:
         # stay in host memory, which is where the engine reads them
         device = getattr(getattr(engine, "engine", None), "device", None)
         self._load_device = device if device is not None and torch.device(device).type != "cpu" else None
+        if store is not None and self._load_device is not None:
+            try:  # the device checksum's kernel and constants now, not in the first resume's TTFT
+                store.warm(self._load_device)
+            except Exception as e:  # noqa: BLE001 - a cold first load is slower, not wrong
+                log.warning("warming direct loads to %s failed: %s", self._load_device, e)
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight
         self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,

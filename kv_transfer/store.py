@@ -67,7 +67,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from kv_transfer import codec, direct
+from kv_transfer import codec, device_crc, direct
 from kv_transfer.dcp import reshard_dcp
 from kv_transfer.errors import CorruptObjectError
 from kv_transfer.events import EventLog, StoreEvent
@@ -429,6 +429,15 @@ class StateStore:
         return ResumePoint(0, 0, False)
 
     # ---- load ----------------------------------------------------------
+    def warm(self, device: torch.device | str) -> bool:
+        """Ready direct loads to ``device`` (direct NOTE 4): the device checksum's constants are
+        built and its kernel compiled now, not in the first resumed request's time to first
+        token. False when loads to that device check on the host."""
+        if not self.device_checks:
+            return False
+        bc = codec.block_codec(self.layout)
+        return device_crc.warm(bc.end, bc.algo, device)
+
     def load_state(self, tokens: Sequence[int], position: int, hasher: BlockHasher,
                    layout: StateLayout | None = None, *, first_block: int = 0,
                    dcp_size: int = 1, dcp_rank: int = 0,

@@ -47,7 +47,8 @@ _INTERPRETED = textwrap.dedent('''
     from kv_transfer.tiers.host import HostTier
     from kvt_util import bit_equal, hasher, make_state, small_layout, tokens
 
-    assert device_crc.available("cpu")
+    assert device_crc.available("cpu") and device_crc.warm(64 * 37, checksum.CRC32C, "cpu")
+    assert not device_crc.warm(100, checksum.CRC32C, "cpu")  # not a whole number of chunks
     rng = np.random.default_rng(0)
     for algo in (checksum.CRC32C, checksum.CRC32):
         nbytes, pitch = 64 * 37, 64 * 38
@@ -69,6 +70,7 @@ _INTERPRETED = textwrap.dedent('''
     state = make_state(layout, 256, seed=8)
     with HostTier(1 << 20, slab_bytes=64 << 10) as tier:
         store = StateStore([tier], layout)
+        assert store.warm("cpu")
         store.put_state(toks, state, h)
         loaded = store.load_state(toks, 256, h, contiguous=True, device="cpu")
         assert loaded is not None and bit_equal(loaded.mla_rows, torch.cat([b.rows for b in state.mla_blocks], 1))
@@ -115,3 +117,16 @@ def test_device_checks_on_cuda_match_the_host() -> None:
         store.put_state(toks, state, h)
         loaded = store.load_state(toks, 650, h, contiguous=True, device="cuda")
         assert loaded is not None and bit_equal(loaded.mla_rows.cpu(), torch.cat([b.rows for b in state.mla_blocks], 1))
+
+
+def test_warm_is_a_no_op_where_the_host_checks() -> None:
+    """Off CUDA (no interpreter) loads check on the host, and warming says so."""
+    from kv_transfer.store import StateStore
+    from kv_transfer.tiers.memory import DictByteStore
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter makes the CPU a checking device")
+    store = StateStore([DictByteStore()], small_layout())
+    assert not store.warm("cpu")
+    store.device_checks = False
+    assert not store.warm("cuda")
