@@ -44,20 +44,28 @@ _WORDS = CHUNK // 4
 _LANES = 256
 POLYS = {_checksum.CRC32C: 0x82F63B78, _checksum.CRC32: 0xEDB88320}  # reflected polynomials
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any failure to import means "check on the host"
-    triton = None
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, compiled lazily (importing Triton costs every process that imports the
+    store, CPU-only ones too), or None without Triton."""
+    try:
+        from kv_transfer import _crc_kernel
+    except Exception:  # noqa: BLE001 - any failure to import means "check on the host"
+        return None
+    return _crc_kernel.crc_kernel
+
+
+def has_triton() -> bool:
+    return _kernel() is not None
 
 
 def available(device: torch.device | str) -> bool:
     """The device can check objects itself (NOTE 2)."""
-    if triton is None:
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return torch.device(device).type == "cuda"
+    return has_triton()
 
 
 @functools.cache
@@ -107,50 +115,18 @@ def _device_constants(nbytes: int, poly: int, device: torch.device) -> tuple[tor
     return as_i32(_tables(poly).reshape(-1)), as_i32(cols.reshape(-1)), final
 
 
-if triton is not None:
-
-    @triton.jit
-    def _xor(a, b):
-        return a ^ b
-
-    @triton.jit
-    def _crc_kernel(src, pitch_words, tables, cols, out, n_chunks,
-                    WORDS: tl.constexpr, LANES: tl.constexpr):
-        obj = tl.program_id(0)
-        row = src + obj.to(tl.int64) * pitch_words
-        acc = tl.zeros([LANES], dtype=tl.uint32)
-        for g in range(0, n_chunks, LANES):
-            chunk = g + tl.arange(0, LANES)
-            live = chunk < n_chunks
-            crc = tl.zeros([LANES], dtype=tl.uint32)
-            for w in tl.static_range(WORDS):
-                word = tl.load(row + chunk * WORDS + w, mask=live, other=0).to(tl.uint32, bitcast=True)
-                crc = crc ^ word
-                b0 = (crc & 0xFF).to(tl.int32)
-                b1 = ((crc >> 8) & 0xFF).to(tl.int32)
-                b2 = ((crc >> 16) & 0xFF).to(tl.int32)
-                b3 = (crc >> 24).to(tl.int32)
-                crc = (tl.load(tables + 768 + b0).to(tl.uint32, bitcast=True)
-                       ^ tl.load(tables + 512 + b1).to(tl.uint32, bitcast=True)
-                       ^ tl.load(tables + 256 + b2).to(tl.uint32, bitcast=True)
-                       ^ tl.load(tables + b3).to(tl.uint32, bitcast=True))
-            for b in tl.static_range(32):
-                col = tl.load(cols + chunk * 32 + b, mask=live, other=0).to(tl.uint32, bitcast=True)
-                acc = acc ^ tl.where(((crc >> b) & 1) != 0, col, 0)
-        tl.store(out + obj, tl.reduce(acc, 0, _xor).to(tl.int32, bitcast=True))
-
-
 def checksums(objects: torch.Tensor, nbytes: int, algo: int) -> torch.Tensor:
     """int32 [n]: the ``algo`` checksum of bytes ``[0, nbytes)`` of each row of ``objects``
     ([n, pitch] uint8 on the device), computed there (bit pattern of the u32)."""
-    assert triton is not None, "device checksums need Triton"
+    kernel = _kernel()
+    assert kernel is not None, "device checksums need Triton"
     n, pitch = objects.shape
     assert objects.dtype == torch.uint8 and pitch % 4 == 0 and nbytes <= pitch, f"objects {objects.shape}"
     assert objects.is_contiguous(), "objects must be one contiguous [n, pitch] tensor"
     tables, cols, final = _device_constants(nbytes, POLYS[algo], objects.device)
     out = torch.empty(n, dtype=torch.int32, device=objects.device)
     if n:
-        _crc_kernel[(n,)](objects.view(torch.int32), pitch // 4, tables, cols, out, nbytes // CHUNK,
+        kernel[(n,)](objects.view(torch.int32), pitch // 4, tables, cols, out, nbytes // CHUNK,
                           WORDS=_WORDS, LANES=_LANES)
     return out ^ (final - (1 << 32) if final >= 1 << 31 else final)
 

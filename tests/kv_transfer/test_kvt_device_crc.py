@@ -17,7 +17,7 @@ from kvt_util import bit_equal, hasher, make_state, small_layout, tokens
 
 from kv_transfer import checksum, device_crc
 
-triton_missing = pytest.mark.skipif(device_crc.triton is None, reason="needs Triton")
+triton_missing = pytest.mark.skipif(not device_crc.has_triton(), reason="needs Triton")
 
 
 @pytest.mark.parametrize("algo", [checksum.CRC32C, checksum.CRC32])
@@ -96,7 +96,7 @@ def test_kernel_and_direct_load_in_the_interpreter() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and device_crc.triton is not None), reason="needs CUDA and Triton")
+@pytest.mark.skipif(not (torch.cuda.is_available() and device_crc.has_triton()), reason="needs CUDA and Triton")
 def test_device_checks_on_cuda_match_the_host() -> None:
     from kv_transfer.store import StateStore
     from kv_transfer.tiers.host import HostTier
