@@ -137,6 +137,9 @@ def bench_resume(model, device, budget_mb, chunk, context, followup, reps) -> di
         hasher = BlockHasher(64, KeyExtras("bench"))
         store.put_state(src.computed_tokens("t1"), state, hasher)
     tok = {}
+    # untimed: the follow-up's graph bucket is captured here, not in the first timed rep
+    ttft(make_engine(model, device, budget_mb, chunk, resident_sessions=False), "warm-resume", turn2, device,
+         resume=state)
     for r in range(reps):
         t, tok["recompute"] = ttft(make_engine(model, device, budget_mb, chunk, resident_sessions=False),
                                    f"r{r}", turn2, device)
