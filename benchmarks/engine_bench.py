@@ -99,15 +99,20 @@ def bench_prefill_moe_ab(model, device, budget_mb, chunk, length, reps) -> dict:
             "speedup": round(med["nonzero"] / med["grouped"], 3)}
 
 
-def bench_decode(model, device, budget_mb, chunk, batch, context, steps, graphs: bool = True) -> float:
-    """Median decode step time (s) with ``batch`` sequences at ``context`` tokens."""
-    eng = make_engine(model, device, budget_mb, max(chunk, batch), resident_sessions=False, max_num_seqs=batch,
-                      cuda_graphs=graphs)
+def decoding_engine(model, device, budget_mb, chunk, batch, context, max_tokens, **kw) -> ReferenceEngine:
+    """An engine with ``batch`` sequences of ``context`` tokens, prefilled: its next step decodes them all."""
+    eng = make_engine(model, device, budget_mb, max(chunk, batch), resident_sessions=False, max_num_seqs=batch, **kw)
     for i in range(batch):
         eng.add_request(EngineRequest(f"d{i}", _ids(context, i, model.config.vocab_size),
-                                      SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
+                                      SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     while any(len(r.token_ids) == r.num_prompt for r in eng._running) or eng._waiting:  # finish prefills
         eng.step()
+    return eng
+
+
+def bench_decode(model, device, budget_mb, chunk, batch, context, steps, graphs: bool = True) -> float:
+    """Median decode step time (s) with ``batch`` sequences at ``context`` tokens."""
+    eng = decoding_engine(model, device, budget_mb, chunk, batch, context, steps + 8, cuda_graphs=graphs)
     times = []
     for _ in range(steps):
         _sync(device)
@@ -195,12 +200,7 @@ def profile_decode(model, device, budget_mb, chunk, batch, context, path: str) -
     """torch.profiler table of one decode step of ``batch`` sequences at ``context`` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = make_engine(model, device, budget_mb, max(chunk, batch), resident_sessions=False, max_num_seqs=batch)
-    for i in range(batch):
-        eng.add_request(EngineRequest(f"pd{i}", _ids(context, i, model.config.vocab_size),
-                                      SamplingParams(max_tokens=16, ignore_eos=True)))
-    while any(len(r.token_ids) == r.num_prompt for r in eng._running) or eng._waiting:
-        eng.step()
+    eng = decoding_engine(model, device, budget_mb, chunk, batch, context, 16)
     for _ in range(3):
         eng.step()
     _sync(device)

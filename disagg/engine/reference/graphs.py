@@ -28,8 +28,10 @@ NOTES
    not invalidate the capture. A capture that fails turns the runner off:
    that step and every later one run eagerly (a warning says why).
 4. Everything runs under ``torch.inference_mode`` (the buffers are inference
-   tensors); weights replaced (not updated in place) make a new runner
-   (``weights_key``).
+   tensors). Weights moved or cast (``Module.to``, ``cast_model``) make a new
+   runner (``K3ForCausalLM.reset_graphs``); weights loaded in place keep it.
+   Nothing is checked per step (a scan of the ~1,750 parameters of the
+   ``small`` preset costs milliseconds).
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ class _Bucket:
             return h, layers[0].pre(h)
 
         self.graphs = []
-        self.h_in, self.pre = [], []  # per layer: the residual stream and pre outputs entering mix_i
+        # per layer: the residual stream and pre outputs entering mix_i (the residual stream only
+        # to keep every graph output referenced, NOTE 2)
+        self.h_in, self.pre = [], []
         h, pre = self._capture(head)
         for i, layer in enumerate(layers):
             self.h_in.append(h)
@@ -106,18 +110,12 @@ class StepGraphs:
 
     def __init__(self, model):
         self.model = model
-        self.key = self.weights_key(model)
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None
         self._stream = torch.cuda.Stream(model.model.embed_tokens.weight.device)
         self._lock = threading.Lock()
         self.captures = 0  # buckets captured so far
         self.failed: str | None = None  # why capturing was turned off (NOTE 3)
-
-    @staticmethod
-    def weights_key(model) -> tuple:
-        """Identity of the weights (NOTE 4): any parameter replaced by another tensor changes it."""
-        return tuple(p.data_ptr() for p in model.parameters())
 
     def bucket(self, rows: int) -> _Bucket:
         b = self._buckets.get(rows)
@@ -142,7 +140,6 @@ class StepGraphs:
             except Exception as e:  # noqa: BLE001 - NOTE 3: degrade to eager steps, never fail the step
                 self.failed = f"{type(e).__name__}: {e}"
                 log.warning("CUDA graph capture failed (%s); steps run eagerly from now on", self.failed)
-                self._buckets.pop(rows, None)
                 return None
             b.ids[:n].copy_(ids)
             b.graphs[0].replay()

@@ -155,12 +155,21 @@ class K3ForCausalLM(nn.Module):
         """This model's CUDA graph runner (``StepGraphs``), or None off CUDA (NOTE 6)."""
         if self.model.embed_tokens.weight.device.type != "cuda":
             return None
-        from disagg.engine.reference.graphs import StepGraphs
+        if getattr(self, "_graphs", None) is None:
+            from disagg.engine.reference.graphs import StepGraphs
 
-        key = StepGraphs.weights_key(self)
-        if getattr(self, "_graphs", None) is None or self._graphs.key != key:
             self._graphs = StepGraphs(self)
         return self._graphs
+
+    def reset_graphs(self) -> None:
+        """Drop the graph runner: its graphs read the weights where they were when captured, so a
+        parameter given another tensor needs new ones (``cast_model`` and ``Module.to`` call this;
+        weights copied in place, as the loaders do, keep them valid)."""
+        self._graphs = None
+
+    def _apply(self, fn, *args, **kwargs):  # .to / .cuda / .half move or cast every parameter
+        self.reset_graphs()
+        return super()._apply(fn, *args, **kwargs)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -267,6 +276,7 @@ def cast_model(
         for name, p in model.named_parameters():
             if name.rsplit(".", 1)[-1] in FP32_PARAMS:
                 p.data = p.data.float()
+        model.reset_graphs()
     return model
 
 

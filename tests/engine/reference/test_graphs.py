@@ -107,3 +107,17 @@ def test_two_engines_on_one_model_replay_in_turn():
         t.join()
     assert got == alone
 
+
+
+def test_moving_or_casting_the_weights_drops_the_runner():
+    """Graphs read the weights where they were at capture (graphs NOTE 4): ``Module.to`` and
+    ``cast_model`` drop the runner, so the next step captures against the new tensors."""
+    from disagg.engine.reference.model import cast_model
+
+    model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0)
+    model._graphs = stale = object()
+    model.to(torch.float64)
+    assert model._graphs is None
+    model._graphs = stale
+    cast_model(model, torch.bfloat16)
+    assert model._graphs is None
