@@ -109,9 +109,11 @@ def test_duration_bound_and_open_loop(server_factory) -> None:
     for r in out.results:
         rec = next(x for x in records if x.session_id == r.session_id and x.turn == r.turn)
         late_ms.append((r.send_ns - out.started_ns) / 1e6 - rec.timestamp / 2.0)
-    # On time but for scheduling delays (a loaded host delays a few sends by tens of ms);
-    # no speedup would put the last sends 115 ms late, sending all at once 115 ms early.
-    assert abs(float(np.median(late_ms))) < 15 and max(map(abs, late_ms)) < 50
+    # On time but for scheduling delays (a loaded host delays a few sends by tens of ms, so
+    # one outlier is allowed); no speedup would put about half the sends 50-115 ms late,
+    # sending all at once about half of them 50-115 ms early.
+    off = sorted(map(abs, late_ms))
+    assert abs(float(np.median(late_ms))) < 15 and off[-2] < 50, late_ms
 
 
 def test_bench_writes_summary_jsonl_and_plots(server_factory, tmp_path: Path) -> None:
