@@ -148,10 +148,11 @@ def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
             serve.delete(name)
         with contextlib.suppress(Exception):
             shutdown_node_stores()
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        if started:
+        if started:  # our own cluster: its end takes Serve's actors with it
             ray.shutdown()
+        else:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
 
 
 def serve_forever(cfg: AppConfig) -> None:
