@@ -123,7 +123,7 @@ class ReferenceEngine:
         self.layout = model.state_layout(model_id, self.block_size, dtype)
         self.geometry = size_cache(self.layout, self.options.cache_budget_bytes, self.options.max_num_seqs)
         self.cache = PagedStateCache(self.layout, self.geometry, self.device)
-        self._graphs = self.options.cuda_graphs and self.device.type == "cuda"
+        self._graphs = self.options.cuda_graphs  # off CUDA the model has no runner (unless a test installs one)
         self.eos_token_id = eos_token_id if eos_token_id is not None else model.config.eos_token_id
         self.vocab_size = model.config.vocab_size
         self._waiting: deque[_Request] = deque()

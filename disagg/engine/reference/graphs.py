@@ -32,6 +32,12 @@ NOTES
    runner (``K3ForCausalLM.reset_graphs``); weights loaded in place keep it.
    Nothing is checked per step (a scan of the ~1,750 parameters of the
    ``small`` preset costs milliseconds).
+5. ``StepGraphs(model, capture=False)`` puts a stand-in (``_EagerGraph``) in
+   place of each graph, on any device: "capture" runs the part once and keeps
+   its outputs; a replay runs it again and copies the results into those same
+   outputs. The parts read the tensors bound at capture, as a real graph's
+   kernels do, so the runner's buffers, padding and data flow are tested on
+   a CPU (a real graph's semantics, pools and streams need CUDA).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ def bucket_for(n: int) -> int | None:
 class _Bucket:
     """The captured graphs and static buffers of one padded token count."""
 
-    def __init__(self, model, rows: int, pool, stream: torch.cuda.Stream):
+    def __init__(self, model, rows: int, pool, stream: torch.cuda.Stream | None):
         layers = model.model.layers
         dev = model.model.embed_tokens.weight.device
         dtype = model.dtype
@@ -72,8 +78,10 @@ class _Bucket:
                 self.mix.append(torch.zeros(rows, a.num_heads, a.v_dim, dtype=compute_dtype(dtype), device=dev))
         self._pool, self._stream = pool, stream
 
-        def head():
-            h = model.model.embed_tokens(self.ids)
+        # Each part binds its input tensors as arguments, as its graph binds them at capture
+        # (a stand-in, NOTE 5, then reads what a real graph would read).
+        def head(ids=self.ids):
+            h = model.model.embed_tokens(ids)
             return h, layers[0].pre(h)
 
         self.graphs = []
@@ -85,14 +93,18 @@ class _Bucket:
             self.h_in.append(h)
             self.pre.append(pre)
 
-            def step(i=i, layer=layer, h=h, pre=pre):
-                h2 = layer.post(h, pre, self.mix[i])
+            def step(i=i, layer=layer, h=h, pre=pre, mixed=self.mix[i]):
+                h2 = layer.post(h, pre, mixed)
                 return h2, (layers[i + 1].pre(h2) if i + 1 < len(layers) else None)
 
             h, pre = self._capture(step)
         self.h_out = h
 
     def _capture(self, fn: Callable):
+        if self._stream is None:  # NOTE 5
+            graph = _EagerGraph(fn)
+            self.graphs.append(graph)
+            return graph.out
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):  # warm-up (cuBLAS workspaces, cached weights)
             fn()
@@ -105,14 +117,36 @@ class _Bucket:
         return out
 
 
+class _EagerGraph:
+    """A graph's stand-in (NOTE 5): runs ``fn`` and copies its results into the first run's."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        _copy_into(self.out, self.fn())
+
+
+def _copy_into(kept, fresh) -> None:
+    """Copy ``fresh`` into ``kept``: tensors, or (nested) tuples of them and None."""
+    if isinstance(kept, torch.Tensor):
+        kept.copy_(fresh)
+    elif kept is not None:
+        for k, f in zip(kept, fresh, strict=True):
+            _copy_into(k, f)
+
+
 class StepGraphs:
     """CUDA graph runner of one model: ``forward`` replaces the eager layer loop (see above)."""
 
-    def __init__(self, model):
+    def __init__(self, model, capture: bool = True):
+        """``capture=False``: stand-ins in place of CUDA graphs, on any device (NOTE 5)."""
         self.model = model
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None
-        self._stream = torch.cuda.Stream(model.model.embed_tokens.weight.device)
+        dev = model.model.embed_tokens.weight.device
+        self._stream = torch.cuda.Stream(dev) if capture else None
         self._lock = threading.Lock()
         self.captures = 0  # buckets captured so far
         self.failed: str | None = None  # why capturing was turned off (NOTE 3)

@@ -152,13 +152,15 @@ class K3ForCausalLM(nn.Module):
         ]
 
     def step_graphs(self):
-        """This model's CUDA graph runner (``StepGraphs``), or None off CUDA (NOTE 6)."""
+        """This model's CUDA graph runner (``StepGraphs``), or None off CUDA (NOTE 6) unless one
+        was installed (``StepGraphs(model, capture=False)``, graphs NOTE 5)."""
+        if getattr(self, "_graphs", None) is not None:
+            return self._graphs
         if self.model.embed_tokens.weight.device.type != "cuda":
             return None
-        if getattr(self, "_graphs", None) is None:
-            from disagg.engine.reference.graphs import StepGraphs
+        from disagg.engine.reference.graphs import StepGraphs
 
-            self._graphs = StepGraphs(self)
+        self._graphs = StepGraphs(self)
         return self._graphs
 
     def reset_graphs(self) -> None:

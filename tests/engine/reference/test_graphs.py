@@ -1,7 +1,10 @@
 """Piecewise CUDA graphs of the token-wise work (model NOTE 6, ``graphs.py``).
 
-The replay tests need a CUDA device (marked ``gpu``); on a CPU the graph flag
-is a no-op, and that is checked here too.
+The replay tests run twice: with real CUDA graphs (marked ``gpu``), and on a
+CPU with the runner's stand-in graphs (graphs NOTE 5), which bind their inputs
+and outputs at "capture" as real graphs do, so the runner's buffers, padding
+and data flow are checked without a GPU. On a CPU the graph flag alone is a
+no-op, and that is checked here too.
 """
 
 from __future__ import annotations
@@ -14,10 +17,20 @@ import torch
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.engine.reference.config import load_preset
 from disagg.engine.reference.engine import EngineOptions, ReferenceEngine
-from disagg.engine.reference.graphs import BUCKETS, bucket_for
+from disagg.engine.reference.graphs import BUCKETS, StepGraphs, bucket_for
 from disagg.engine.reference.model import MAX_GRAPH_TOKENS, K3ForCausalLM
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+RUNNERS = pytest.mark.parametrize("where", [pytest.param("cuda", marks=[pytest.mark.gpu, cuda]), "stand-in"])
+
+
+def _graph_model(where: str) -> K3ForCausalLM:
+    """A tiny model with a graph runner: real CUDA graphs, or stand-ins on the CPU."""
+    if where == "cuda":
+        return K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda")
+    model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0)
+    model._graphs = StepGraphs(model, capture=False)
+    return model
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -68,28 +81,29 @@ def test_graph_flag_is_eager_off_cuda(tiny_fp32):
     assert a == b and all(torch.equal(la[k], lb[k]) for k in la)
 
 
-@pytest.mark.gpu
-@cuda
-def test_graph_replay_matches_eager_steps():
+@RUNNERS
+def test_graph_replay_matches_eager_steps(where: str):
     """Prefill chunks, batched decodes and resumed follow-ups give the same greedy tokens with
-    graphs as without, logits to bf16 rounding; steps above the limit run eagerly."""
-    model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda")
+    graphs as without, logits to bf16 rounding (fp32 on the CPU: padded batches may sum in
+    another order); steps above the limit run eagerly."""
+    model = _graph_model(where)
+    runner = model.step_graphs() if where != "cuda" else None
     eager, le = _run_mix(_engine(model, graphs=False))
-    assert getattr(model, "_graphs", None) is None
+    assert getattr(model, "_graphs", None) is runner and (runner is None or runner.captures == 0)
     graphs, lg = _run_mix(_engine(model, graphs=True))
     runner = model.step_graphs()
     assert runner.failed is None and runner.captures >= 4  # 300/370-token prefills, 114, 44, decodes
     assert graphs == eager
+    tol = dict(rtol=0.05, atol=0.1) if where == "cuda" else dict(rtol=1e-4, atol=1e-4)
     for k in le:
-        torch.testing.assert_close(lg[k], le[k], rtol=0.05, atol=0.1)
+        torch.testing.assert_close(lg[k], le[k], **tol)
 
 
-@pytest.mark.gpu
-@cuda
-def test_two_engines_on_one_model_replay_in_turn():
+@RUNNERS
+def test_two_engines_on_one_model_replay_in_turn(where: str):
     """Two engines stepping one model from two threads share its graphs without mixing their
     buffers: each gets the tokens it gets alone."""
-    model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda")
+    model = _graph_model(where)
     alone = {rid: _engine(model, graphs=True).generate(
         EngineRequest(rid, _prompt(40 + 30 * i, i), SamplingParams(max_tokens=24, ignore_eos=True)))[0]
         for i, rid in enumerate(("x", "y"))}
