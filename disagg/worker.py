@@ -284,9 +284,9 @@ class StatefulWorker:
             cached, source = handle.num_cached_tokens, handle.cached_source
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=cached,
                                 cached_source=source, replica_id=self.replica_id)
-            done = sampling.max_tokens == 1 or _is_stop(handle.first_token, sampling, self.engine.engine)
-            if done:
-                first.finished, first.finish_reason = True, "length" if sampling.max_tokens == 1 else "stop"
+            stop = _is_stop(handle.first_token, sampling, self.engine.engine)
+            if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
+                first.finished, first.finish_reason = True, "stop" if stop else "length"
                 yield first
                 return
             yield first

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP surface, independent of Ray.
 
 ``create_app(backend, http_config)`` returns a FastAPI app serving
-``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE), ``/v1/models``,
-``/health`` and ``/metrics``. The backend does the generation: in the Serve
+``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE), ``/v1/models``
+(and ``/v1/models/{id}``), ``/health`` and ``/metrics``. Stop strings never
+reach the client, streamed or not (text that may start one is held until the
+next piece decides), and a non-streamed request whose client disconnects is
+aborted. The backend does the generation: in the Serve
 ingress it routes to prefill/decode replicas; in tests and the overhead
 baseline it is an in-process engine.
 
@@ -17,6 +20,7 @@ middleware that sees the whole life of a streamed response).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -101,10 +105,26 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
     async def health():
         return {"status": "ok", "model": backend.model_name}
 
+    started = int(time.time())
+
+    def model_card() -> dict:
+        return {"id": backend.model_name, "object": "model", "created": started, "owned_by": "disagg",
+                "max_model_len": backend.max_model_len}
+
     @app.get("/v1/models", responses={401: {"model": ErrorResponse, "description": _ERRORS[401]}})
     async def models():
-        return {"object": "list", "data": [{"id": backend.model_name, "object": "model",
-                                            "owned_by": "disagg", "max_model_len": backend.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", responses={401: {"model": ErrorResponse, "description": _ERRORS[401]},
+                                                   404: {"model": ErrorResponse, "description": _ERRORS[404]}})
+    async def model(model: str):
+        _check_model(model)
+        return model_card()
+
+    def _check_model(name: str) -> None:
+        if name != backend.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {backend.model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prom():
@@ -125,7 +145,11 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
             ids = tok.encode(body.prompt[0])
         else:
             ids = list(body.prompt)
-        return await _serve(body, ids, "text_completion", request)
+        echo = ""
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else (
+                body.prompt[0] if isinstance(body.prompt[0], str) else tok.decode(ids))
+        return await _serve(body, ids, "text_completion", request, echo)
 
     @app.post("/v1/chat/completions", responses=_error_responses())
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -134,10 +158,10 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         text = backend.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
         return await _serve(body, backend.tokenizer.encode(text), "chat.completion", request)
 
-    async def _serve(body, ids: list[int], kind: str, request: Request):
-        if body.model != backend.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {backend.model_name!r}",
-                           type="not_found_error", param="model", code="model_not_found")
+    async def _serve(body, ids: list[int], kind: str, request: Request, echo: str = ""):
+        _check_model(body.model)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if not ids:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         vocab = getattr(backend, "vocab_size", None)
@@ -159,12 +183,16 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
             request_id=f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
             prompt_token_ids=ids, sampling=sampling, session_id=body.session_id or body.user,
             cache_salt=_cache_salt(request, body.cache_salt))
-        run = _Run(backend, metrics, params, stops, kind, body.model, body.return_token_ids)
+        run = _Run(backend, metrics, params, stops, kind, body.model, body.return_token_ids, echo)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(run.sse(usage), media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await run.whole())
+        whole = await _unless_gone(run.whole(), request)
+        if whole is None:  # nobody is left to read it
+            metrics.request_done(kind, "cancelled")
+            return Response(status_code=499)
+        return JSONResponse(whole)
 
     return app
 
@@ -203,10 +231,10 @@ class _Run:
     """One request's generation, shaped as OpenAI JSON or SSE."""
 
     def __init__(self, backend, metrics: ServingMetrics, params: GenerateParams, stops: list[str], kind: str,
-                 model: str, return_token_ids: bool = False):
+                 model: str, return_token_ids: bool = False, echo: str = ""):
         self.backend, self.metrics, self.params = backend, metrics, params
         self.stops, self.kind, self.model = stops, kind, model
-        self.return_token_ids = return_token_ids
+        self.return_token_ids, self.echo = return_token_ids, echo
         self._sent_ids = 0
         self.created = int(time.time())
         self.ids: list[int] = []
@@ -219,6 +247,7 @@ class _Run:
         text = IncrementalText(self.backend.tokenizer)
         self.ids = text.ids
         longest_stop = max((len(s) for s in self.stops), default=0)
+        sent = 0  # characters of self.text yielded so far
         t0 = time.perf_counter()
         t_prev = None
         agen = _guarded(self.backend.stream(self.params))
@@ -247,14 +276,17 @@ class _Run:
                     self.text += new
                     cut = _find_stop(self.text, self.stops, searched)
                     if cut is not None:
-                        new = new[: max(0, len(new) - (len(self.text) - cut))]
                         self.text = self.text[:cut]
                         self.finish_reason = "stop"
-                        if new:
-                            yield new
+                        if len(self.text) > sent:
+                            yield self.text[sent:]
                         break
-                if chunk.token_ids or new:
-                    yield new  # may be "" (a token whose text is held)
+                # Text that may be the start of a stop string is held until the next piece shows
+                # whether it is (a stop string never reaches the client, streamed or not).
+                ready = len(self.text) if chunk.finished else len(self.text) - _stop_prefix(self.text, self.stops, sent)
+                piece, sent = self.text[sent:ready], ready
+                if chunk.token_ids or piece:
+                    yield piece  # may be "" (a token whose text is held)
                 if chunk.finished:
                     self.finish_reason = chunk.finish_reason
                     break
@@ -284,7 +316,8 @@ class _Run:
         async for _ in self._pieces():
             pass
         body = {"id": self.params.request_id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [self._choice(self.text, self.finish_reason, delta=False)], "usage": self._usage()}
+                "choices": [self._choice(self.echo + self.text, self.finish_reason, delta=False)],
+                "usage": self._usage()}
         if self.last is not None:  # extension: where the request ran and where its prompt state came from
             body["disagg"] = {"replica": self.last.replica_id, "cached_source": self.last.cached_source}
         return body
@@ -296,6 +329,9 @@ class _Run:
             if self.kind == "chat.completion":
                 first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
                 yield _sse(first)
+            if self.echo:
+                yield _sse({**head, "choices": [{"index": 0, "text": self.echo, "logprobs": None,
+                                                 "finish_reason": None}]})
             async with aclosing(self._pieces()) as pieces:
                 async for piece in pieces:
                     if piece or self.return_token_ids:
@@ -326,6 +362,31 @@ class _ClosingStreamingResponse(StreamingResponse):
                 await close()
 
 
+async def _unless_gone(work, request: Request):
+    """Await ``work`` (a whole, non-streamed response) unless the client disconnects first; then
+    cancel it, which closes the backend's stream and so aborts the generation (an abandoned
+    request must not go on holding its engine slot and its key's concurrency for nobody), and
+    return None."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":  # the body was already read
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():  # the client left (or this handler was cancelled)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watch
+    return None if task.cancelled() else task.result()
+
+
 async def _guarded(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
     """The backend's chunks; a backend failure becomes a 503 for the client (and a logged trace)."""
     try:
@@ -348,3 +409,11 @@ def _sse(obj: dict) -> bytes:
 def _find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
     hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
     return min(hits) if hits else None
+
+
+def _stop_prefix(text: str, stops: list[str], start: int) -> int:
+    """The length of the longest end of ``text[start:]`` that begins some stop string."""
+    for k in range(min(len(text) - start, max((len(s) for s in stops), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return k
+    return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # Bodies are validated strictly: the JSON types the schema declares, no "true" -> True, no "7" -> 7.
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -47,6 +47,14 @@ class _Common(BaseModel):
     session_id: str | None = Field(default=None, max_length=256)
     cache_salt: str | None = Field(default=None, max_length=256)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        """OpenAI's optional parameters are nullable, and clients send ``null`` for "unset"."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
@@ -58,7 +66,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[JSONInt] | list[str]
     max_tokens: JSONInt | None = Field(default=16, ge=1)
-    echo: bool = False
+    echo: bool = False  # the prompt's text before the completion's (token_ids stay the completion's)
 
     @field_validator("prompt")
     @classmethod
