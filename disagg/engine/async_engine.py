@@ -79,10 +79,14 @@ class AsyncEngine:
                 busy = self.engine.has_work()
                 if busy:
                     t0, c0 = time.perf_counter(), time.thread_time()
+                    steps = self._steps()
                     try:
                         outputs = self.engine.step()
                     except Exception as exc:  # an engine bug must not hang its callers
                         outputs = self._fail_all(exc)
+                    # Work it cannot run yet (it waits for blocks held for export): wait for a
+                    # call or an abort to change that rather than spin on the lock.
+                    stalled = not outputs and steps is not None and self._steps() == steps
                     t1 = time.perf_counter()
                     self.step_times.append(t1 - t0)
                     if self._live_traces:
@@ -92,9 +96,14 @@ class AsyncEngine:
             if busy:
                 for out in outputs:
                     self._deliver(out)
-            else:
+            if not busy or stalled:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
+
+    def _steps(self) -> int | None:
+        """The engine's count of model steps run, where it keeps one."""
+        counters = getattr(self.engine, "counters", None)
+        return counters.get("steps") if isinstance(counters, dict) else None
 
     def _run_calls(self) -> None:
         """Run every queued ``call`` (the caller holds ``_lock``) and settle its future."""
@@ -137,8 +146,15 @@ class AsyncEngine:
         """Stream a request's outputs. Raises ValueError for a request the engine refuses."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[TokenOutput] = asyncio.Queue()
-        self._queues[request.request_id] = (loop, q)
+        rid = request.request_id
+        if rid in self._queues:  # the live stream keeps its queue
+            raise ValueError(f"duplicate request id {rid!r}")
+        entry = self._queues[rid] = (loop, q)
         trace: dict[str, float] = {}
+
+        def drop() -> None:  # only this call's entry
+            if self._queues.get(rid) is entry:
+                del self._queues[rid]
 
         def admit() -> None:
             self.engine.add_request(request)
@@ -149,11 +165,11 @@ class AsyncEngine:
         try:
             await self.call(admit)  # NOTE 5: the event loop never waits on the engine lock
         except asyncio.CancelledError:  # the admission may still run: abort it right after (NOTE 5)
-            self._queues.pop(request.request_id, None)
+            drop()
             self.abort_soon(request.request_id)
             raise
         except Exception:  # refused: nothing was admitted
-            self._queues.pop(request.request_id, None)
+            drop()
             raise
         try:
             while True:
@@ -165,7 +181,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._queues.pop(request.request_id, None)
+            drop()
             self._live_traces.pop(request.request_id, None)
             self._traces[request.request_id] = trace
             while len(self._traces) > TRACE_CAPACITY:

@@ -33,6 +33,16 @@ NOTES
    prefill stops its chunk at the prompt's last block boundary and keeps the
    KDA state there too (one slot copy; an uninterrupted run stops at the same
    place, so resumed arithmetic stays exact).
+6. Preemption (as vLLM's scheduler does it): running requests are planned
+   oldest first, and one that cannot get its next blocks (after evicting
+   resident sessions) preempts the newest running request, never one already
+   planned, until it fits or is itself the newest; a preempted request frees
+   everything and recomputes from the head of the queue. A step that preempted
+   admits nothing new (the victims would take the blocks back at once). So the
+   oldest request always progresses, prefills included, unless blocks held for
+   export (``keep_state``, NOTE 1) leave too few: then it keeps what it has and
+   waits, alone, for their ``release`` (``generate``, the engine alone, reports
+   the stall; in a server the exporting worker releases them).
 """
 
 from __future__ import annotations
@@ -175,6 +185,18 @@ class ReferenceEngine:
             raise ValueError(f"resume position {state.position} must be inside the prompt (len {len(prompt)})")
         if state.first_block != 0:
             raise ValueError("resume state must carry every MLA block from position 0")
+        bs = self.block_size
+        if len(state.mla_blocks) != state.position // bs:
+            raise ValueError(f"resume state at {state.position} carries {len(state.mla_blocks)} MLA blocks, "
+                             f"not {state.position // bs}")
+        if any(b.start != i * bs or b.span != bs for i, b in enumerate(state.mla_blocks)):
+            raise ValueError("resume state's MLA blocks are out of place")
+        if state.tail is not None and (state.tail.start != state.position // bs * bs
+                                       or state.tail.span != state.position % bs):
+            raise ValueError(f"resume state's tail covers [{state.tail.start}, {state.tail.start + state.tail.span}), "
+                             f"not the partial block ending at {state.position}")
+        if not state.kda:
+            raise ValueError("resume state carries no KDA state")
 
     def _all_live(self):
         yield from self._waiting
@@ -365,14 +387,34 @@ class ReferenceEngine:
         budget = self.options.max_num_batched_tokens
         plan: list[tuple[_Request, int]] = []
         outputs: list[TokenOutput] = []
-        for req in list(self._running):
+        # Running requests are planned oldest first. One that cannot get its blocks preempts the
+        # newest running request (never one planned already: those are older) until it can, or
+        # until it is the newest itself and goes back to the queue (NOTE 6).
+        i = preempted = 0
+        starved = False  # the oldest request waits for blocks held for export
+        while i < len(self._running):
+            req = self._running[i]
             n = self._chunk(req, budget)
-            if n > 0 and self._ensure_blocks(req, req.num_computed + n):
-                plan.append((req, n))
-                budget -= n
-            elif n > 0 and len(req.token_ids) - req.num_computed == 1:
-                self._preempt_newest(exclude=req)
-        while self._waiting and budget > 0 and self.cache.num_free_slots > 0:
+            ok = n <= 0 or self._ensure_blocks(req, req.num_computed + n)
+            while not ok:
+                victim = self._running[-1]
+                if victim is req:  # nothing newer is left to preempt
+                    if i > 0:
+                        self._preempt(req)
+                        preempted += 1
+                    else:  # the oldest keeps what it has and waits (NOTE 6)
+                        starved = True
+                        i += 1
+                    break
+                self._preempt(victim)
+                preempted += 1
+                ok = self._ensure_blocks(req, req.num_computed + n)
+            if ok:
+                if n > 0:
+                    plan.append((req, n))
+                    budget -= n
+                i += 1
+        while not (preempted or starved) and self._waiting and budget > 0 and self.cache.num_free_slots > 0:
             req = self._waiting[0]
             if not self._admit(req):
                 break
@@ -446,11 +488,8 @@ class ReferenceEngine:
             self._adopt_resident(req)
         return True
 
-    def _preempt_newest(self, exclude: _Request) -> None:
-        victims = [r for r in self._running if r is not exclude]
-        if not victims:
-            return
-        victim = victims[-1]
+    def _preempt(self, victim: _Request) -> None:
+        """Back to the head of the queue, its blocks and slot freed: it recomputes when admitted."""
         self._running.remove(victim)
         self._free(victim, keep=False)
         victim.num_computed = 0
@@ -492,14 +531,15 @@ class ReferenceEngine:
         tokens: list[int] = []
         last = None
         while True:
+            steps = self.counters["steps"]
             for out in self.step():
                 if out.request_id == request.request_id:
                     tokens.extend(out.new_token_ids)
                     last = out
             if last is not None and last.finished:
                 return tokens, last
-            if not self.has_work():
-                raise RuntimeError("engine stalled")
+            if not self.has_work() or self.counters["steps"] == steps:  # nothing else can unblock it
+                raise RuntimeError(f"engine stalled: {self.stats()}")
 
     def resident_contents(self) -> list[tuple[str, list[int]]]:
         """(cache salt, computed tokens) of every resident session (the device tier's content)."""
