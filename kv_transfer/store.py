@@ -20,9 +20,11 @@ lengths kept on put (entries found absent in every tier are dropped lazily).
 Tier order is speed order (host, disk, remote...). ``put_state`` writes to the
 first tier that accepts (encoding straight into the host arena); with
 ``write_behind`` objects the host evicts move to the next tier; a hit in a
-lower tier is promoted to the first. Every load verifies every checksum: a
-corrupt object is counted and deleted from its tier and the next tier is
-tried; if any piece cannot be had, ``load_state`` returns None (recompute).
+lower tier is promoted to the first. Every load verifies every checksum and
+that each object is the piece its key names (block start and span, tail span,
+KDA position, DCP and TP shard): a corrupt or misplaced object is counted and
+deleted from its tier and the next tier is tried; if any piece cannot be had,
+``load_state`` returns None (recompute).
 Puts and loads of many pieces encode and verify them on ``io_threads``
 threads (CRC and copies release the GIL).
 
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -480,39 +483,35 @@ class StateStore:
             blocks = [MLABlock(rows[:, j * bs : (j + 1) * bs], (first_block + j) * bs, bs)
                       for j in range(n_full - first_block)]
         else:
-            groups = self._load_groups([self._shards("mla", hashes[i]) for i in range(first_block, n_full)], layout)
+            groups = self._load_groups([self._shards("mla", hashes[i]) for i in range(first_block, n_full)], layout,
+                                       [(i * bs, bs) for i in range(first_block, n_full)])
             for shards in groups:
                 if shards is None:
                     return self._miss()
                 blocks.extend(reshard_dcp(shards, self.dcp_size, dcp_size)[dcp_rank :: dcp_size])
         tail = None
         if position % bs:
-            shards = self._load_group(self._shards("tail", prefix), layout)
+            shards = self._load_group(self._shards("tail", prefix), layout, place=(n_full * bs, position % bs))
             if shards is None:
                 return self._miss()
             tail = reshard_dcp(shards, self.dcp_size, dcp_size)[dcp_rank]
         ranks = range(self.tp_size) if tp_ranks is None else tp_ranks
-        kda = self._load_group([str(ObjectKey("kda", prefix, kda_shard(r, self.tp_size))) for r in ranks], layout)
+        kda = self._load_group([str(ObjectKey("kda", prefix, kda_shard(r, self.tp_size))) for r in ranks], layout,
+                               place=position)
         if kda is None:
             return self._miss()
-        if any(k.position != position for k in kda) or any(
-            b.start != (first_block + i) * bs for i, b in enumerate(blocks)
-        ) or (tail is not None and tail.start != n_full * bs):
-            return self._miss(corrupt=True)
         with self._lock:
             self._counters["num_load_hits"] += 1
         return ResumeState(layout, position, blocks, first_block, tail, kda, mla_rows=rows)
 
-    def _miss(self, corrupt: bool = False) -> None:
+    def _miss(self) -> None:
         with self._lock:
             self._counters["num_load_misses"] += 1
-            if corrupt:
-                self._counters["num_corrupt_pieces"] += 1
         return None
 
-    def _load_groups(self, groups: list[list[str]], layout: StateLayout) -> list[list | None]:
-        """``_load_group`` of each group (in parallel when there are several)."""
-        return self._parallel(lambda keys: self._load_group(keys, layout), groups)
+    def _load_groups(self, groups: list[list[str]], layout: StateLayout, places: list) -> list[list | None]:
+        """``_load_group`` of each group, at its place (in parallel when there are several)."""
+        return self._parallel(lambda i: self._load_group(groups[i], layout, place=places[i]), list(range(len(groups))))
 
     def _load_blocks_into(self, keys: list[str], first_block: int, layout: StateLayout,
                           rows: torch.Tensor) -> bool:
@@ -547,19 +546,9 @@ class StateStore:
             finally:
                 first.release_many([lease for lease in leases if lease is not None])
         todo = [j for j, ok in enumerate(done) if not ok]
-        objs = self._parallel(lambda j: self._load_one(keys[j], layout, rows[:, j * bs : (j + 1) * bs]), todo)
-        return all(self._placed(obj, (first_block + j) * bs) for j, obj in zip(todo, objs, strict=True))
-
-    def _placed(self, obj: MLABlock | None, start: int) -> bool:
-        """A block loaded by the general path is there and starts at ``start``: one stored under
-        another block's key (valid bytes, wrong place) counts as a corrupt piece."""
-        if obj is None:
-            return False
-        if obj.start != start:
-            with self._lock:
-                self._counters["num_corrupt_pieces"] += 1
-            return False
-        return True
+        objs = self._parallel(lambda j: self._load_one(keys[j], layout, rows[:, j * bs : (j + 1) * bs],
+                                                       place=((first_block + j) * bs, bs)), todo)
+        return all(obj is not None for obj in objs)
 
     def _load_blocks_direct(self, keys: list[str], first_block: int, layout: StateLayout,
                             device: torch.device) -> torch.Tensor | None:
@@ -575,7 +564,7 @@ class StateStore:
         bs = layout.block_size
         for j in (j for j, ok in enumerate(got.verified) if not ok):
             host = _alloc_rows((layout.num_mla_layers, bs, layout.latent_dim), got.rows.dtype)
-            if not self._placed(self._load_one(keys[j], layout, host), (first_block + j) * bs):
+            if self._load_one(keys[j], layout, host, place=((first_block + j) * bs, bs)) is None:
                 return None
             got.rows[:, j * bs : (j + 1) * bs].copy_(host)
         return got.rows
@@ -594,18 +583,24 @@ class StateStore:
         runs = [items[i : i + step] for i in range(0, len(items), step)]
         return [y for part in self._pool.map(lambda run: [fn(x) for x in run], runs) for y in part]
 
-    def _load_group(self, keys: list[str], layout: StateLayout, into: torch.Tensor | None = None) -> list | None:
+    def _load_group(self, keys: list[str], layout: StateLayout, into: torch.Tensor | None = None,
+                    place=None) -> list | None:
         out = []
         for key in keys:
-            obj = self._load_one(key, layout, into)
+            obj = self._load_one(key, layout, into, place)
             if obj is None:
                 return None
             out.append(obj)
         return out
 
-    def _load_one(self, key: str, layout: StateLayout,
-                  out: torch.Tensor | None = None) -> MLABlock | KDACheckpoint | None:
-        """One verified object; an MLA object's rows land in ``out`` when given (no extra copy)."""
+    def _load_one(self, key: str, layout: StateLayout, out: torch.Tensor | None = None,
+                  place=None) -> MLABlock | KDACheckpoint | None:
+        """One verified object; an MLA object's rows land in ``out`` when given (no extra copy).
+
+        ``place``: (start, span) of an MLA block or tail, or the position of a KDA shard. An
+        object that is not the one its key and place name (valid bytes stored under another
+        piece's key) is treated as corrupt: counted, deleted from its tier, the next tier tried.
+        """
         for i, tier in enumerate(self.tiers):
             get_view = getattr(tier, "get_view", None)
             try:
@@ -621,6 +616,8 @@ class StateStore:
                     if data is None:
                         continue
                     obj = _decode_to(data, layout, out, copy=False)
+                if place is not None and not _fits(obj, key, place):
+                    raise CorruptObjectError(f"{key}: {obj!r} is not the piece its key names")
             except CorruptObjectError:
                 with self._lock:
                     self._counters["num_corrupt_pieces"] += 1
@@ -652,6 +649,19 @@ class StateStore:
             if st is not None:
                 out[f"tier:{tier.name}"] = st()
         return out
+
+
+_SHARD = re.compile(r"(?:tp|dcp)(\d+)of(\d+)")
+
+
+def _fits(obj, key: str, place) -> bool:
+    """``obj`` is the piece ``key`` names at ``place`` (see ``StateStore._load_one``)."""
+    parsed = ObjectKey.parse(key)
+    m = _SHARD.fullmatch(parsed.shard)
+    rank, size = (int(m[1]), int(m[2])) if m else (0, 1)
+    if parsed.kind == "kda":
+        return isinstance(obj, KDACheckpoint) and (obj.position, obj.tp_rank, obj.tp_size) == (place, rank, size)
+    return isinstance(obj, MLABlock) and (obj.start, obj.span, obj.dcp_rank, obj.dcp_size) == (*place, rank, size)
 
 
 def _decode_to(buf, layout: StateLayout, out: torch.Tensor | None, copy: bool):
