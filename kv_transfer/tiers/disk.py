@@ -27,6 +27,7 @@ Config example::
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import queue
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from kv_transfer import checksum
 from kv_transfer.events import EventLog, StoreEvent, object_kind_of
 from kv_transfer.tiers.disk_format import FLAG_TOMBSTONE, frame, record_size, scan_all
+
+log = logging.getLogger(__name__)
 
 
 class AdmitAlways:
@@ -104,6 +107,13 @@ class DiskTier:
     2. total_bytes (sum of segment sizes) <= capacity_bytes after every append.
     3. A key is in at most one of ``_pending`` (queued) and ``_index`` (on disk).
     4. Nothing returned by get_bytes failed its CRC.
+    5. A write that fails (no space, an I/O error) loses that object only: it is
+       counted (``num_write_errors``) and dropped, and the writer goes on; a read
+       that fails is a miss.
+    6. A delete writes a tombstone, so the key stays deleted across restarts.
+       Segments are collected in any order, so a collected segment's tombstones
+       are written again while an older segment (which may hold the deleted
+       record) remains.
     """
 
     def __init__(self, directory: str, capacity_bytes: int, *, segment_bytes: int = 256 << 20,
@@ -120,13 +130,14 @@ class DiskTier:
         self._segments: dict[int, _Segment] = {}
         self._index: dict[str, _Loc] = {}
         self._pending: dict[str, tuple[int, bytes]] = {}
+        self._tombs: dict[str, int] = {}  # deleted key -> segment of its newest tombstone (NOTE 6)
         self._pending_bytes = 0
         self._token = 0
         self._queue: queue.Queue[tuple[str, int] | None] = queue.Queue()
         self._counters = dict.fromkeys(
             ("num_puts", "num_written", "num_not_admitted", "num_backpressure", "num_hits", "num_misses",
              "num_evicted", "num_compacted_segments", "num_dropped_segments", "corrupt_records_skipped",
-             "corrupt_files_skipped", "num_corrupt_reads", "bytes_written"), 0)
+             "corrupt_files_skipped", "num_corrupt_reads", "num_read_errors", "num_write_errors", "bytes_written"), 0)
         os.makedirs(directory, exist_ok=True)
         self._recover()
         self._active = self._new_segment()
@@ -142,7 +153,7 @@ class DiskTier:
             if not self._admission.admit(key):
                 self._counters["num_not_admitted"] += 1
                 return False
-            if self._pending_bytes + len(data) > self.max_pending_bytes or len(data) > self.segment_bytes:
+            if self._pending_bytes + len(data) > self.max_pending_bytes or not self._fits(key, len(data)):
                 self._counters["num_backpressure"] += 1
                 return False
             self._token += 1
@@ -164,16 +175,24 @@ class DiskTier:
             seg = self._segments[loc.seg_id]
             seg.readers += 1
             loc.touched = True
+            view = seg.map if seg.sealed else None  # read together: sealing maps under the lock
         try:
-            if seg.sealed:
-                data = seg.map[loc.data_offset : loc.data_offset + loc.nbytes]
+            if view is not None:
+                data = view[loc.data_offset : loc.data_offset + loc.nbytes]
             else:
                 data = os.pread(seg.fd, loc.nbytes, loc.data_offset)
+        except OSError as exc:  # a failing device: a miss (the caller recomputes), never an error
+            log.warning("disk tier read of %s failed: %s", key, exc)
+            data = None
         finally:
             with self._lock:
                 seg.readers -= 1
                 if seg.doomed and seg.readers == 0:
                     self._close_segment(seg)
+        if data is None:
+            with self._lock:
+                self._counters["num_read_errors"] += 1
+            return None
         if self.verify_reads and (len(data) != loc.nbytes or checksum.compute(loc.algo, data) != loc.crc):
             with self._lock:
                 self._counters["num_corrupt_reads"] += 1
@@ -194,12 +213,12 @@ class DiskTier:
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            if key in self._pending:
-                self._pending_bytes -= len(self._pending.pop(key)[1])
-                return True
-            if key not in self._index:
+            if key in self._pending:  # perhaps being written now, perhaps over an older record:
+                self._pending_bytes -= len(self._pending.pop(key)[1])  # the tombstone follows either
+            elif key in self._index:
+                self._drop(key)
+            else:
                 return False
-            self._drop(key)
             self._token += 1
             self._queue.put((key, -self._token))  # tombstone: stays deleted across restarts
         return True
@@ -220,37 +239,56 @@ class DiskTier:
                     if entry is None or entry[0] != token:
                         continue  # deleted before it was written
                     data = entry[1]
-                self._append(key, data)
+                self._append(key, data, token=token)
+            except Exception as exc:  # NOTE 5: one failed write never stops the writer
+                log.warning("disk tier write of %s failed: %s", item[0] if item else None, exc)
                 with self._lock:
-                    if self._pending.get(key, (None,))[0] == token:
-                        del self._pending[key]
-                        self._pending_bytes -= len(data)
+                    self._counters["num_write_errors"] += 1
+                    key, token = item
+                    if token > 0 and self._pending.get(key, (None,))[0] == token:
+                        self._pending_bytes -= len(self._pending.pop(key)[1])
             finally:
                 self._queue.task_done()
 
-    def _append(self, key: str, data: bytes, flags: int = 0, touched: bool = False) -> None:
+    def _fits(self, key: str, nbytes: int) -> bool:
+        need = record_size(len(key.encode()), nbytes)
+        return need <= self.segment_bytes and need <= self.capacity_bytes
+
+    def _append(self, key: str, data: bytes, flags: int = 0, touched: bool = False,
+                token: int | None = None) -> None:
+        """Write one record. ``token``: the pending entry it writes, indexed only if still pending
+        once written (a delete during the write leaves it dead on disk; its tombstone follows)."""
         need = record_size(len(key.encode()), len(data))
         with self._lock:
             self._make_room(need)
             if self._active.size + need > self.segment_bytes and self._active.size:
                 self._seal(self._active)
                 self._active = self._new_segment()
+            if self.total_bytes + need > self.capacity_bytes:
+                raise OSError(f"no room for a {need}-byte record in {self.capacity_bytes} bytes")
             seg = self._active
         bufs, data_off, crc, algo = frame(key, data, flags)
         n = os.pwritev(seg.fd, bufs, seg.size)
-        assert n == need, f"short write {n} != {need}"
+        if n != need:  # nothing is indexed: the next record is written over it
+            raise OSError(f"short write {n} != {need}")
         with self._lock:
             loc = _Loc(seg.seg_id, seg.size + data_off, len(data), crc, need, touched, algo)
             seg.size += need
             if flags & FLAG_TOMBSTONE:
+                self._tombs[key] = seg.seg_id
                 return
+            if token is not None:
+                if self._pending.get(key, (None,))[0] != token:
+                    return  # deleted (or put again) while it was written
+                del self._pending[key]
+                self._pending_bytes -= len(data)
             if key in self._index:
                 self._drop(key)
             self._index[key] = loc
+            self._tombs.pop(key, None)
             seg.live_bytes += need
             self._counters["num_written"] += 1
             self._counters["bytes_written"] += need
-            assert self.total_bytes <= self.capacity_bytes, "disk capacity exceeded"
         self._emit("stored", key, len(data))
 
     # ---- space management (lock held) ---------------------------------
@@ -291,6 +329,13 @@ class DiskTier:
             if k not in kept:
                 self._counters["num_evicted"] += 1
                 self._emit("evicted", k, loc.nbytes)
+        # NOTE 6: its tombstones are written again while an older segment may hold their keys
+        older = any(i < seg.seg_id and not s.doomed for i, s in self._segments.items())
+        for k in [k for k, i in self._tombs.items() if i == seg.seg_id]:
+            del self._tombs[k]
+            if older and k not in self._index and k not in self._pending:
+                self._token += 1
+                self._queue.put((k, -self._token))
         self._counters["num_compacted_segments" if keep_all else "num_dropped_segments"] += 1
         seg.doomed = True
         os.unlink(seg.path)
@@ -318,8 +363,8 @@ class DiskTier:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        seg.path, seg.sealed = sealed_path, True
         seg.map = mmap.mmap(seg.fd, seg.size, prot=mmap.PROT_READ) if seg.size else None
+        seg.path, seg.sealed = sealed_path, True
 
     def _close_segment(self, seg: _Segment) -> None:
         if seg.map is not None:
@@ -363,7 +408,9 @@ class DiskTier:
             if rec.key in self._index:
                 self._drop(rec.key)
             if rec.tombstone:
+                self._tombs[rec.key] = seg_id
                 continue
+            self._tombs.pop(rec.key, None)
             need = rec.end - rec.offset
             self._index[rec.key] = _Loc(seg_id, rec.data_offset, rec.data_len, rec.data_crc, need, algo=rec.algo)
             seg.live_bytes += need
