@@ -65,10 +65,14 @@ class SharedArena:
         path = os.path.join(directory or default_arena_dir(), f"disagg-host-{os.getpid()}-{uuid.uuid4().hex[:12]}.arena")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        return cls(path, size, owner=True, pin=pin, prefault=prefault)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            return cls(path, size, owner=True, pin=pin, prefault=prefault)
+        except BaseException:  # no arena: no file left in shared memory either
+            _unlink_quietly(path)
+            raise
 
     @classmethod
     def attach(cls, path: str, size: int, pin: bool = False) -> SharedArena:

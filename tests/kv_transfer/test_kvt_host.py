@@ -3,6 +3,7 @@ from __future__ import annotations
 import random
 import threading
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -197,3 +198,24 @@ class HostTierMachine(RuleBasedStateMachine):
 
 TestHostTierMachine = HostTierMachine.TestCase
 TestHostTierMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+def test_an_arena_that_cannot_be_mapped_leaves_no_file(tmp_path, monkeypatch) -> None:
+    """The arena's file lives in shared memory (/dev/shm): a failed mapping (no memory) must
+    not leave it behind. The failure is injected through the arena module's ``mmap``."""
+    import errno
+    import mmap
+    import os
+    import types
+
+    import kv_transfer.tiers.arena as arena_mod
+
+    def failing(*_a, **_k):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    proxy = types.SimpleNamespace(**{k: getattr(mmap, k) for k in dir(mmap) if not k.startswith("__")})
+    proxy.mmap = failing
+    monkeypatch.setattr(arena_mod, "mmap", proxy)
+    with pytest.raises(OSError):
+        HostTier(1 << 20, arena_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
