@@ -120,11 +120,37 @@ class _TokenizersAdapter:
         return render_chat(messages, add_generation_prompt)
 
 
+class _TransformersAdapter:
+    """Gives a ``transformers`` tokenizer ``ByteTokenizer``'s API: ``encode`` adds no special
+    tokens unless asked, and ``apply_chat_template`` returns text (the model's own template
+    where it ships one, else ``render_chat``), which the server then encodes."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.vocab_size = len(tok)
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = list(self._tok.encode(text, add_special_tokens=False))
+        return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if getattr(self._tok, "chat_template", None):
+            return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False)
+        return render_chat(messages, add_generation_prompt)
+
+
 def load_tokenizer(model_dir: str | Path | None = None):
     """HF tokenizer from ``model_dir/tokenizer.json`` when one can be loaded, else ``ByteTokenizer``.
 
-    With ``transformers`` the result is its ``AutoTokenizer`` (its own API);
-    with only ``tokenizers`` it is wrapped to ``ByteTokenizer``'s API.
+    With ``transformers`` it is its ``AutoTokenizer``, with only ``tokenizers`` a bare
+    ``Tokenizer``; either is wrapped to ``ByteTokenizer``'s API.
     """
     if model_dir is None or not (Path(model_dir) / "tokenizer.json").exists():
         return ByteTokenizer()
@@ -132,7 +158,7 @@ def load_tokenizer(model_dir: str | Path | None = None):
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(directory))
+        return _TransformersAdapter(AutoTokenizer.from_pretrained(str(directory)))
     except ImportError:
         pass
     try:
