@@ -22,10 +22,18 @@ def _whole_number(v):
 JSONInt = Annotated[int, BeforeValidator(_whole_number)]  # a JSON integer: 7 or 7.0 (JSON Schema's view)
 
 
+def _drop_nulls(data):
+    """OpenAI's optional parameters are nullable, and clients send ``null`` for "unset": a null
+    field takes its default (the schema says ``X | None``; the value is never None)."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
 
-    include_usage: bool = False
+    _nulls_are_defaults = model_validator(mode="before")(_drop_nulls)
+
+    include_usage: bool | None = False
 
 
 class _Common(BaseModel):
@@ -33,27 +41,21 @@ class _Common(BaseModel):
 
     model: str
     max_tokens: JSONInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: JSONInt = Field(default=1, ge=1, le=1)
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    n: JSONInt | None = Field(default=1, ge=1, le=1)
     seed: JSONInt | None = Field(default=None, ge=0, le=2**62)
     stop: str | list[str] | None = None
     stop_token_ids: list[JSONInt] | None = Field(default=None, max_length=256)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False  # add the generated token ids to each choice
+    ignore_eos: bool | None = False
+    return_token_ids: bool | None = False  # add the generated token ids to each choice
     user: str | None = None
     session_id: str | None = Field(default=None, max_length=256)
     cache_salt: str | None = Field(default=None, max_length=256)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_are_defaults(cls, data):
-        """OpenAI's optional parameters are nullable, and clients send ``null`` for "unset"."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+    _nulls_are_defaults = model_validator(mode="before")(_drop_nulls)
 
     @field_validator("stop")
     @classmethod
@@ -66,7 +68,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[JSONInt] | list[str]
     max_tokens: JSONInt | None = Field(default=16, ge=1)
-    echo: bool = False  # the prompt's text before the completion's (token_ids stay the completion's)
+    echo: bool | None = False  # the prompt's text before the completion's (token_ids stay the completion's)
 
     @field_validator("prompt")
     @classmethod

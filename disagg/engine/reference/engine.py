@@ -492,7 +492,8 @@ class ReferenceEngine:
         """Back to the head of the queue, its blocks and slot freed: it recomputes when admitted."""
         self._running.remove(victim)
         self._free(victim, keep=False)
-        victim.num_computed = 0
+        victim.num_computed = victim.num_cached = 0  # what it reused is recomputed (usage says so)
+        victim.cached_source = "computed"
         victim.checkpoints.clear()
         self._waiting.appendleft(victim)
         self.counters["preemptions"] += 1

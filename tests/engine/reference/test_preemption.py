@@ -62,6 +62,24 @@ def test_preempted_requests_give_the_uninterrupted_tokens(model, num_blocks, seq
     assert_all_free(eng)
 
 
+def test_a_preempted_resumed_request_reports_no_cached_tokens(model):
+    """A request admitted with a resume state, preempted and recomputed, reports what it reused
+    at its end (nothing), not what it was admitted with."""
+    p = prompt(130, seed=60)
+    src = make_engine(model)
+    src.generate(EngineRequest("s", p, greedy(1), keep_state=True))
+    state = src.export_state("s", 128)
+    eng = small_engine(model, 4, 2)
+    eng.add_request(EngineRequest("old", prompt(60, seed=61), greedy(60)))
+    eng.add_request(EngineRequest("new", p, greedy(60), resume=state, cached_source="host"))
+    last = {}
+    while eng.has_work():
+        for o in eng.step():
+            last[o.request_id] = o
+    assert eng.counters["preemptions"] > 0
+    assert (last["new"].num_cached_tokens, last["new"].cached_source) == (0, "computed")
+
+
 @pytest.mark.parametrize("interval,budget", [(64, 128), (0, 2048)])
 def test_prefills_short_of_blocks_preempt_instead_of_waiting_on_each_other(model, interval, budget):
     """Two 400-token prefills each fit alone (7 of 10-12 blocks) but not together; partial
