@@ -151,8 +151,9 @@ class DeviceSnapshots:
     """Replicas' device-resident sessions in a prefix index, turn ends included.
 
     ``apply`` replaces a replica's device tier with a snapshot: each session's
-    block digests (MLA blocks, a checkpoint at the last full block) and, when
-    reported, its unaligned turn end (tail + checkpoint at the tail digest).
+    block digests (MLA blocks; KDA checkpoints at the full-block counts it
+    reports, else one at the last full block) and, when reported, its unaligned
+    turn end (tail + checkpoint at the tail digest).
     ``tail_probes`` lists the turn ends a prompt passes through (same parent
     block, position inside the prompt), the probes the walk needs to credit
     them; it costs one dict lookup per distinct reported position.
@@ -163,7 +164,8 @@ class DeviceSnapshots:
         self._ends: dict[str, set[tuple[int, bytes]]] = {}  # replica -> {(turn-end position, tail digest)}
         self._by_pos: dict[int, dict[bytes, int]] = {}  # position -> tail digest -> replicas reporting it
 
-    def apply(self, worker_id: str, sessions: list[list[str]], tails: list | None = None) -> None:
+    def apply(self, worker_id: str, sessions: list[list[str]], tails: list | None = None,
+              checkpoints: list | None = None) -> None:
         idx = self._index
         idx.remove_worker_objects(worker_id)
         for pos, tail in self._ends.pop(worker_id, ()):
@@ -176,8 +178,10 @@ class DeviceSnapshots:
         for i, blocks in enumerate(sessions):
             for hexd in blocks:
                 idx.apply_update(IndexUpdate("stored", "mla", bytes.fromhex(hexd), "device", worker_id))
-            if blocks:
-                idx.apply_update(IndexUpdate("stored", "kda", bytes.fromhex(blocks[-1]), "device", worker_id))
+            at = checkpoints[i] if checkpoints is not None and i < len(checkpoints) else None
+            for k in ([len(blocks)] if at is None else at):  # KDA checkpoints at these block counts
+                if 0 < k <= len(blocks):
+                    idx.apply_update(IndexUpdate("stored", "kda", bytes.fromhex(blocks[k - 1]), "device", worker_id))
             end = tails[i] if tails is not None and i < len(tails) else None
             if end:  # the unaligned turn end: tail rows and the checkpoint there, both named by the tail digest
                 pos, tail = int(end[0]), bytes.fromhex(end[1])
@@ -219,14 +223,18 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         stats = replica.routing_stats or {}
         if self._hasher is None and stats.get("model_id"):
             self._hasher = BlockHasher(stats["block_size"], KeyExtras(stats["model_id"]))
+        node = stats.get("node_id")
         if rid not in self._versions:
-            self._index.add_worker(rid, stats.get("node_id") or rid)
+            self._index.add_worker(rid, node or rid)
             self._versions[rid] = -1
+        elif node and self._index.node_of(rid) != node:  # seen before its first report: join its node
+            self._index.add_worker(rid, node)
         if stats.get("role") == "decode":  # this router owns its nodes' event logs (module docstring)
             self._node_events.watch(stats.get("node_id", ""))
         version = stats.get("device_version", -1)
         if version != self._versions[rid]:
-            self._snapshots.apply(rid, stats.get("device_sessions", []), stats.get("device_tails"))
+            self._snapshots.apply(rid, stats.get("device_sessions", []), stats.get("device_tails"),
+                                  stats.get("device_checkpoints"))
             self._versions[rid] = version
         load = stats.get("load", {})
         return WorkerState(rid, "both", stats.get("node_id") or rid,
@@ -235,7 +243,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                            running_decode_tokens=load.get("running_decode_tokens", 0),
                            running_decode_requests=load.get("running_decode_requests", 0),
                            cache_utilization=min(1.0, max(0.0, load.get("cache_utilization", 0.0))),
-                           updated_at=stats.get("time", time.time()))
+                           # the report's age on this policy's clock (replicas stamp wall time)
+                           updated_at=self._policy.clock() - max(0.0, time.time() - stats.get("time", time.time())))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         params = _params(pending_request)

@@ -35,19 +35,23 @@ from kv_transfer.keys import BlockHasher
 log = logging.getLogger("ray.serve")
 
 
-def device_snapshot(hasher: BlockHasher, sessions: list[tuple[str, list[int]]]
-                    ) -> tuple[list[list[str]], list[list | None]]:
-    """What a replica reports of its device-resident sessions (``(cache salt, tokens)`` each): per
-    session its block digests (hex) and its turn end, ``[position, tail digest hex]`` when the
-    position is not a multiple of the block size, else None (``deployments.request_router``)."""
-    blocks, tails = [], []
-    for salt, tokens in sessions:
+def device_snapshot(hasher: BlockHasher, sessions: list[tuple]
+                    ) -> tuple[list[list[str]], list[list | None], list[list[int] | None]]:
+    """What a replica reports of its device-resident sessions (``(cache salt, tokens[, KDA
+    checkpoint positions])`` each): per session its block digests (hex); its turn end,
+    ``[position, tail digest hex]`` when the position is not a multiple of the block size, else
+    None; and the numbers of full blocks at which it has KDA checkpoints, or None when the engine
+    does not say (the router then assumes one at the last full block). See
+    ``deployments.request_router``."""
+    blocks, tails, checkpoints = [], [], []
+    for salt, tokens, *rest in sessions:
         h = hasher.with_salt(salt)
         hashes = h.block_hashes(tokens)
         blocks.append([d.hex() for d in hashes])
-        n = len(tokens)
-        tails.append([n, h.prefix_digest(tokens, n, hashes).hex()] if n % h.block_size else None)
-    return blocks, tails
+        n, bs = len(tokens), h.block_size
+        tails.append([n, h.prefix_digest(tokens, n, hashes).hex()] if n % bs else None)
+        checkpoints.append(sorted({p // bs for p in rest[0] if p % bs == 0 and 0 < p <= n}) if rest else None)
+    return blocks, tails, checkpoints
 
 
 class _ServerBase:
@@ -96,12 +100,12 @@ class _ServerBase:
             lambda: (eng.resident_version, eng.resident_contents() if eng.resident_version != self._snapshot_version
                      else None, eng.load()))
         if sessions is not None:
-            self._snapshot, self._tails = device_snapshot(self.worker.hasher, sessions)
+            self._snapshot, self._tails, self._checkpoints = device_snapshot(self.worker.hasher, sessions)
             self._snapshot_version = version
         return {"role": self.role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
                 "model_id": eng.model_id, "block_size": eng.block_size, "load": load,
                 "device_version": self._snapshot_version, "device_sessions": self._snapshot,
-                "device_tails": self._tails}
+                "device_tails": self._tails, "device_checkpoints": self._checkpoints}
 
     async def stats(self) -> dict:
         out = self.worker.stats()

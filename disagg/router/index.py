@@ -221,9 +221,19 @@ class PrefixIndex:
 
     # ---- membership -------------------------------------------------------
     def add_worker(self, worker_id: str, node_id: str | None = None) -> int:
-        """Register a worker (idempotent); returns its bit."""
+        """Register a worker (idempotent); returns its bit. A known worker given another node
+        moves there (one first seen before it reported its node was registered as its own)."""
         bit = self._bit.get(worker_id)
         if bit is not None:
+            old = self._node_of[worker_id]
+            if node_id is not None and node_id != old:
+                left = self._node_mask[old] & ~(1 << bit)
+                if left:
+                    self._node_mask[old] = left
+                else:
+                    del self._node_mask[old]
+                self._node_of[worker_id] = node_id
+                self._node_mask[node_id] = self._node_mask.get(node_id, 0) | (1 << bit)
             return bit
         bit = len(self._workers)
         words = bit // WORD_BITS + 1

@@ -126,11 +126,12 @@ class StateAwareRouter:
         cfg = self.config
         common_min = max(cfg.common_min_workers, math.floor(cfg.common_fraction * len(ids)) + 1)
         match = self.index.match(request, ids, common_min)
-        prev = self.loads.session(request.session_id)
+        loads = self.loads.columns(workers, now, all_ids)  # expires old sessions: before the lookup
+        prev = self.loads.session(_session_key(request))
         ctx = RoutingContext(
             request=request,
             match=match,
-            loads=self.loads.columns(workers, now, all_ids),
+            loads=loads,
             session_worker=prev.worker_id if prev else None,
             session_node=prev.node_id if prev else None,
             now=now,
@@ -190,7 +191,7 @@ class StateAwareRouter:
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
         now = self.clock()
         uncached = max(request.prompt_len - decision.predicted_cached_tokens, 0)
-        self.loads.on_routed(request.session_id, request.prompt_len, uncached, decision.prefill_target,
+        self.loads.on_routed(_session_key(request), request.prompt_len, uncached, decision.prefill_target,
                              decision.decode_worker, self.index.node_of(decision.decode_worker), now)
         self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len)
         self.metrics.record_decision(decision.reason, decision.source_tier)
@@ -201,3 +202,10 @@ class StateAwareRouter:
             return
         predicted, prompt_len = entry
         self.metrics.record_finished(predicted, realized_cached_tokens, prompt_len)
+
+
+def _session_key(request: RouteRequest) -> str:
+    """Sessions are a tenant's: one session id under two cache salts is two sessions."""
+    if not request.session_id:
+        return ""
+    return f"{request.cache_salt}\x00{request.session_id}" if request.cache_salt else request.session_id

@@ -126,3 +126,40 @@ def test_decision_latency_with_64_workers():
         d = r.route(rr, ws)
     assert (time.perf_counter() - t0) / 20 < 0.02  # generous: CI machines are slow
     assert d.decode_worker == "w7"
+
+
+class _SeesSession(StateAwareRouter):
+    """Records the session worker each decision was given (the affinity scorer's input)."""
+
+    def _run(self, profile, ctx, ws):
+        self.session_worker = ctx.session_worker
+        return super()._run(profile, ctx, ws)
+
+
+def _turn(rid: str, session: str, salt: str, seed: str) -> RouteRequest:
+    return RouteRequest(rid, session, chain(4, seed), 17, 4, cache_salt=salt)
+
+
+def test_one_session_id_under_two_tenants_is_two_sessions():
+    r = _SeesSession(clock=lambda: 0.0)
+    ws = workers(3)
+    a = _turn("a1", "chat-1", "tenant-a", "A")
+    r.on_routed(a, r.route(a, ws))
+    r.route(_turn("b1", "chat-1", "tenant-b", "B"), ws)  # tenant b's first turn
+    assert r.session_worker is None
+    r.route(_turn("a2", "chat-1", "tenant-a", "A"), ws)
+    assert r.session_worker is not None  # tenant a's session is still its own
+
+
+def test_an_expired_session_gives_no_affinity():
+    t = [0.0]
+    r = _SeesSession(clock=lambda: t[0])
+    ws = workers(3)
+    a = _turn("a1", "s1", "", "A")
+    r.on_routed(a, r.route(a, ws))
+    t[0] = r.loads.session_ttl_s / 2
+    r.route(_turn("a2", "s1", "", "A"), ws)
+    assert r.session_worker is not None
+    t[0] = 5 * r.loads.session_ttl_s  # long past the TTL, with no request routed in between
+    r.route(_turn("a3", "s1", "", "A"), ws)
+    assert r.session_worker is None

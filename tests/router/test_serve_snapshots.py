@@ -90,7 +90,7 @@ def test_replica_report_credits_salted_sessions_up_to_their_turn_ends():
     from deployments.servers import device_snapshot
 
     aligned = OTHER[:2 * BS]
-    blocks, tails = device_snapshot(H, [("tenant", SESSION), ("", aligned)])
+    blocks, tails, checkpoints = device_snapshot(H, [("tenant", SESSION), ("", aligned)])
     assert tails[0][0] == len(SESSION) and tails[1] is None  # an aligned turn end needs no tail
     assert blocks[1] == [h.hex() for h in H.block_hashes(aligned)]
     idx, snaps = _index()
@@ -102,3 +102,93 @@ def test_replica_report_credits_salted_sessions_up_to_their_turn_ends():
     assert idx.resumable(req, "a") == (len(SESSION), "device")
     assert _resume(idx, snaps, next_turn, "a") == (0, None)  # unsalted digests name other content
     assert _resume(idx, snaps, aligned + [1] * 20, "a") == (len(aligned), "device")
+
+
+def test_a_resident_session_is_credited_only_where_the_engine_has_a_checkpoint():
+    """A turn's output crosses a block boundary where decode took no KDA checkpoint: the index
+    must never predict more than the engine really resumes (it has no state at the last full
+    block), and predicts it exactly for the next turn and at aligned checkpoints (unaligned ones
+    inside a session are not reported: under-predicted). The engine is the real tiny one."""
+    import torch
+
+    from deployments.servers import device_snapshot
+    from disagg.engine.protocol import EngineRequest, SamplingParams
+    from disagg.engine.reference.config import load_preset
+    from disagg.engine.reference.engine import EngineOptions, ReferenceEngine
+    from disagg.engine.reference.model import K3ForCausalLM
+
+    bs = 64
+    model = K3ForCausalLM.random_init(load_preset("tiny"), seed=0).eval()
+    eng = ReferenceEngine(model, "tiny-test", EngineOptions(block_size=bs, max_num_batched_tokens=128,
+                                                            checkpoint_interval=bs, cache_budget_bytes=64 << 20,
+                                                            max_num_seqs=8))
+    prompt = [RNG.randrange(3, 259) for _ in range(100)]
+    eng.generate(EngineRequest("t1", prompt, SamplingParams(max_tokens=60, ignore_eos=True), keep_state=True))
+    eng.release("t1")
+    (_, tokens, positions), = eng.resident_contents()
+    assert len(tokens) == 159 and 64 in positions and 128 not in positions  # none where block 2 ends
+    hasher = BlockHasher(bs, KeyExtras("tiny-test"))
+    blocks, tails, checkpoints = device_snapshot(hasher, eng.resident_contents())
+    idx = PrefixIndex()
+    idx.add_worker("a")
+    snaps = DeviceSnapshots(idx)
+    snaps.apply("a", blocks, tails, checkpoints)
+    def predicted(tokens_: list[int]) -> int:
+        hashes = hasher.block_hashes(tokens_)
+        req = RouteRequest("r", "s", hashes, len(tokens_), bs, snaps.tail_probes(hasher, tokens_, hashes))
+        return idx.resumable(req, "a")[0]
+
+    assert predicted(tokens + [7] * 20) == eng.resident_match(tokens + [7] * 20)[1] == 159  # the next turn
+    assert predicted(tokens[:90] + [6] * 40) == eng.resident_match(tokens[:90] + [6] * 40)[1] == 64
+    edited = tokens[:140] + [5] * 30  # the engine resumes at the prompt's end (100, unaligned)
+    assert predicted(edited) == 64 <= eng.resident_match(edited)[1] == 100
+
+
+def _replica(rid: str, stats: dict | None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats=stats)
+
+
+def _adapter():
+    from deployments.request_router import StateAwareRequestRouter
+
+    rr = object.__new__(StateAwareRequestRouter)  # its pure part: no Serve controller
+    rr.initialize_state()
+    return rr
+
+
+def test_a_replica_seen_before_its_first_report_joins_its_node():
+    """Registered as its own node before it reported one, a replica moves to its node on the
+    report, so it can resume from that node's host tier."""
+    import time
+
+    from tests.router.helpers import Ev, chain
+
+    rr = _adapter()
+    rep = _replica("r0", None)
+    rr._sync(rep)
+    rep.routing_stats = {"role": "decode", "node_id": "node-A", "time": time.time(), "load": {}}
+    assert rr._sync(rep).node_id == "node-A"
+    h = chain(4)
+    for d in h:  # node-A's store reports its host tier by the node id
+        rr._index.apply(Ev("stored", f"mla:{d.hex()}", "host", "node-A", "mla"))
+    rr._index.apply(Ev("stored", f"kda:{h[3].hex()}", "host", "node-A", "kda"))
+    assert rr._index.resumable(RouteRequest("q", "", h, 17, 4), "r0") == (16, "host")
+
+
+def test_the_adapters_own_predictions_count_against_replica_reports():
+    """Replicas stamp reports with wall time; the policy books predictions on its own clock. A
+    request routed after the last report must count in the effective load."""
+    import time
+
+    from tests.router.helpers import chain
+
+    rr = _adapter()
+    stats = {"role": "decode", "time": time.time() - 0.5, "load": {"queued_prefill_tokens": 0}}
+    workers = [rr._sync(_replica(f"r{i}", dict(stats, node_id=f"n{i}"))) for i in range(2)]
+    req = RouteRequest("q1", "", chain(1000), 4001, 4)
+    decision = rr._policy.route(req, workers)
+    rr._policy.on_routed(req, decision)
+    loads = rr._policy.effective_loads(workers, rr._policy.clock())
+    assert loads[decision.decode_worker].prefill_tokens > 3000

@@ -542,9 +542,10 @@ class ReferenceEngine:
             if not self.has_work() or self.counters["steps"] == steps:  # nothing else can unblock it
                 raise RuntimeError(f"engine stalled: {self.stats()}")
 
-    def resident_contents(self) -> list[tuple[str, list[int]]]:
-        """(cache salt, computed tokens) of every resident session (the device tier's content)."""
-        return [(r.cache_salt, r.tokens) for r in self._residents.values()]
+    def resident_contents(self) -> list[tuple[str, list[int], list[int]]]:
+        """(cache salt, computed tokens, KDA checkpoint positions) of every resident session (the
+        device tier's content: a session resumes only where it has a checkpoint)."""
+        return [(r.cache_salt, r.tokens, sorted(r.checkpoints)) for r in self._residents.values()]
 
     def load(self) -> dict:
         """Queue and cache figures a router weighs."""
