@@ -27,6 +27,7 @@ Config example::
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from kv_transfer.events import EventLog, StoreEvent, object_kind_of
 from kv_transfer.tiers.allocator import Allocation, SlabAllocator
 from kv_transfer.tiers.arena import SharedArena
 from kv_transfer.tiers.eviction import make_policy
+
+log = logging.getLogger(__name__)
 
 EvictCallback = Callable[[str, bytes], None]
 
@@ -149,7 +152,7 @@ class HostTier:
         self._used_bytes = 0
         self._counters = dict.fromkeys(
             ("num_puts", "num_duplicate_puts", "num_put_rejected", "num_hits", "num_misses",
-             "num_evictions", "evicted_bytes", "num_deletes", "num_slab_reclaims"), 0)
+             "num_evictions", "evicted_bytes", "num_deletes", "num_slab_reclaims", "num_evict_errors"), 0)
 
     # ---- writes --------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> Reservation | None:
@@ -341,7 +344,11 @@ class HostTier:
         for key, data, nbytes in evicted:
             self._emit("evicted", key, nbytes)
             if self.on_evict is not None and data is not None:
-                self.on_evict(key, data)
+                try:  # a failing write-behind loses that object only, never the caller's put
+                    self.on_evict(key, data)
+                except Exception:  # noqa: BLE001
+                    self._counters["num_evict_errors"] += 1
+                    log.warning("write-behind of evicted %s failed", key, exc_info=True)
 
     def _emit(self, kind: str, key: str, nbytes: int) -> None:
         if self.event_log is not None:

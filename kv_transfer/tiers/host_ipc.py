@@ -36,6 +36,10 @@ the client wrote, then commits. A client publishing from an engine's process
 thereby hands the checksum work, and the GIL it would take per object, to the
 store's process (kv_transfer README, "Publishing").
 
+A request the server cannot serve (malformed, truncated, an unknown op) gets
+the reply ``0xFF | utf-8 text`` (no response starts with 0xFF) and the
+connection stays open.
+
 Leases and reservations belong to the connection: when a client goes away its
 pins are released and its uncommitted regions freed.
 """
@@ -43,6 +47,7 @@ pins are released and its uncommitted regions freed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -52,9 +57,12 @@ from collections.abc import Iterable, Sequence
 from kv_transfer.tiers.arena import SharedArena
 from kv_transfer.tiers.host import HostLease, HostTier, Reservation, put_via_reservation
 
+log = logging.getLogger(__name__)
+
 HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
 RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY, SEAL_MANY = range(10, 16)
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
+ERROR = b"\xff"  # first byte of an error reply (statuses are 0-2; HostTierServer NOTE 2)
 
 
 def _pack_str(s: str) -> bytes:
@@ -75,6 +83,8 @@ class _Reader:
 
     def str(self) -> str:
         n = self.take(_U32)
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"a {n}-byte string field past the end of a {len(self.buf)}-byte request")
         self.pos += n
         return self.buf[self.pos - n : self.pos].decode()
 
@@ -107,6 +117,10 @@ class HostTierServer:
     NOTES
     1. Every lease and reservation a connection opened is released / aborted
        when the connection closes, so a crashed client never pins memory.
+    2. A request that fails (malformed, truncated, an unknown op, a tier error)
+       gets an error reply (``ERROR`` + text; no response starts with that byte)
+       and the connection stays: closing it would release the leases the
+       client's other threads still read through.
     """
 
     def __init__(self, tier: HostTier, socket_path: str | None = None):
@@ -139,7 +153,12 @@ class HostTierServer:
                 body = _recv_frame(conn)
                 if body is None:
                     return
-                _send_frame(conn, self._handle(_Reader(body), leases, reservations))
+                try:
+                    reply = self._handle(_Reader(body), leases, reservations)
+                except Exception as exc:  # noqa: BLE001 - NOTE 2: answer it, keep the connection
+                    log.warning("host tier: bad request from a client: %r", exc)
+                    reply = ERROR + repr(exc).encode()[:512]
+                _send_frame(conn, reply)
         except OSError:
             return
         finally:
@@ -265,6 +284,8 @@ class HostTierClient:
             resp = _recv_frame(self._sock)
         if resp is None:
             raise ConnectionError("host tier server closed the connection")
+        if resp[:1] == ERROR:
+            raise RuntimeError(f"host tier server refused a request: {resp[1:].decode(errors='replace')}")
         return _Reader(resp)
 
     def reserve(self, key: str, nbytes: int) -> Reservation | None:

@@ -269,7 +269,10 @@ class ServerStats:
 
     @classmethod
     def decode(cls, data: bytes) -> ServerStats:
+        """Raises FramingError (a ValueError) for anything but a JSON object of counters."""
         raw = json.loads(bytes(data).decode())
+        if not isinstance(raw, dict) or not isinstance(raw.get("extra", {}), dict):
+            raise FramingError("server stats must be a JSON object")
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         unknown = {k: v for k, v in raw.items() if k not in cls.__dataclass_fields__}
         stats = cls(**known)

@@ -308,10 +308,11 @@ class RemoteStore:
     def put_many(self, items: Mapping[str, bytes | memoryview]) -> dict[str, bool]:
         """Push several objects, grouped so each call stays within the in-flight budget."""
         result = dict.fromkeys(items, False)
+        for key in items:
+            check_key(key)  # a malformed key raises ValueError before anything is sent
         group: list[tuple[str, memoryview]] = []
         group_bytes = 0
         for key, data in items.items():
-            check_key(key)  # a malformed key raises ValueError before anything is sent
             view = memoryview(data).cast("B")
             if group and group_bytes + view.nbytes > self.config.max_inflight_push_bytes:
                 self._push_group(group, group_bytes, result)

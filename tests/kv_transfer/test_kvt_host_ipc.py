@@ -6,6 +6,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from test_kvt_host import check_accounting, payload
 
 from kv_transfer.tiers.base import ByteStore
@@ -91,6 +93,48 @@ def test_client_implements_the_byte_store_protocol_in_process() -> None:
             assert client.put_bytes("no-room", bytes(10)) is False
             for lease in leases:
                 lease.release()
+        finally:
+            client.close()
+            server.close()
+
+
+def test_a_bad_request_is_refused_without_dropping_the_connections_leases() -> None:
+    """An unknown op (a newer client) or a truncated field gets an error reply; the connection
+    and the leases its other threads read through stay, and a truncated key is never served."""
+    from kv_transfer.tiers.host_ipc import _U8, _U32, DELETE
+
+    with HostTier(512 * KiB, slab_bytes=64 * KiB) as tier:
+        server = HostTierServer(tier)
+        client = HostTierClient(server.socket_path)
+        try:
+            assert client.put_bytes("x", b"A" * 4096) and client.put_bytes("mla:ab", b"B" * 4096)
+            lease = client.get_view("x")
+            with pytest.raises(RuntimeError, match="unknown op"):
+                client._call(_U8.pack(99))
+            with pytest.raises(RuntimeError, match="past the end"):  # claims 12 bytes, carries 6
+                client._call(_U8.pack(DELETE) + _U32.pack(12) + b"mla:ab")
+            assert tier.stats()["num_leases"] == 1 and bytes(lease.view[:4]) == b"AAAA"
+            assert client.contains(["mla:ab", "x"]) == [True, True]  # the same connection serves on
+            lease.release()
+        finally:
+            client.close()
+            server.close()
+
+
+def test_a_failing_write_behind_does_not_leak_the_reservation() -> None:
+    """on_evict (the write-behind to a lower tier) raises while a put evicts: the put still gets
+    its reservation, and nothing stays pending once the client is gone."""
+    def broken(_key, _data):
+        raise OSError("lower tier down")
+
+    with HostTier(256 * KiB, slab_bytes=64 * KiB, on_evict=broken) as tier:
+        server = HostTierServer(tier)
+        client = HostTierClient(server.socket_path)
+        try:
+            for i in range(12):  # more than fits: the later puts evict
+                assert client.put_bytes(f"k{i}", bytes([i]) * (40 * KiB))
+            assert tier.stats()["num_evict_errors"] > 0 and tier.stats()["pending_bytes"] == 0
+            assert client.get_bytes("k11") == bytes([11]) * (40 * KiB)
         finally:
             client.close()
             server.close()

@@ -160,3 +160,35 @@ def test_concurrent_pushes_respect_the_budget(make_server, make_client) -> None:
     assert len(store) == 8
     assert 0 < peak <= 2 * MiB
     assert client._budget.in_flight == 0
+
+
+def test_a_malformed_key_in_put_many_sends_nothing(make_server, make_client):
+    store = DictByteStore()
+    server = make_server(store)
+    client = make_client(server.address, max_inflight_push_bytes=1024)  # one group per object
+    with pytest.raises(ValueError):
+        client.put_many({"good": b"x" * 1000, "good2": b"z" * 1000, "": b"y"})
+    assert store.get_bytes("good") is None and store.get_bytes("good2") is None
+
+
+@pytest.mark.parametrize("reply", [b"[]", b"null", b'{"extra": 3}', b"not json"])
+def test_a_malformed_stats_reply_is_none(make_client, reply):
+    """A peer (of another version, or broken) answers Stats with something other than a JSON
+    object of counters: no RemoteStore method raises for a peer's reply (RemoteStore NOTE 1)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from kv_transfer.transport.grpc_protocol import SERVICE_NAME
+
+    peer = grpc.server(ThreadPoolExecutor(2))
+    peer.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        SERVICE_NAME, {"Stats": grpc.unary_unary_rpc_method_handler(lambda _req, _ctx: reply)})])
+    port = peer.add_insecure_port("127.0.0.1:0")
+    peer.start()
+    try:
+        client = make_client(f"127.0.0.1:{port}")
+        assert client.server_stats() is None
+        assert client.stats()["corrupt_frames"] == 1
+    finally:
+        peer.stop(0)
