@@ -13,6 +13,7 @@ from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine, build_tokenizer, engine_limits
+from disagg.faults import FaultInjector
 from disagg.messages import GenerateParams, StreamChunk
 from disagg.worker import StatefulWorker
 
@@ -42,26 +43,33 @@ class InProcessBackend:
 
     def __init__(self, cfg: AppConfig, store=None, host_tier: bool = True):
         """``store``: a shared ``StateStore`` (default: a new in-process one); ``host_tier=False``
-        runs without any store (device-resident sessions only; a baseline)."""
+        runs without any store (device-resident sessions only; a baseline; the decode worker
+        then prefills every prompt itself, disaggregated or not)."""
         self.config = cfg
         decode_engine = build_reference_engine(cfg)
         if store is None and host_tier:
             store = make_local_store(cfg, decode_engine.layout)
         self.store = store
-        self.decode = StatefulWorker(AsyncEngine(decode_engine), self.store, "decode-0", "local",
-                                     cfg.router.local_prefill_max_tokens)
+        self.decode = self._worker(AsyncEngine(decode_engine), "decode-0", "decode")
         self.prefill = None
-        if cfg.deployment.mode == "disaggregated":
+        # without a store a prefill worker's state could not reach the decode worker: it prefills
+        if cfg.deployment.mode == "disaggregated" and self.store is not None:
             from disagg.engine.reference.engine import ReferenceEngine
 
             prefill_engine = ReferenceEngine(decode_engine.model, decode_engine.model_id, decode_engine.options)
-            self.prefill = StatefulWorker(AsyncEngine(prefill_engine), self.store, "prefill-0", "local",
-                                          cfg.router.local_prefill_max_tokens)
+            self.prefill = self._worker(AsyncEngine(prefill_engine), "prefill-0", "prefill")
         self.tokenizer = build_tokenizer(cfg)
         limits = engine_limits(cfg)
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size  # valid prompt token ids: [0, vocab_size)
         self.model_name = cfg.model.openai_name
+
+    def _worker(self, engine: AsyncEngine, name: str, role: str) -> StatefulWorker:
+        """A worker configured as the Serve deployments configure theirs (deadline, faults)."""
+        cfg = self.config
+        faults = FaultInjector(cfg.faults, name, role)  # off unless configured; a kill raises InjectedCrash
+        return StatefulWorker(engine, self.store, name, "local", cfg.router.local_prefill_max_tokens,
+                              load_deadline_s=cfg.transfer.load_deadline_s, faults=faults)
 
     def stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
         fn = self.prefill.prefill if self.prefill is not None else None

@@ -240,22 +240,29 @@ class StatefulWorker:
         if kill:
             await self._injected_prefill_kill(rid, params)
         shared = None
-        if self.device_shares is not None:  # NOTE 5
-            t1 = time.perf_counter()
-            try:
-                state = await self.engine.export_state(rid, None, 0, on_device=True)
-                shared = await asyncio.to_thread(self.device_shares.share, state)
-            finally:
-                await self.engine.release(rid)  # the prefix stays resident on this device for the next turn
-            nbytes, pub_s = shared.nbytes, time.perf_counter() - t1
-        else:  # the prompt end, and its aligned checkpoint (engine NOTE 5) for a next prompt that only shares blocks
-            try:
-                positions = await self.engine.call(getattr(self.engine.engine, "checkpoint_positions", lambda _: []),
-                                                   rid)
-            except KeyError:  # not held any more: publish the prompt end alone (``_publish`` then logs and releases)
-                positions = []
-            earlier = tuple(sorted((p for p in positions if p < len(tokens)), reverse=True))
-            nbytes, pub_s = await self._publish(rid, tokens, hasher, earlier)
+        try:
+            if self.device_shares is not None:  # NOTE 5
+                t1 = time.perf_counter()
+                try:
+                    state = await self.engine.export_state(rid, None, 0, on_device=True)
+                    shared = await asyncio.to_thread(self.device_shares.share, state)
+                finally:
+                    await self.engine.release(rid)  # the prefix stays resident on this device for the next turn
+                nbytes, pub_s = shared.nbytes, time.perf_counter() - t1
+            else:  # the prompt end, and its aligned checkpoint (engine NOTE 5) for a next prompt that only shares blocks
+                try:
+                    positions = await self.engine.call(
+                        getattr(self.engine.engine, "checkpoint_positions", lambda _: []), rid)
+                except KeyError:  # not held any more: publish the prompt end alone (``_publish`` logs, releases)
+                    positions = []
+                earlier = tuple(sorted((p for p in positions if p < len(tokens)), reverse=True))
+                nbytes, pub_s = await self._publish(rid, tokens, hasher, earlier)
+        except BaseException:  # cancelled (the client left) or failed before the release: the held
+            self._spawn(_quietly(self.engine.release(rid), f"release of {rid}"), None)  # blocks go back
+            if shared is not None:
+                self._spawn(_quietly(asyncio.to_thread(self.device_shares.release, shared.share_id),
+                                     f"device hand-off {shared.share_id}"), None)
+            raise
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
                              self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared)
@@ -285,13 +292,20 @@ class StatefulWorker:
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=cached,
                                 cached_source=source, replica_id=self.replica_id)
             stop = _is_stop(handle.first_token, sampling, self.engine.engine)
-            if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
-                first.finished, first.finish_reason = True, "stop" if stop else "length"
+            going_on = False
+            try:
+                if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
+                    first.finished, first.finish_reason = True, "stop" if stop else "length"
+                    yield first
+                    return
                 yield first
-                return
-            yield first
-            if kill_after == 1:
-                await self._injected_kill(params, 1)
+                if kill_after == 1:
+                    await self._injected_kill(params, 1)
+                going_on = True
+            finally:  # done, or closed after the first token: a device hand-off is released unopened
+                if not going_on and handle.device_state is not None and release_fn is not None:
+                    self._spawn(_quietly(release_fn(handle), f"device hand-off {handle.device_state.share_id}"),
+                                None)
             if handle.device_state is not None:
                 loaded = await self._open_device_state(handle, release_fn)
             else:
@@ -443,6 +457,14 @@ def _source(tier: str | None) -> str:
     if tier is None:
         return "computed"
     return "peer" if tier.startswith("remote") else tier
+
+
+async def _quietly(work, what: str) -> None:
+    """Await ``work``, logging instead of raising (clean-ups spawned off a closing request)."""
+    try:
+        await work
+    except Exception:  # noqa: BLE001 - the owner expires what is left (device_ipc NOTE 1)
+        log.warning("%s failed", what, exc_info=True)
 
 
 def _is_stop(token: int, sampling, engine) -> bool:
