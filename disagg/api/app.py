@@ -140,9 +140,9 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
     async def completions(body: CompletionRequest, request: Request):
         tok = backend.tokenizer
         if isinstance(body.prompt, str):
-            ids = tok.encode(body.prompt)
+            ids = _encode(tok, body.prompt, "prompt")
         elif isinstance(body.prompt[0], str):
-            ids = tok.encode(body.prompt[0])
+            ids = _encode(tok, body.prompt[0], "prompt")
         else:
             ids = list(body.prompt)
         echo = ""
@@ -156,7 +156,7 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         text = backend.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await _serve(body, backend.tokenizer.encode(text), "chat.completion", request)
+        return await _serve(body, _encode(backend.tokenizer, text, "messages"), "chat.completion", request)
 
     async def _serve(body, ids: list[int], kind: str, request: Request, echo: str = ""):
         _check_model(body.model)
@@ -195,6 +195,17 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         return JSONResponse(whole)
 
     return app
+
+
+def _encode(tok, text: str, param: str) -> list[int]:
+    """Token ids of ``text``; a 400 for text that is not valid Unicode (JSON can carry a lone
+    surrogate, ``"\\ud800"``, which no UTF-8 tokenizer encodes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param} is not valid Unicode: {exc.reason} at position {exc.start}",
+                       param=param) from exc
+    return tok.encode(text)
 
 
 def _cache_salt(request: Request, explicit: str | None) -> str:

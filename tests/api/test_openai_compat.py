@@ -149,3 +149,16 @@ def test_a_stop_token_as_the_only_token_finishes_with_stop_after_a_remote_prefil
             assert again["choices"][0]["finish_reason"] == "stop", again
     finally:
         backend.shutdown()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_lone_surrogate_in_the_prompt_is_a_400(url, path):
+    """JSON can carry a lone surrogate ("\\ud800"); no UTF-8 tokenizer encodes it: a clear 400,
+    not a 500."""
+    field = "prompt" if path == "/v1/completions" else "messages"
+    text = '"a\\ud800b"'
+    value = text if field == "prompt" else f'[{{"role": "user", "content": {text}}}]'
+    body = f'{{"model": "disagg-tiny", "max_tokens": 2, "{field}": {value}}}'
+    r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "not valid Unicode" in r.json()["error"]["message"]
