@@ -380,9 +380,13 @@ async def _unless_gone(work, request: Request):
     return None."""
     task = asyncio.ensure_future(work)
 
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":  # the body was already read
-            pass
+    async def gone() -> bool:
+        try:
+            while (await request.receive())["type"] != "http.disconnect":  # the body was read
+                pass
+        except Exception:  # noqa: BLE001 - a server that cannot say: never cancel on a guess
+            await asyncio.Event().wait()
+        return True
 
     watch = asyncio.ensure_future(gone())
     try:

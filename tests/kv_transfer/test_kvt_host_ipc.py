@@ -7,7 +7,6 @@ import textwrap
 import time
 
 import pytest
-
 from test_kvt_host import check_accounting, payload
 
 from kv_transfer.tiers.base import ByteStore

@@ -79,7 +79,7 @@ def test_a_misplaced_piece_falls_through_to_the_next_tier(kind):
     got = store.load_state(TOKS, position, H)
     want = states[position]
     assert got is not None and store.stats()["num_corrupt_pieces"] == 1
-    assert all(a.rows.equal(b.rows) and a.start == b.start for a, b in zip(got.mla_blocks, want.mla_blocks))
+    assert all(a.rows.equal(b.rows) and a.start == b.start for a, b in zip(got.mla_blocks, want.mla_blocks, strict=True))
     assert (got.tail is None) == (want.tail is None)
     assert got.tail is None or (got.tail.rows.equal(want.tail.rows) and got.tail.span == want.tail.span)
     assert got.kda[0].position == position and got.kda[0].recurrent.equal(want.kda[0].recurrent)

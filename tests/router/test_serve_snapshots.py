@@ -109,8 +109,6 @@ def test_a_resident_session_is_credited_only_where_the_engine_has_a_checkpoint()
     must never predict more than the engine really resumes (it has no state at the last full
     block), and predicts it exactly for the next turn and at aligned checkpoints (unaligned ones
     inside a session are not reported: under-predicted). The engine is the real tiny one."""
-    import torch
-
     from deployments.servers import device_snapshot
     from disagg.engine.protocol import EngineRequest, SamplingParams
     from disagg.engine.reference.config import load_preset

@@ -7,11 +7,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.protocol import EngineRequest
+from disagg.engine.reference.config import load_preset
+from disagg.engine.reference.model import K3ForCausalLM
 from kv_transfer.objects import MLABlock, ResumeState
-from tests.engine.reference.test_engine import greedy, make_engine, model, prompt  # noqa: F401 (fixture)
+from tests.engine.reference.test_engine import greedy, make_engine, prompt
+
+
+@pytest.fixture(scope="module")
+def model():
+    return K3ForCausalLM.random_init(load_preset("tiny"), seed=0, dtype=torch.float32).eval()
 
 
 def small_engine(model, num_blocks: int, max_num_seqs: int, **kw):
