@@ -13,7 +13,8 @@ Definitions (``ok`` = successful requests outside warm-up):
   server counters).
 - Cache hit three ways: ``usage`` = sum cached / sum prompt tokens;
   ``server`` = counter deltas (see ``servermetrics``); ``theoretical`` =
-  infinite-cache hit rate of the replayed prompts (salts applied).
+  infinite-cache hit rate of the replayed prompts (salts applied), over the
+  measured requests that succeeded (the ones ``usage`` covers).
 - Goodput = ``ok`` requests meeting every given SLO (TTFT <= slo_ttft_ms and
   ITL <= slo_itl_ms) / window.
 - A run is invalid when more than 10% of its measured requests fail.

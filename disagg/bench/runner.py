@@ -141,6 +141,19 @@ class Replayer:
             return False
         return self.cfg.max_requests is None or self._measured < self.cfg.max_requests
 
+    def _claim(self, force_warmup: bool = False) -> tuple[int, bool]:
+        """Count a request the moment it is decided (before any await, so concurrent lanes and
+        open-loop tasks see the bounds at once): (its number, whether it is warm-up)."""
+        self._count += 1
+        warmup = (
+            force_warmup
+            or self._count <= self.cfg.warmup_requests
+            or self._now_s() < self.cfg.warmup_s
+        )
+        if not warmup:
+            self._measured += 1
+        return self._count, warmup
+
     async def _body(self, rec: TraceRecord, salt: int) -> bytes:
         def build() -> bytes:
             if self.client.prompt_mode == "text":
@@ -153,25 +166,17 @@ class Replayer:
             return await asyncio.to_thread(build)
         return build()
 
-    async def _send(
-        self, rec: TraceRecord, salt: int, lane: int, force_warmup: bool = False
-    ) -> None:
-        body = await self._body(rec, salt)
-        self._count += 1
-        warmup = (
-            force_warmup
-            or self._count <= self.cfg.warmup_requests
-            or self._now_s() < self.cfg.warmup_s
-        )
-        if not warmup:
-            self._measured += 1
-        rid = f"{self.cfg.label or 'run'}-{self._count}"
+    async def _send(self, rec: TraceRecord, salt: int, lane: int, claim: tuple[int, bool]) -> None:
+        number, warmup = claim
+        rid = f"{self.cfg.label or 'run'}-{number}"
         keys = self.tokens.block_keys(rec.hash_ids, salt).tolist()
-        if not warmup:  # warm-up requests fill the cache but are not counted
-            self._hits += sum(1 for k in keys if k in self._seen)
-            self._blocks += len(keys)
+        hits = sum(1 for k in keys if k in self._seen)  # an infinite cache, as the request is sent
         self._seen.update(keys)
+        body = await self._body(rec, salt)
         result = await self.client.send(body, rid)
+        if not warmup and result.ok:  # over the requests the usage hit rate covers too
+            self._hits += hits
+            self._blocks += len(keys)
         result.session_id, result.turn, result.lane, result.salt = (
             rec.session_id,
             rec.turn,
@@ -210,7 +215,7 @@ class Replayer:
                         await asyncio.sleep(wait)
                 if not self._may_start():
                     return
-                await self._send(rec, salt, lane, force_warmup=first and cfg.sample_start_turn)
+                await self._send(rec, salt, lane, self._claim(first and cfg.sample_start_turn))
                 first = False
 
     # -- open loop --------------------------------------------------------------
@@ -225,7 +230,7 @@ class Replayer:
                 await asyncio.sleep(delay)
             if not self._may_start():
                 break
-            task = asyncio.create_task(self._send(rec, self.cfg.run_salt << 16, -1))
+            task = asyncio.create_task(self._send(rec, self.cfg.run_salt << 16, -1, self._claim()))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:

@@ -98,10 +98,10 @@ class StreamAccumulator:
     def feed(self, data: bytes, arrived_ns: int) -> bool:
         if self.done or self.failed:
             return True
-        if b"\r" in data:  # CRLF line ends (a CR split across reads is left alone: rare, harmless)
-            data = data.replace(b"\r\n", b"\n")
         if self.pending:
             data = self.pending + data
+        if b"\r" in data:  # CRLF line ends, also one split across reads (joined first)
+            data = data.replace(b"\r\n", b"\n")
         cut = data.rfind(b"\n\n")
         if cut < 0:
             self.pending = data

@@ -11,6 +11,7 @@ import pytest
 
 from disagg.bench.cli import main
 from disagg.bench.client import OpenAIClient
+from disagg.bench.metrics import summarize
 from disagg.bench.runner import RunConfig, replay
 from disagg.bench.sweep import BenchParams, run_bench_sync
 from disagg.bench.synth import synthesize
@@ -232,3 +233,45 @@ def test_cli_end_to_end(server_factory, tmp_path: Path, capsys) -> None:
     assert main(["trace", "stats", str(bad)]) == 2
     assert "line 1" in capsys.readouterr().err
     assert main(["bench", "--url", server.url]) == 2
+
+
+def _bounded_replay(url: str, records, cfg: RunConfig, block_size: int):
+    async def run():
+        async with OpenAIClient(url, model="m") as client:
+            return await replay(client, TokenFactory(block_size=block_size), records, cfg)
+
+    return asyncio.run(run())
+
+
+def test_max_requests_bounds_an_open_loop_burst(server_factory) -> None:
+    """Ten records due at once: the bound holds although no send has started when the loop
+    decides on the next (requests are counted when decided, not when sent)."""
+    server = server_factory()
+    records = [TraceRecord(f"s{i}", 0, 0.0, 0.0, 8, 2, [10 * i, 10 * i + 1], block_size=4) for i in range(10)]
+    out = _bounded_replay(server.url, records, RunConfig(mode="open", recycle=False, progress=False,
+                                                         max_requests=3), 4)
+    assert len([r for r in out.results if not r.warmup]) == 3
+
+
+def test_max_requests_bounds_closed_lanes_building_long_prompts(server_factory) -> None:
+    """Prompts over the inline limit are built in a thread; four lanes must not all pass the
+    bound before the first one is counted."""
+    server = server_factory()
+    records = [TraceRecord(f"s{i}", 0, float(i), 0.0, 9000, 2, list(range(1000 * i, 1000 * i + 18)),
+                           block_size=512) for i in range(8)]
+    out = _bounded_replay(server.url, records, RunConfig(concurrency=4, recycle=False, progress=False,
+                                                         max_requests=1), 512)
+    assert len([r for r in out.results if not r.warmup]) == 1
+
+
+def test_the_theoretical_hit_covers_the_requests_the_usage_hit_covers(server_factory) -> None:
+    """Two identical prompts succeed, a third, new one fails: an infinite cache hits 2 of the 4
+    blocks of the two that succeeded (the failed request's blocks are not in either rate)."""
+    server = server_factory(cache_block_size=4, fail_every=3)
+    records = [TraceRecord("a", 0, 0.0, 0.0, 8, 2, [1, 2], block_size=4),
+               TraceRecord("b", 0, 1.0, 0.0, 8, 2, [1, 2], block_size=4),
+               TraceRecord("c", 0, 2.0, 0.0, 8, 2, [7, 8], block_size=4)]
+    out = _bounded_replay(server.url, records, RunConfig(concurrency=1, recycle=False, progress=False), 4)
+    s = summarize(out.results, theoretical_hit=out.theoretical_hit)
+    assert s.num_failed == 1 and out.theoretical_hit == pytest.approx(0.5)
+    assert s.cache_hit_usage <= s.cache_hit_theoretical

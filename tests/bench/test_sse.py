@@ -117,3 +117,18 @@ def test_any_mix_split_anywhere_counts_every_token(kinds: list[str], cuts: list[
     # stamps never decrease and each is a read's stamp
     stamps = r.chunk_ns
     assert stamps == sorted(stamps) and set(stamps) <= set(range(100, 100 + len(parts)))
+
+
+def test_a_crlf_blank_line_split_between_its_cr_and_lf_completes_its_event_on_time() -> None:
+    """A read ends between the CR and the LF that close an event: the event completes with the
+    read that brings the LF, not one event later (a first token one ITL late inflates TTFT)."""
+    tok = b'data: {"choices":[{"index":0,"text":" a","finish_reason":null}]}\r\n\r\n'
+    last = b'data: {"choices":[{"index":0,"text":" b","finish_reason":"length"}]}\r\n\r\n'
+    r = RequestResult("r", 0)
+    acc = StreamAccumulator(r, chat=False)
+    acc.feed(tok[:-1], 10)
+    acc.feed(b"\n", 11)
+    acc.feed(last, 50)
+    acc.feed(b"data: [DONE]\r\n\r\n", 51)
+    acc.close()
+    assert r.chunk_ns == [11, 50] and r.output_tokens == 2
