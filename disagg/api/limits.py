@@ -28,11 +28,16 @@ NOTES
    ``hmac.compare_digest``.
 3. A refused request holds nothing afterwards: no running slot, no in-flight count. (One refused
    for concurrency has spent a rate token: it was a request all the same.)
+4. A client that disconnects before its body arrived, or while queued at the gate, is let go:
+   nothing partial is served, and its queue place and in-flight count go back at once (counted
+   as the rejection ``client_gone``). Checks apply to the route path, without the mount's
+   ``root_path``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -183,10 +188,16 @@ class AdmissionGate:
     def num_queued(self) -> int:
         return sum(not f.done() for f in self._waiters)
 
-    async def acquire(self) -> bool:
-        """Take a running slot (True), or be shed (False)."""
+    def try_acquire(self) -> bool:
+        """Take a free running slot now if there is one (no one waits for it)."""
         if self.num_running < self.max_inflight and not self._waiters:
             self.num_running += 1
+            return True
+        return False
+
+    async def acquire(self) -> bool:
+        """Take a running slot (True), or be shed (False)."""
+        if self.try_acquire():
             return True
         if len(self._waiters) >= self.max_queued:
             self.num_shed += 1
@@ -242,7 +253,8 @@ class EdgeMiddleware:
         self.on_reject = on_reject or (lambda reason: None)  # metrics hook: reason -> None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        path = _route_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] != "http" or not path.startswith("/v1/"):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
@@ -259,13 +271,17 @@ class EdgeMiddleware:
                 await self._refuse(scope, receive, send, err, "unauthorized")
                 return
         scope.setdefault("state", {})["api_key"] = api_key
+        wire = receive  # after the body, its next message can only be a disconnect
         if scope["method"] == "POST":
             body = await self._read_body(receive)
+            if body is _GONE:  # the client left before its body arrived: nothing to serve
+                self.on_reject("client_gone")
+                return
             if body is None:
                 await self._refuse(scope, receive, send, self._too_large(), "body_too_large")
                 return
             receive = _replay(body, receive)
-        if scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+        if scope["method"] != "POST" or path not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
         key = api_key or ANONYMOUS
@@ -274,7 +290,11 @@ class EdgeMiddleware:
             await self._refuse(scope, receive, send, err, err.code or "rate_limited")
             return
         try:
-            if not await self.gate.acquire():
+            admitted = self.gate.try_acquire() or await _unless_disconnected(self.gate.acquire(), wire)
+            if admitted is None:  # left while queued (NOTE 4): its place and key count go back
+                self.on_reject("client_gone")
+                return
+            if not admitted:
                 err = APIError(503, "the server is overloaded; retry shortly", type="server_error",
                                code="overloaded", headers={"Retry-After": "1"})
                 await self._refuse(scope, receive, send, err, "overloaded")
@@ -289,14 +309,15 @@ class EdgeMiddleware:
     def _too_large(self) -> APIError:
         return APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
 
-    async def _read_body(self, receive) -> bytes | None:
-        """The whole body, or None once it passes ``max_body_bytes`` (NOTE 1)."""
+    async def _read_body(self, receive):
+        """The whole body; None once it passes ``max_body_bytes`` (NOTE 1); ``_GONE`` when the
+        client disconnects first (a partial body is never served)."""
         parts: list[bytes] = []
         size = 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # disconnected: let the app see an empty body
-                break
+            if message["type"] != "http.request":
+                return _GONE
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
@@ -313,6 +334,41 @@ class EdgeMiddleware:
         headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+_GONE = object()  # _read_body: the client disconnected
+
+
+def _route_path(scope) -> str:
+    """The path the app routes on: without the mount's ``root_path`` (uvicorn ``--root-path``, a
+    Serve ``route_prefix``), so the checks apply however the app is mounted."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+async def _unless_disconnected(work, receive):
+    """``await work`` unless ``receive`` reports a disconnect first; then cancel it: None."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - a server that cannot say: never give up on a guess
+            await asyncio.Event().wait()
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()  # AdmissionGate NOTE 2: a slot handed over meanwhile passes on
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    return None if task.cancelled() else task.result()
 
 
 def _replay(body: bytes, receive):
