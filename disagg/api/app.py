@@ -269,8 +269,9 @@ class _Run:
                     self.metrics.request_done(self.kind, "error")
                     if chunk.finish_reason == "invalid":  # the engine refused the request: the client's fault
                         raise APIError(400, chunk.error)
-                    raise APIError(500 if chunk.finish_reason == "error" else 503, chunk.error,
-                                   type="server_error")
+                    if chunk.finish_reason == "error":
+                        raise APIError(500, chunk.error, type="server_error")
+                    raise APIError(503, chunk.error, type="server_error", headers={"Retry-After": "1"})
                 new = ""
                 if chunk.token_ids:
                     now = time.perf_counter()
