@@ -17,8 +17,10 @@ NOTES
    while it stands for fewer than ``MAX_HELD_TOKENS`` trailing tokens (a UTF-8 character is at
    most 4 bytes, so one standing for more is invalid bytes, e.g. a random model's output, and
    holding it longer would hold every later token back until the end of the stream). Without
-   ``incomplete_tail`` the pieces add up to the whole text for valid UTF-8 output; invalid
-   bytes right before a character can make it stream as replacement characters.
+   ``incomplete_tail`` the pieces add up to the whole text for valid UTF-8 output that has no
+   U+FFFD of its own; invalid bytes, or a literal U+FFFD, right before a multi-byte character
+   can make that character stream as a replacement character (the literal is indistinguishable
+   from a held, incomplete one).
 2. ``flush()`` emits whatever is held (the end of the stream), so the concatenated pieces are
    the text of all tokens.
 """

@@ -55,11 +55,12 @@ def test_pieces_add_up_to_the_whole_decode(ids, chunks):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(st.characters(exclude_categories=("Cs",)), st.sampled_from(["<pad>", "<eos>"])),
+@given(st.lists(st.one_of(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), st.sampled_from(["<pad>", "<eos>"])),
                 max_size=30),
        st.lists(st.integers(1, 5), max_size=30))
 def test_without_a_tail_check_valid_text_adds_up_too(pieces, chunks):
-    """Valid UTF-8 with special tokens between characters, any chunking, no tail check (detok NOTE 1)."""
+    """Valid UTF-8 with special tokens between characters, any chunking, no tail check (detok
+    NOTE 1: text with a U+FFFD of its own is outside this guarantee)."""
     ids = [t for p in pieces for t in ([BYTES.pad_token_id if p == "<pad>" else BYTES.eos_token_id]
                                        if p in ("<pad>", "<eos>") else BYTES.encode(p))]
     assert "".join(_stream(NoTailCheck(), ids, chunks)) == BYTES.decode(ids)
