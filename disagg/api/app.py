@@ -20,7 +20,6 @@ middleware that sees the whole life of a streamed response).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -44,6 +43,7 @@ from disagg.api.limits import (
     KeyTable,
     request_salt,
     tenant_salt,
+    unless_disconnected,
 )
 from disagg.api.metrics import ServingMetrics
 from disagg.api.schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse
@@ -188,8 +188,8 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(run.sse(usage), media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        whole = await _unless_gone(run.whole(), request)
-        if whole is None:  # nobody is left to read it
+        whole = await unless_disconnected(run.whole(), request.receive)  # an abandoned request must not
+        if whole is None:  # hold its engine slot and key concurrency: nobody is left to read it
             metrics.request_done(kind, "cancelled")
             return Response(status_code=499)
         return JSONResponse(whole)
@@ -372,35 +372,6 @@ class _ClosingStreamingResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
-
-
-async def _unless_gone(work, request: Request):
-    """Await ``work`` (a whole, non-streamed response) unless the client disconnects first; then
-    cancel it, which closes the backend's stream and so aborts the generation (an abandoned
-    request must not go on holding its engine slot and its key's concurrency for nobody), and
-    return None."""
-    task = asyncio.ensure_future(work)
-
-    async def gone() -> bool:
-        try:
-            while (await request.receive())["type"] != "http.disconnect":  # the body was read
-                pass
-        except Exception:  # noqa: BLE001 - a server that cannot say: never cancel on a guess
-            await asyncio.Event().wait()
-        return True
-
-    watch = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():  # the client left (or this handler was cancelled)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch
-    return None if task.cancelled() else task.result()
 
 
 async def _guarded(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:

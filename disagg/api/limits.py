@@ -290,7 +290,7 @@ class EdgeMiddleware:
             await self._refuse(scope, receive, send, err, err.code or "rate_limited")
             return
         try:
-            admitted = self.gate.try_acquire() or await _unless_disconnected(self.gate.acquire(), wire)
+            admitted = self.gate.try_acquire() or await unless_disconnected(self.gate.acquire(), wire)
             if admitted is None:  # left while queued (NOTE 4): its place and key count go back
                 self.on_reject("client_gone")
                 return
@@ -346,8 +346,11 @@ def _route_path(scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-async def _unless_disconnected(work, receive):
-    """``await work`` unless ``receive`` reports a disconnect first; then cancel it: None."""
+async def unless_disconnected(work, receive):
+    """``await work`` unless ``receive`` reports a disconnect first (the request's body already
+    read, its next message can only be one); then cancel ``work`` and return None. A cancelled
+    gate wait passes a slot handed over meanwhile on (AdmissionGate NOTE 2); a cancelled
+    generation closes the backend's stream, which aborts it."""
     task = asyncio.ensure_future(work)
 
     async def gone() -> None:
@@ -361,12 +364,12 @@ async def _unless_disconnected(work, receive):
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()  # AdmissionGate NOTE 2: a slot handed over meanwhile passes on
-            with contextlib.suppress(asyncio.CancelledError):
+        if not task.done():  # the client left (or the caller was cancelled)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):
             await watch
     return None if task.cancelled() else task.result()
 

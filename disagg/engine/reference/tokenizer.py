@@ -107,8 +107,11 @@ class _TokenizersAdapter:
         self.eos_token_id = ids.get("eos_token_id")
         self.pad_token_id = ids.get("pad_token_id")
 
+    def _ids(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._ids(text)
         return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -120,22 +123,18 @@ class _TokenizersAdapter:
         return render_chat(messages, add_generation_prompt)
 
 
-class _TransformersAdapter:
+class _TransformersAdapter(_TokenizersAdapter):
     """Gives a ``transformers`` tokenizer ``ByteTokenizer``'s API: ``encode`` adds no special
     tokens unless asked, and ``apply_chat_template`` returns text (the model's own template
     where it ships one, else ``render_chat``), which the server then encodes."""
 
-    def __init__(self, tok):
+    def __init__(self, tok):  # its special ids come from the tokenizer, not config.json
         self._tok = tok
         self.vocab_size = len(tok)
         self.bos_token_id, self.eos_token_id, self.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=False))
-        return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    def _ids(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
