@@ -237,7 +237,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                                   stats.get("device_checkpoints"))
             self._versions[rid] = version
         load = stats.get("load", {})
-        return WorkerState(rid, "both", stats.get("node_id") or rid,
+        return WorkerState(rid, "both", node or rid,
                            queued_prefill_tokens=load.get("queued_prefill_tokens", 0),
                            queued_prefill_requests=load.get("queued_prefill_requests", 0),
                            running_decode_tokens=load.get("running_decode_tokens", 0),

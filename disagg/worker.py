@@ -354,10 +354,7 @@ class StatefulWorker:
             state = None
         finally:
             if release_fn is not None:
-                try:
-                    await release_fn(handle)
-                except Exception:  # the producer expires it anyway (device_ipc NOTE 1)
-                    log.warning("could not release device hand-off %s", desc.share_id)
+                await _quietly(release_fn(handle), f"release of device hand-off {desc.share_id}")
         if state is None:
             return None
         return _Resume(state, handle.position, "peer", desc.nbytes, time.perf_counter() - t0)

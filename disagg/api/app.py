@@ -295,7 +295,8 @@ class _Run:
                         break
                 # Text that may be the start of a stop string is held until the next piece shows
                 # whether it is (a stop string never reaches the client, streamed or not).
-                ready = len(self.text) if chunk.finished else len(self.text) - _stop_prefix(self.text, self.stops, sent)
+                held = 0 if chunk.finished else _stop_prefix(self.text, self.stops, sent, longest_stop)
+                ready = len(self.text) - held
                 piece, sent = self.text[sent:ready], ready
                 if chunk.token_ids or piece:
                     yield piece  # may be "" (a token whose text is held)
@@ -398,9 +399,10 @@ def _find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
     return min(hits) if hits else None
 
 
-def _stop_prefix(text: str, stops: list[str], start: int) -> int:
-    """The length of the longest end of ``text[start:]`` that begins some stop string."""
-    for k in range(min(len(text) - start, max((len(s) for s in stops), default=1) - 1), 0, -1):
+def _stop_prefix(text: str, stops: list[str], start: int, longest: int) -> int:
+    """The length of the longest end of ``text[start:]`` that begins some stop string (of at most
+    ``longest`` characters)."""
+    for k in range(min(len(text) - start, longest - 1), 0, -1):
         if any(s.startswith(text[-k:]) for s in stops):
             return k
     return 0

@@ -58,8 +58,8 @@ def test_text_that_only_looks_like_a_stop_start_is_released():
         parts, finish = _streamed(url, body)
     assert "".join(parts) == "xabyab" and finish == "length"
     # held: the longest unsent end that begins a stop string
-    assert _stop_prefix("xab", ["ab!"], 0) == 2 and _stop_prefix("xa", ["ab!"], 0) == 1
-    assert _stop_prefix("xab", ["ab!"], 2) == 0 and _stop_prefix("xa", ["zz"], 0) == 0
+    assert _stop_prefix("xab", ["ab!"], 0, 3) == 2 and _stop_prefix("xa", ["ab!"], 0, 3) == 1
+    assert _stop_prefix("xab", ["ab!"], 2, 3) == 0 and _stop_prefix("xa", ["zz"], 0, 2) == 0
 
 
 @pytest.fixture(scope="module")

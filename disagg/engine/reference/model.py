@@ -218,12 +218,8 @@ class K3ForCausalLM(nn.Module):
         h = runner.forward(ids, pick, mixed, absorbed, decode) if runner is not None else None  # NOTE 6
         if h is None:
             h = self.model.embed_tokens(ids)
-            layers = self.model.layers
-            pre = layers[0].pre(h)
-            for i, (layer, kind_idx) in enumerate(zip(layers, self._kind_idx, strict=True)):
-                h = layer.post(h, pre, layer.mix(pre, mixed, kind_idx, absorbed, decode))
-                if i + 1 < len(layers):
-                    pre = layers[i + 1].pre(h)
+            for layer, kind_idx in zip(self.model.layers, self._kind_idx, strict=True):
+                h = layer(h, mixed, kind_idx, absorbed, decode)
             h = h[pick]
         logits = self.lm_head(self.model.norm(h)).to(state_dtype(self.dtype))
         sizes = [sp.num_tokens if s.all_logits else 1 for s, sp in zip(seqs, spans, strict=True)]
