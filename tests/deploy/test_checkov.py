@@ -3,9 +3,15 @@
 checkov runs from its own virtual environment: it pins older releases of packages this
 project also uses (packaging 23.2, boto3 1.35, networkx 2.6, ...), and installing it next
 to the project would downgrade them. The venv holds exactly checkov-requirements.txt
-(pinned, so a new checkov release cannot change the verdict unannounced) and is made
-once per machine under the user cache, named by the file's hash (a minute or more on
-first use; set DISAGG_CHECKOV to an existing checkov to skip it).
+(pinned, so a new checkov release cannot change the verdict unannounced). The test never
+installs it: ``.ci/run`` makes that venv and passes its checkov in DISAGG_CHECKOV; by hand::
+
+    python3 -m venv /tmp/checkov
+    /tmp/checkov/bin/pip install --no-deps -r tests/deploy/checkov-requirements.txt
+    DISAGG_CHECKOV=/tmp/checkov/bin/checkov pytest tests/deploy/test_checkov.py
+
+Without it the scan is skipped, saying so; under CI (CI=true) it fails instead, since a CI
+run that silently skipped the scan would pass a chart nobody scanned.
 
 checkov has no schema for KubeRay's RayService, so the Ray pods are also written out as
 plain Pods (the head and each worker group template, annotations included) for its
@@ -17,15 +23,10 @@ finding" is enforced as "no finding".
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
 import re
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -40,28 +41,17 @@ from tests.deploy.chart import (
     render_objects,
 )
 
-REQUIREMENTS = Path(__file__).with_name("checkov-requirements.txt")
-
 
 def _checkov() -> str:
-    if os.environ.get("DISAGG_CHECKOV"):
-        return os.environ["DISAGG_CHECKOV"]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "disagg"
-    digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:12]
-    venv = cache / f"checkov-{digest}"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / "checkov.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time (parallel test runs)
-        if not (venv / ".complete").exists():
-            t0 = time.monotonic()
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-            pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
-                                  "--disable-pip-version-check", "-r", str(REQUIREMENTS)],
-                                 capture_output=True, text=True)
-            if pip.returncode:
-                pytest.fail(f"could not install checkov into {venv}:\n{pip.stderr[-3000:]}")
-            (venv / ".complete").write_text(f"{time.monotonic() - t0:.0f} s\n")
-    return str(venv / "bin" / "checkov")
+    exe = os.environ.get("DISAGG_CHECKOV", "")
+    if exe and os.access(exe, os.X_OK):
+        return exe
+    why = (f"DISAGG_CHECKOV={exe!r} is not an executable" if exe else "DISAGG_CHECKOV is not set")
+    how = ("make a venv with `pip install --no-deps -r tests/deploy/checkov-requirements.txt` and set "
+           "DISAGG_CHECKOV to its bin/checkov (.ci/run does)")
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"checkov scan cannot run under CI: {why}; {how}")
+    pytest.skip(f"checkov not set up: {why}; {how}")
 
 
 def _as_pods(rayservice: dict) -> list[dict]:
