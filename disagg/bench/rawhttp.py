@@ -29,6 +29,12 @@ connections stay registered for reading, so a server closing one
 that fails before any response byte is retried once on a new one.
 NOTE 3: without ``SO_TIMESTAMPNS`` (not Linux) reads are stamped with
 ``perf_counter_ns()`` when the callback runs (``kernel_stamps`` is False).
+NOTE 4: Linux stamps received segments only while some socket asks for it, and
+switches stamping on later, from a kernel worker, after the first socket asks:
+segments that arrive before then carry no stamp and their reads fall back to
+the callback's clock. The pool therefore holds one stamping socket of its
+own for its whole life (:func:`hold_rx_stamps`), opened before its first
+connection and returned once the kernel stamps a datagram sent to itself.
 Plain ``http://`` only; TLS and proxies go through aiohttp (``client.py``).
 """
 
@@ -410,6 +416,34 @@ class _Connection:
         return b"".join(out), False
 
 
+def hold_rx_stamps(timeout_s: float = 1.0) -> socket.socket | None:
+    """A loopback UDP socket that keeps the kernel's receive stamps on (NOTE 4).
+
+    Returns once a datagram it sent itself came back stamped, or after
+    ``timeout_s`` without one (the socket still holds stamping on; reads may be
+    loop-stamped until the kernel catches up). None where no socket can be made.
+    Close it when done.
+    """
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.settimeout(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            sock.sendto(b"\0", sock.getsockname())
+            _, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(16))
+            if any(kind == _SO_TIMESTAMPNS for _, kind, _ in ancdata):
+                break
+            time.sleep(0.001)
+    except OSError:
+        pass
+    return sock
+
+
 class RawHTTPPool:
     """Keep-alive connections to one ``host:port``; ``request`` runs one exchange.
 
@@ -447,6 +481,7 @@ class RawHTTPPool:
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
         self._addr: tuple | None = None
         self._family = socket.AF_INET
+        self._stamp_holder = hold_rx_stamps() if self.kernel_stamps else None  # NOTE 4
 
     @property
     def num_connections(self) -> int:
@@ -584,3 +619,6 @@ class RawHTTPPool:
         for conn in list(self._all):
             conn.close()
         self._idle.clear()
+        if self._stamp_holder is not None:
+            self._stamp_holder.close()
+            self._stamp_holder = None
