@@ -34,7 +34,7 @@ switches stamping on later, from a kernel worker, after the first socket asks:
 segments that arrive before then carry no stamp and their reads fall back to
 the callback's clock. The pool therefore holds one stamping socket of its
 own for its whole life (:func:`hold_rx_stamps`), opened before its first
-connection and returned once the kernel stamps a datagram sent to itself.
+connection, and waits (5 s at most) until a loopback TCP read comes stamped.
 Plain ``http://`` only; TLS and proxies go through aiohttp (``client.py``).
 """
 
@@ -416,32 +416,37 @@ class _Connection:
         return b"".join(out), False
 
 
-def hold_rx_stamps(timeout_s: float = 1.0) -> socket.socket | None:
-    """A loopback UDP socket that keeps the kernel's receive stamps on (NOTE 4).
+def hold_rx_stamps(timeout_s: float = 5.0) -> tuple[socket.socket | None, bool]:
+    """A socket that keeps the kernel's receive stamps on, and whether they are on (NOTE 4).
 
-    Returns once a datagram it sent itself came back stamped, or after
-    ``timeout_s`` without one (the socket still holds stamping on; reads may be
-    loop-stamped until the kernel catches up). None where no socket can be made.
-    Close it when done.
+    The socket is the stamped end of a loopback TCP pair. Returns once a byte
+    its peer sent arrived stamped (True), or after ``timeout_s`` without one
+    (False: the socket still holds stamping on; reads may be loop-stamped until
+    the kernel catches up). A TCP read is the proof: for a datagram the kernel
+    fills a missing stamp in at read time. ``(None, False)`` where no loopback
+    socket can be made. Close the socket when done.
     """
     try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        listener = socket.create_server(("127.0.0.1", 0))
     except OSError:
-        return None
+        return None, False
+    holder = None
     try:
-        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.settimeout(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            sock.sendto(b"\0", sock.getsockname())
-            _, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(16))
-            if any(kind == _SO_TIMESTAMPNS for _, kind, _ in ancdata):
-                break
-            time.sleep(0.001)
+        with listener:
+            holder = socket.create_connection(listener.getsockname(), timeout=timeout_s)
+            holder.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+            peer, _ = listener.accept()
+        with peer:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                peer.sendall(b"\0")
+                _, ancdata, _, _ = holder.recvmsg(1, socket.CMSG_SPACE(16))
+                if any(kind == _SO_TIMESTAMPNS for _, kind, _ in ancdata):
+                    return holder, True
+                time.sleep(0.001)
     except OSError:
         pass
-    return sock
+    return holder, False
 
 
 class RawHTTPPool:
@@ -481,7 +486,8 @@ class RawHTTPPool:
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
         self._addr: tuple | None = None
         self._family = socket.AF_INET
-        self._stamp_holder = hold_rx_stamps() if self.kernel_stamps else None  # NOTE 4
+        # NOTE 4: a socket holding receive stamping on; rx_stamps_live: seen on before any request
+        self._stamp_holder, self.rx_stamps_live = hold_rx_stamps() if self.kernel_stamps else (None, False)
 
     @property
     def num_connections(self) -> int:

@@ -371,6 +371,7 @@ def test_an_open_pool_keeps_fresh_connections_stamped() -> None:
 
     async def first_reads_stamped(n: int) -> list[bool]:
         pool = rawhttp.RawHTTPPool("127.0.0.1", 9)  # never connects: only its stamp holder
+        assert pool.rx_stamps_live
         stamped = []
         try:
             with socket.create_server(("127.0.0.1", 0)) as listener:
