@@ -101,7 +101,8 @@ def test_a_call_made_while_the_engine_stops_runs_exactly_once() -> None:
 
 class AdmittingEngine(BusyEngine):
     """Records admissions and aborts (an unknown request's abort is a no-op, as in the reference
-    engine); while ``gate`` is closed a step waits for it (at most 1 s), holding the engine lock."""
+    engine); while ``gate`` is closed a step waits for it (at most 10 s), holding the engine lock,
+    and sets ``gated`` once it is waiting."""
 
     def __init__(self):
         super().__init__(0.001)
@@ -109,9 +110,12 @@ class AdmittingEngine(BusyEngine):
         self.aborted: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.gated = threading.Event()
 
     def step(self) -> list:
-        self.gate.wait(1.0)
+        if not self.gate.is_set():
+            self.gated.set()
+        self.gate.wait(10.0)
         return super().step()
 
     def add_request(self, request) -> None:
@@ -145,13 +149,17 @@ def test_admission_waits_for_the_step_without_blocking_the_event_loop() -> None:
 
         tick = asyncio.create_task(ticker())
         engine.gate.clear()
-        await asyncio.sleep(0.02)  # the stepping thread is now inside a step, holding the lock
+        while not engine.gated.is_set():  # until the stepping thread is inside a step, holding the lock
+            await asyncio.sleep(0.001)
         first = asyncio.create_task(front.generate(_request("r1")).__anext__())
         await asyncio.sleep(0.001)
         t0 = ticks
         await asyncio.sleep(0.1)
         assert not engine.admitted, "admitted during a step"
-        assert ticks - t0 >= 10, "the event loop stood still while the admission waited"
+        # the ticker's 1 ms timer is due before this coroutine's 100 ms one, so a loop that is not
+        # blocked ticks at least once whatever the machine's load (a loop blocked by the admission
+        # would not get here before the gate's 10 s; the admission would then be in `admitted`)
+        assert ticks - t0 >= 1, "the event loop stood still while the admission waited"
         first.cancel()  # the consumer leaves while its admission is still queued
         with pytest.raises(asyncio.CancelledError):
             await first
