@@ -140,9 +140,37 @@ def test_chunked_sse_split_across_reads(scripted, size: int) -> None:
         _check_ok(r)
     assert conns == 1 and server.connections == 1  # the keep-alive connection was reused
     if rawhttp._SO_TIMESTAMPING:  # on a kept-alive connection the stamp precedes the send
-        assert 0 <= results[1].send_kernel_ns - results[1].send_ns < 2_000_000
+        assert results[1].send_ns <= results[1].send_kernel_ns
     head = server.heads[0].decode()
     assert head.startswith("POST /v1/completions HTTP/1.1") and "x-request-id: bench-1" in head
+
+
+def test_send_stamp_leaves_out_the_wait_for_a_draining_connection(scripted) -> None:
+    """A request that waits for the pool's own draining connection is stamped when it gets it.
+
+    The first response's terminator comes 200 ms after its [DONE]; the second request,
+    sent as soon as the first returns, waits for that connection. Its send stamp must
+    follow the terminator's write: an order, not a time bound, so a busy machine cannot
+    break it, while a stamp taken before the wait would precede the write by ~200 ms.
+    """
+    terminator_ns: list[int] = []
+
+    def script(conn: socket.socket, n: int) -> bool:
+        if n == 1:
+            conn.sendall(SSE_HEAD + chunked(EVENTS)[:-5])  # everything but 0\r\n\r\n
+            time.sleep(0.2)
+            terminator_ns.append(time.perf_counter_ns())
+            conn.sendall(b"0\r\n\r\n")
+        else:
+            conn.sendall(SSE_HEAD + chunked(EVENTS))
+        return True
+
+    server = scripted(script)
+    results, conns = asyncio.run(_complete(server.url, n=2))
+    for r in results:
+        _check_ok(r)
+    assert conns == 1 and server.connections == 1  # the second request had the drained one
+    assert results[1].send_ns > terminator_ns[0]
 
 
 def test_every_split_point_of_one_response() -> None:
