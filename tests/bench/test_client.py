@@ -38,12 +38,17 @@ def test_ttft_and_itl_match_controlled_timings(transport: str) -> None:
         assert r.ok, r.error_detail
         assert r.output_tokens == 10 and len(r.chunk_ns) == 10
         assert r.ttft_ms >= 50 and r.e2e_ms >= 230  # never early; late only by scheduling
-    # Medians resist the odd descheduled request; the slack above the set values covers
-    # loopback, both event loops and a loaded 2-core machine (typically ~1.5 ms).
+    # Medians resist the odd descheduled request. The slack above the set values covers
+    # loopback, both event loops and the server's own lateness: typically ~1.5 ms, 21 ms at
+    # the median on a 2-core machine busy with other jobs, so 50 ms. The client's accuracy
+    # against what the server really sent is test_client_times_agree_with_server_times'.
     s = summarize(results)
-    assert 50 <= s.ttft_ms.p50 < 58
-    assert s.itl_ms.p50 == pytest.approx(20, abs=0.5)  # (E2E - TTFT) / (10 - 1)
-    assert 230 <= s.e2e_ms.p50 < 240
+    assert 50 <= s.ttft_ms.p50 < 100
+    for r in results:
+        assert r.itl_ms == pytest.approx((r.e2e_ms - r.ttft_ms) / (10 - 1))
+    # the server's first and last tokens are late by different amounts (0.75 ms of ITL seen)
+    assert s.itl_ms.p50 == pytest.approx(20, abs=2.0)
+    assert 230 <= s.e2e_ms.p50 < 280
     assert 1000 / s.itl_ms.p50 == pytest.approx(50, rel=0.03)  # interactivity 50 tok/s/user
 
 
@@ -82,7 +87,10 @@ def test_client_times_agree_with_server_times() -> None:
     for r in loop[1:]:
         t = loop_timings[r.request_id]
         loop_err.append(r.ttft_ms - (t["write_ns"][0] - t["recv_ns"]) / 1e6)
-    assert 0 < float(np.median(loop_err)) < 5.0
+    # aiohttp's stamps include its loop's delay: positive, a few ms (6 on a busy machine);
+    # below 20 ms, so a stamp taken at the end of the response (35 ms after the first
+    # token here) still fails.
+    assert 0 < float(np.median(loop_err)) < 20.0
 
 
 @TRANSPORTS
