@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -105,17 +106,18 @@ def test_duration_bound_and_open_loop(server_factory) -> None:
     # written, which on a loaded 2-core host lags the decision by up to ~100 ms.
     assert last_send / 1e9 < 0.4 + 0.3 and any(r.warmup for r in out.results)
     open_cfg = RunConfig(mode="open", speedup=2.0, recycle=False, progress=False)
-    out = asyncio.run(_replay(server.url, records, open_cfg))
+    spread = [dataclasses.replace(r, timestamp=r.timestamp * 10) for r in records]  # 0-2.3 s
+    out = asyncio.run(_replay(server.url, spread, open_cfg))
     assert len(out.results) == 12 and all(r.lane == -1 for r in out.results)
-    late_ms = []  # send time - timestamp / speedup (timestamps span 0-230 ms)
+    late_ms = []  # send time - timestamp / speedup
     for r in out.results:
-        rec = next(x for x in records if x.session_id == r.session_id and x.turn == r.turn)
+        rec = next(x for x in spread if x.session_id == r.session_id and x.turn == r.turn)
         late_ms.append((r.send_ns - out.started_ns) / 1e6 - rec.timestamp / 2.0)
-    # On time but for scheduling delays (a loaded host delays a few sends by tens of ms, so
-    # one outlier is allowed); no speedup would put about half the sends 50-115 ms late,
-    # sending all at once about half of them 50-115 ms early.
+    # On time but for scheduling delays: a busy 2-core host delayed sends by up to ~130 ms
+    # (median 80), so the bounds are 200 ms (median) and 400 ms (all but the worst). No
+    # speedup would put the median send 575 ms late, sending all at once 575 ms early.
     off = sorted(map(abs, late_ms))
-    assert abs(float(np.median(late_ms))) < 15 and off[-2] < 50, late_ms
+    assert abs(float(np.median(late_ms))) < 200 and off[-2] < 400, late_ms
 
 
 def test_bench_writes_summary_jsonl_and_plots(server_factory, tmp_path: Path) -> None:
