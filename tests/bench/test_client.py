@@ -29,27 +29,39 @@ TRANSPORTS = pytest.mark.parametrize("transport", ["raw", "aiohttp"])
 
 @TRANSPORTS
 def test_ttft_and_itl_match_controlled_timings(transport: str) -> None:
-    # The server runs in its own process: a server thread would share the GIL with the client.
-    # The first request opens the connection and warms both sides up: not measured.
+    """Set TTFT 50 ms and ITL 20 ms: never early, and the ITL that the server really kept.
+
+    The server runs in its own process (a server thread would share the GIL with the
+    client). It keeps its schedule on an idle machine and falls behind on a busy one (TTFT
+    p50 150 ms, ITL 17.5 ms, seen with other jobs on 2 cores), so upper bounds on the set
+    values would test the machine; the client is held to what the server did (its own
+    record). TTFT accuracy against the server's kernel stamps is
+    test_client_times_agree_with_server_times'. The first request opens the connection and
+    warms both sides up: not measured.
+    """
     prompts = [list(range(100 + i)) for i in range(8)]
-    with TestServerProcess(TestServerConfig(ttft_ms=50, itl_ms=20)) as server:
-        results = _run(_complete(server.url, prompts, 10, transport=transport))[1:]
-    for r in results:
+    with TestServerProcess(TestServerConfig(ttft_ms=50, itl_ms=20, record_timings=True)) as server:
+        results, timings = _run(_complete_with_timings(server.url, prompts, 10, transport))
+    served_itl_ms = []
+    for r in results[1:]:
         assert r.ok, r.error_detail
         assert r.output_tokens == 10 and len(r.chunk_ns) == 10
         assert r.ttft_ms >= 50 and r.e2e_ms >= 230  # never early; late only by scheduling
-    # Medians resist the odd descheduled request. The slack above the set values covers
-    # loopback, both event loops and the server's own lateness: typically ~1.5 ms, 21 ms at
-    # the median on a 2-core machine busy with other jobs, so 50 ms. The client's accuracy
-    # against what the server really sent is test_client_times_agree_with_server_times'.
-    s = summarize(results)
-    assert 50 <= s.ttft_ms.p50 < 100
-    for r in results:
         assert r.itl_ms == pytest.approx((r.e2e_ms - r.ttft_ms) / (10 - 1))
-    # the server's first and last tokens are late by different amounts (0.75 ms of ITL seen)
-    assert s.itl_ms.p50 == pytest.approx(20, abs=2.0)
-    assert 230 <= s.e2e_ms.p50 < 280
-    assert 1000 / s.itl_ms.p50 == pytest.approx(50, rel=0.03)  # interactivity 50 tok/s/user
+        written = timings[r.request_id]["write_ns"]
+        served_itl_ms.append((written[-1] - written[0]) / 1e6 / (10 - 1))
+    # medians resist the odd descheduled read; 2 ms covers the client's read delays on the
+    # first and last token (aiohttp's come from its loop)
+    s = summarize(results[1:])
+    assert s.itl_ms.p50 == pytest.approx(float(np.median(served_itl_ms)), abs=2.0)
+
+
+async def _complete_with_timings(
+    url: str, prompts: list, max_tokens: int, transport: str
+) -> tuple[list[RequestResult], dict]:
+    async with OpenAIClient(url, model="m", transport=transport) as client:
+        results = [await client.complete(p, max_tokens) for p in prompts]
+        return results, json.loads(await client.get_text("/debug/timings"))
 
 
 async def _with_server_times(url: str, n: int, transport: str) -> tuple[list[RequestResult], dict]:
