@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -85,12 +86,56 @@ def haproxy_shim() -> str:
 
 
 def _cluster_env() -> dict[str, str]:
+    from deployments.haproxy_front import PID_FILE_ENV
+
     env = {**SERVE_ENV, **CLUSTER_ENV}
     if _haproxy_available():
         env.update(HAPROXY_ENV)
         env.update({key: str(free_port()) for key in _HAPROXY_PORT_KEYS})
-        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = haproxy_shim()
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = shim = haproxy_shim()
+        env[PID_FILE_ENV] = os.path.join(os.path.dirname(shim), "pids")
     return env
+
+
+def stop_haproxy(timeout_s: float = 3.0) -> list[int]:
+    """Stop the HAProxy processes this process's shim started (``deployments.haproxy_front``
+    records their pids) and remove the shim's directory. Serve stops HAProxy when its proxy
+    actor stops cleanly; one left behind (its actor was killed) would hold the HTTP port.
+    Returns the pids that were still running."""
+    global _shim
+    if _shim is None:
+        return []
+    folder = os.path.dirname(_shim)
+    try:
+        with open(os.path.join(folder, "pids")) as f:
+            pids = [int(line) for line in f if line.strip().isdigit()]
+    except OSError:
+        pids = []
+    alive = [pid for pid in pids if _is_haproxy(pid)]
+    for pid in alive:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while any(_is_haproxy(pid) for pid in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in alive:
+        if _is_haproxy(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(folder, ignore_errors=True)
+    _shim = None
+    return alive
+
+
+def _is_haproxy(pid: int) -> bool:
+    """``pid`` runs HAProxy now (not a reused pid, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:][:1]
+    return "haproxy" in name and state != "Z"
 
 
 def export_cluster_env() -> None:
@@ -149,18 +194,95 @@ def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
         with contextlib.suppress(Exception):
             shutdown_node_stores()
         if started:  # our own cluster: its end takes Serve's actors with it
+            with contextlib.suppress(Exception):
+                serve.shutdown()  # the proxies first: they stop HAProxy themselves
             ray.shutdown()
+            stop_haproxy()
         else:
             with contextlib.suppress(Exception):
                 serve.shutdown()
 
 
-def serve_forever(cfg: AppConfig) -> None:
-    with local_app(cfg) as url:
-        print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1  (Ctrl-C to stop)",
-              flush=True)
+class _Stop(Exception):
+    """SIGINT or SIGTERM arrived: leave the serving loop and tear down."""
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(signame)
+        self.t0 = time.monotonic()
+
+
+def _on_stop_signal(signum, _frame) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the teardown runs once, uninterrupted
+        signal.signal(sig, signal.SIG_IGN)
+    name = signal.Signals(signum).name
+    os.write(2, f"{name}: stopping the app, Ray and HAProxy\n".encode())  # no logging lock in a handler
+    raise _Stop(name)
+
+
+def _trap_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_stop_signal)
+
+
+def ray_log_dir() -> str:
+    """The local cluster's log directory (Serve's replica logs are under ``serve/``)."""
+    try:
+        from ray._private.worker import _global_node
+
+        return _global_node.get_logs_dir_path()
+    except Exception:
+        return "/tmp/ray/session_latest/logs"
+
+
+def serve_forever(cfg: AppConfig, log_level: str = "info", stats_period_s: float = 10.0) -> int:
+    """``disagg serve``: serve until SIGINT / SIGTERM, then stop the app, Ray and HAProxy.
+
+    While serving it prints one line per finished request and, every ``stats_period_s`` in
+    which there was traffic, a stats line (``disagg.console``), at ``log_level`` info.
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    out = logging.getLogger("disagg.serve")
+    _trap_stop_signals()
+    t0 = time.monotonic()
+    try:
+        with local_app(cfg) as url:
+            _trap_stop_signals()  # ray.init installed its own SIGTERM handler (sys.exit)
+            print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1, ready in "
+                  f"{time.monotonic() - t0:.0f} s (Ctrl-C or SIGTERM stops)\nlogs: {ray_log_dir()} "
+                  "(replica logs under serve/)", flush=True)
+            _console_loop(out, stats_period_s)
+    except _Stop as stop:
+        print(f"stopped in {time.monotonic() - stop.t0:.1f} s", flush=True)
+    return 0
+
+
+def _console_loop(out: logging.Logger, stats_period_s: float) -> None:
+    """Poll the ingress for finished requests and stats; print them (until a stop signal)."""
+    from ray import serve
+
+    from disagg.console import RequestRecord, format_request, format_stats
+
+    handle = serve.get_app_handle(APP_NAME)
+    seq, window, window_t0 = 0, [], time.monotonic()
+    while True:
         try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            print("shutting down", flush=True)
+            time.sleep(1.0)
+            reply = handle.console.remote(seq).result(timeout_s=10)
+        except _Stop:
+            raise
+        except Exception as exc:  # a replica restarting: say so, keep serving
+            out.debug("console poll failed: %r", exc)
+            continue
+        records = [RequestRecord(**r) for r in reply["requests"]]
+        seq = reply["last_seq"]
+        for r in records:
+            out.info(format_request(r))
+        window.extend(records)
+        now = time.monotonic()
+        if now - window_t0 >= stats_period_s:
+            engines = reply["stats"].get("engines") or {}
+            busy = any(e.get("running") or e.get("waiting") for e in engines.values())
+            if window or busy:
+                out.info(format_stats(window, now - window_t0, reply["stats"]))
+            window, window_t0 = [], now
