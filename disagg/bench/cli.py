@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from disagg.bench.pareto import DEFAULT_TARGETS
+from disagg.bench.preflight import FALLBACK_VOCAB_SIZE, FIRST_TOKEN_ID
 from disagg.bench.trace import DEFAULT_BLOCK_SIZE, TraceError
 
 
@@ -158,13 +159,30 @@ def _add_bench_run_args(p: argparse.ArgumentParser) -> None:
         help="streaming client: raw (kernel receive stamps; plain http) or aiohttp; "
         "auto: raw for http://, aiohttp for https://",
     )
-    p.add_argument("--vocab-size", type=int, default=32_000)
-    p.add_argument("--first-token-id", type=int, default=100)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="prompt token ids are below this; default: the server's (its /v1/models card), "
+        f"else {FALLBACK_VOCAB_SIZE}",
+    )
+    p.add_argument(
+        "--first-token-id",
+        type=int,
+        default=None,
+        help=f"prompt token ids start here; default: {FIRST_TOKEN_ID} (0 for a smaller vocabulary)",
+    )
     p.add_argument(
         "--block-size",
         type=int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="default for records without block_size",
+        default=None,
+        help="tokens per hash block of records without block_size; default: the server's cache "
+        f"block size, else {DEFAULT_BLOCK_SIZE}",
+    )
+    p.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the GET /v1/models check (for servers without it; then give --model)",
     )
     p.add_argument("--metrics-path", default="/metrics")
     p.add_argument("--metrics-counter", default="disagg_prompt_tokens_total")
@@ -239,15 +257,22 @@ def cmd_trace_import_mooncake(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from disagg.bench.preflight import PreflightError, probe, token_params
     from disagg.bench.sweep import BenchParams, run_bench_sync
     from disagg.bench.trace import load_trace
 
     if not args.url or not args.trace:
         return _fail("disagg bench needs --url and --trace (or a subcommand: plot, compare)")
     try:
-        records = load_trace(args.trace, default_block_size=args.block_size)
+        info = None if args.no_preflight else probe(args.url, args.model, args.api_key)
+        tp = token_params(info, args.vocab_size, args.first_token_id, args.block_size)
+    except PreflightError as exc:
+        return _fail(str(exc))
+    try:
+        records = load_trace(args.trace, default_block_size=tp.block_size)
     except (TraceError, OSError) as exc:
         return _fail(str(exc))
+    _print_server(args.url, info, tp, records, args.quiet)
     params = BenchParams(
         url=args.url,
         trace=args.trace,
@@ -270,14 +295,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,
         targets=args.targets,
-        model=args.model,
+        model=info.model if info else args.model,
         api_key=args.api_key,
         endpoint=args.endpoint,
         prompt_mode=args.prompt_mode,
         transport=args.transport,
-        vocab_size=args.vocab_size,
-        first_token_id=args.first_token_id,
-        default_block_size=args.block_size,
+        vocab_size=tp.vocab_size,
+        first_token_id=tp.first_token_id,
+        default_block_size=tp.block_size,
         metrics_path=args.metrics_path,
         metrics_counter=args.metrics_counter,
         parquet=args.parquet,
@@ -302,6 +327,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"INVALID runs (>10% failed): {invalid}", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_server(url: str, info, tp, records: list, quiet: bool) -> None:
+    """Where the prompt parameters came from; a warning for requests longer than the server takes."""
+    if not quiet:
+        where = ", ".join(f"{k} {getattr(tp, k)} ({tp.sources[k]})" for k in ("vocab_size", "block_size"))
+        model = f"{info.model} at {url}" if info else f"{url} (no preflight)"
+        print(f"server: {model}; {where}", flush=True)
+    limit = info.max_model_len if info else None
+    too_long = [r for r in records if limit and r.input_length + r.output_length > limit]
+    if too_long:
+        print(f"warning: {len(too_long)} of {len(records)} trace requests exceed the server's max_model_len "
+              f"{limit} (prompt + output); they will fail", file=sys.stderr)
 
 
 def cmd_bench_plot(args: argparse.Namespace) -> int:
