@@ -122,6 +122,8 @@ def stop_haproxy(timeout_s: float = 3.0) -> list[int]:
         if _is_haproxy(pid):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+    if alive:
+        log.info("stopped HAProxy left running after Ray: pids %s", alive)
     shutil.rmtree(folder, ignore_errors=True)
     _shim = None
     return alive
