@@ -96,21 +96,28 @@ def _load(args):
     return cfg
 
 
+def _check_local(cfg) -> None:
+    """What the local cluster needs, checked before Ray starts."""
+    from disagg.local import local_num_cpus
+    from disagg.preflight import check_cpus, check_port
+
+    check_cpus(cfg, local_num_cpus())
+    check_port(cfg.http.host, cfg.http.port)
+
+
 def cmd_serve(args) -> int:
     from disagg.local import serve_forever
-    from disagg.preflight import check_port
 
     cfg = _load(args)
-    check_port(cfg.http.host, cfg.http.port)
+    _check_local(cfg)
     return serve_forever(cfg, log_level=args.log_level)
 
 
 def cmd_demo(args) -> int:
     from disagg.demo import run_demo
-    from disagg.preflight import check_port
 
     cfg = _load(args)
-    check_port(cfg.http.host, cfg.http.port)
+    _check_local(cfg)
     return run_demo(cfg, num_sessions=args.sessions, num_turns=args.turns, context_tokens=args.context)
 
 

@@ -164,14 +164,19 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
+def local_num_cpus() -> int:
+    """Logical CPUs of the local cluster: at least 4, so the embedded default (ingress + prefill +
+    decode) packs onto small machines."""
+    return max(4, os.cpu_count() or 1)
+
+
 def _init_ray() -> bool:
     import ray
 
     if ray.is_initialized():
         return False
     export_cluster_env()
-    # logical CPUs: the embedded default packs ingress + prefill + decode onto small machines
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, namespace="disagg",
+    ray.init(num_cpus=local_num_cpus(), include_dashboard=False, namespace="disagg",
              log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
     return True
 

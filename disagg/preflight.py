@@ -1,13 +1,13 @@
 """Checks the CLI runs before it starts anything, and their messages for people.
 
 A user mistake (a missing or misspelt config, an unknown model, a GPU that is
-not there, a port already taken) becomes a :class:`UsageError`: the CLI prints
+not there, more CPUs reserved than the cluster has, a port already taken) becomes a :class:`UsageError`: the CLI prints
 its message (one line per problem, naming the fix) and exits with status 2,
 without a traceback (``disagg --debug`` shows one). Each check runs before Ray
 starts, so it answers in about a second instead of after a cluster start.
 
     cfg = load_config_for_cli("serve.yaml")   # UsageError: serve.yaml: unknown key 'model.nmae'; did you mean 'model.name'?
-    check_model(cfg); check_device(cfg); check_port(cfg.http.host, cfg.http.port)
+    check_model(cfg); check_device(cfg); check_cpus(cfg, 4); check_port(cfg.http.host, cfg.http.port)
 
 NOTES
 1. The config path a message names is the path the user typed, and a key path is
@@ -131,6 +131,21 @@ def check_device(cfg: AppConfig) -> None:
                          f"(torch {torch.__version__}); use --device cpu or install a CUDA/ROCm build of torch")
     raise UsageError("the config gives replicas num_gpus > 0, but torch sees no GPU on this machine; "
                      "set deployment.*.num_gpus: 0 (and model.device: cpu) to run on CPU")
+
+
+def check_cpus(cfg: AppConfig, num_cpus: float) -> None:
+    """The replicas' reserved CPUs fit a cluster of ``num_cpus`` logical CPUs (else Serve would
+    wait for resources forever)."""
+    d = cfg.deployment
+    roles = {"ingress": d.ingress, "decode": d.decode}
+    if d.mode == "disaggregated":
+        roles["prefill"] = d.prefill
+    need = sum(rc.num_cpus * (rc.min_replicas if rc.min_replicas is not None else rc.num_replicas)
+               for rc in roles.values())
+    if need > num_cpus + 1e-9:
+        parts = ", ".join(f"{name} {rc.num_cpus:g}" for name, rc in roles.items())
+        raise UsageError(f"the replicas reserve {need:g} CPUs ({parts} per replica) but the local cluster has "
+                         f"{num_cpus:g}; lower deployment.*.num_cpus or num_replicas")
 
 
 def check_port(host: str, port: int) -> None:

@@ -129,3 +129,17 @@ def test_generate_names_the_model_as_the_server_does():
     proc = run_cli("generate", "--token-ids", "5,6,7", "--max-tokens", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["model"] == AppConfig().model.openai_name == "disagg-tiny"
+
+
+def test_more_cpus_than_the_local_cluster_has_fails_fast(tmp_path):
+    config = write(tmp_path, "deployment: {decode: {num_cpus: 4096}}\n")
+    assert_user_error(run_cli("serve", "--config", config), "the replicas reserve", "lower deployment.*.num_cpus",
+                      max_lines=1)
+
+
+def test_the_documented_local_config_fits_a_two_core_machine():
+    """``serve run deployments/configs/local-cpu.yaml`` gives Ray one logical CPU per core."""
+    from disagg.config import load_config
+    from disagg.preflight import check_cpus
+
+    check_cpus(load_config(ROOT / "deployments" / "configs" / "local-cpu.yaml"), 2)
