@@ -68,6 +68,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="override deployment.mode; default: the config's (disaggregated)")
     p.add_argument("--model", help="same as MODEL")
     p.add_argument("--device", help="override model.device (cpu, cuda, cuda:0); default: the config's (cpu)")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="override model.dtype; default: the config's (float32)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="console log level (info: one line per request and a stats line every 10 s)")
     _add_debug_arg(p)
@@ -91,6 +93,8 @@ def _load(args):
         cfg.model.name = args.model_arg or args.model
     if args.device:
         cfg.model.device = args.device
+    if args.dtype:
+        cfg.model.dtype = args.dtype
     check_model(cfg)
     check_device(cfg)
     return cfg
@@ -131,6 +135,8 @@ def cmd_generate(args) -> int:
         cfg.model.name = args.model
     if args.device:
         cfg.model.device = args.device
+    if args.dtype:
+        cfg.model.dtype = args.dtype
     check_model(cfg)
     check_device(cfg)
     engine = build_reference_engine(cfg)
@@ -193,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML config; default: built-in")
     p.add_argument("--model", help="preset name or checkpoint directory; default: the config's (tiny)")
     p.add_argument("--device", help="cpu, cuda, cuda:0 ...; default: the config's (cpu)")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="weights and compute dtype; default: the config's (float32)")
     p.add_argument("--prompt", help="prompt text")
     p.add_argument("--token-ids", help="comma-separated prompt token ids")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")

@@ -258,6 +258,9 @@ def serve_forever(cfg: AppConfig, log_level: str = "info", stats_period_s: float
             print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1, ready in "
                   f"{time.monotonic() - t0:.0f} s (Ctrl-C or SIGTERM stops)\nlogs: {ray_log_dir()} "
                   "(replica logs under serve/)", flush=True)
+            if not os.path.isdir(cfg.model.name):
+                print(f"model {cfg.model.name!r} is a preset with random weights: its text is meaningless "
+                      "(serve a checkpoint directory for real text)", flush=True)
             _console_loop(out, stats_period_s)
     except _Stop as stop:
         print(f"stopped in {time.monotonic() - stop.t0:.1f} s", flush=True)
