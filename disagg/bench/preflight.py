@@ -53,8 +53,9 @@ class TokenParams:
     sources: dict[str, str]
 
 
-def probe(url: str, model: str | None = None, api_key: str | None = None,
-          timeout_s: float = 5.0) -> ServerInfo:
+def probe(
+    url: str, model: str | None = None, api_key: str | None = None, timeout_s: float = 5.0
+) -> ServerInfo:
     """``GET url/v1/models``; raises :class:`PreflightError` unless it lists ``model`` (any model
     when None)."""
     base = url.rstrip("/")
@@ -66,33 +67,54 @@ def probe(url: str, model: str | None = None, api_key: str | None = None,
             body = resp.read()
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
-            raise PreflightError(f"{base} wants an API key: pass --api-key KEY or set OPENAI_API_KEY") from None
+            raise PreflightError(
+                f"{base} wants an API key: pass --api-key KEY or set OPENAI_API_KEY"
+            ) from None
         detail = exc.read()[:200].decode("utf-8", "replace").strip()
-        raise PreflightError(f"{base}/v1/models answered HTTP {exc.code} ({detail or exc.reason}); "
-                             "is --url an OpenAI-compatible server?") from None
+        raise PreflightError(
+            f"{base}/v1/models answered HTTP {exc.code} ({detail or exc.reason}); "
+            "is --url an OpenAI-compatible server?"
+        ) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         if isinstance(reason, socket.timeout | TimeoutError):
-            raise PreflightError(f"{base} did not answer within {timeout_s:g} s; is the server up and ready?") from None
-        raise PreflightError(f"cannot reach {base} ({_reason(reason)}); start a server first "
-                             "(disagg serve listens on http://127.0.0.1:8000) or fix --url") from None
+            raise PreflightError(
+                f"{base} did not answer within {timeout_s:g} s; is the server up and ready?"
+            ) from None
+        raise PreflightError(
+            f"cannot reach {base} ({_reason(reason)}); start a server first "
+            "(disagg serve listens on http://127.0.0.1:8000) or fix --url"
+        ) from None
     try:
         cards = [c for c in json.loads(body).get("data", []) if isinstance(c, dict) and "id" in c]
     except (ValueError, AttributeError):
-        raise PreflightError(f"{base}/v1/models is not an OpenAI model list; is --url the API's base URL?") from None
+        raise PreflightError(
+            f"{base}/v1/models is not an OpenAI model list; is --url the API's base URL?"
+        ) from None
     if not cards:
         raise PreflightError(f"{base} serves no model (/v1/models is empty)")
     ids = [str(c["id"]) for c in cards]
     if model is not None and model not in ids:
-        raise PreflightError(f"model {model!r} is not served at {base}; it serves: {', '.join(ids)} (fix --model)")
+        raise PreflightError(
+            f"model {model!r} is not served at {base}; it serves: {', '.join(ids)} (fix --model)"
+        )
     card = cards[ids.index(model)] if model is not None else cards[0]
     ext = card.get("disagg") if isinstance(card.get("disagg"), dict) else {}
-    return ServerInfo(str(card["id"]), ids, _int(ext.get("vocab_size")), _int(ext.get("block_size")),
-                      _int(ext.get("max_model_len", card.get("max_model_len"))))
+    return ServerInfo(
+        str(card["id"]),
+        ids,
+        _int(ext.get("vocab_size")),
+        _int(ext.get("block_size")),
+        _int(ext.get("max_model_len", card.get("max_model_len"))),
+    )
 
 
-def token_params(info: ServerInfo | None, vocab_size: int | None = None, first_token_id: int | None = None,
-                 block_size: int | None = None) -> TokenParams:
+def token_params(
+    info: ServerInfo | None,
+    vocab_size: int | None = None,
+    first_token_id: int | None = None,
+    block_size: int | None = None,
+) -> TokenParams:
     """The flags' values where given, else the server's, else the fallbacks (module docstring)."""
     sources = {}
 
@@ -105,7 +127,9 @@ def token_params(info: ServerInfo | None, vocab_size: int | None = None, first_t
 
     vocab = pick("vocab_size", vocab_size, info.vocab_size if info else None, FALLBACK_VOCAB_SIZE)
     block = pick("block_size", block_size, info.block_size if info else None, DEFAULT_BLOCK_SIZE)
-    first = pick("first_token_id", first_token_id, None, FIRST_TOKEN_ID if FIRST_TOKEN_ID < vocab else 0)
+    first = pick(
+        "first_token_id", first_token_id, None, FIRST_TOKEN_ID if FIRST_TOKEN_ID < vocab else 0
+    )
     if not 0 <= first < vocab:
         raise PreflightError(f"--first-token-id {first} must be below the vocabulary size {vocab}")
     return TokenParams(vocab, first, block, sources)

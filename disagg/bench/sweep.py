@@ -166,8 +166,12 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
                 print(format_summary(summary, cfg.label), flush=True)
             failed = [r for r in output.results if r.error]
             if failed:  # even with --quiet: the reason is otherwise only in requests.jsonl
-                print(f"{cfg.label}: {len(failed)} of {len(output.results)} requests failed; first: "
-                      f"{describe_failure(failed[0])}", file=sys.stderr, flush=True)
+                print(
+                    f"{cfg.label}: {len(failed)} of {len(output.results)} requests failed; first: "
+                    f"{describe_failure(failed[0])}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     config = asdict(params)
     config.pop("api_key", None)
     config["model"] = client.model

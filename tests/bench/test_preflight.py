@@ -63,7 +63,9 @@ def test_probe_reads_the_servers_vocabulary_block_size_and_limit(server, backend
 
 
 def test_a_model_the_server_does_not_serve_is_named_with_what_it_serves(server):
-    with pytest.raises(PreflightError, match=r"model 'k3' is not served at .*; it serves: disagg-tiny"):
+    with pytest.raises(
+        PreflightError, match=r"model 'k3' is not served at .*; it serves: disagg-tiny"
+    ):
         probe(server, model="k3")
 
 
@@ -78,49 +80,97 @@ def test_a_server_that_wants_a_key_says_how_to_give_one(backend):
 
 def test_no_server_fails_in_one_line_with_exit_2(trace):
     url = f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.run([sys.executable, "-m", "disagg.cli", "bench", "--url", url, "--trace", trace],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "disagg.cli", "bench", "--url", url, "--trace", trace],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: cannot reach {url} (connection refused); start a server first "
-        "(disagg serve listens on http://127.0.0.1:8000) or fix --url"]
+        "(disagg serve listens on http://127.0.0.1:8000) or fix --url"
+    ]
 
 
-@pytest.mark.parametrize(("flags", "server", "want"), [
-    ({}, ServerInfo("m", ["m"], 512, 64, 4096), (512, 100, 64, "server", "server")),
-    ({"vocab_size": 1000, "block_size": 128}, ServerInfo("m", ["m"], 512, 64, None),
-     (1000, 100, 128, "flag", "flag")),
-    ({}, ServerInfo("m", ["m"], None, None, None), (FALLBACK_VOCAB_SIZE, 100, DEFAULT_BLOCK_SIZE, "fallback",
-                                                    "fallback")),
-    ({}, None, (FALLBACK_VOCAB_SIZE, 100, DEFAULT_BLOCK_SIZE, "fallback", "fallback")),
-    ({}, ServerInfo("m", ["m"], 64, 64, None), (64, 0, 64, "server", "server")),  # ids start at 0 below 100
-])
+@pytest.mark.parametrize(
+    ("flags", "server", "want"),
+    [
+        ({}, ServerInfo("m", ["m"], 512, 64, 4096), (512, 100, 64, "server", "server")),
+        (
+            {"vocab_size": 1000, "block_size": 128},
+            ServerInfo("m", ["m"], 512, 64, None),
+            (1000, 100, 128, "flag", "flag"),
+        ),
+        (
+            {},
+            ServerInfo("m", ["m"], None, None, None),
+            (FALLBACK_VOCAB_SIZE, 100, DEFAULT_BLOCK_SIZE, "fallback", "fallback"),
+        ),
+        ({}, None, (FALLBACK_VOCAB_SIZE, 100, DEFAULT_BLOCK_SIZE, "fallback", "fallback")),
+        (
+            {},
+            ServerInfo("m", ["m"], 64, 64, None),
+            (64, 0, 64, "server", "server"),
+        ),  # ids start at 0 below 100
+    ],
+)
 def test_each_parameter_is_the_flag_else_the_servers_else_the_fallback(flags, server, want):
     tp = token_params(server, **flags)
-    assert (tp.vocab_size, tp.first_token_id, tp.block_size,
-            tp.sources["vocab_size"], tp.sources["block_size"]) == want
+    assert (
+        tp.vocab_size,
+        tp.first_token_id,
+        tp.block_size,
+        tp.sources["vocab_size"],
+        tp.sources["block_size"],
+    ) == want
 
 
 def test_a_first_token_id_outside_the_vocabulary_is_refused():
-    with pytest.raises(PreflightError, match="--first-token-id 600 must be below the vocabulary size 512"):
+    with pytest.raises(
+        PreflightError, match="--first-token-id 600 must be below the vocabulary size 512"
+    ):
         token_params(ServerInfo("m", ["m"], 512, 64, None), first_token_id=600)
 
 
 def bench(server: str, trace: str, out: Path, *extra: str) -> int:
     from disagg.bench.cli import main
 
-    return main(["bench", "--url", server, "--trace", trace, "--out", str(out), "--requests", "3",
-                 "--think-scale", "0", "--no-plots", "--no-progress", *extra])
+    return main(
+        [
+            "bench",
+            "--url",
+            server,
+            "--trace",
+            trace,
+            "--out",
+            str(out),
+            "--requests",
+            "3",
+            "--think-scale",
+            "0",
+            "--no-plots",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def test_the_quick_start_fits_the_server(server, trace, tmp_path, capsys):
     """No vocabulary flag: the prompts are built for the tiny model's 512 ids and all succeed."""
     assert bench(server, trace, tmp_path) == 0
     out = capsys.readouterr()
-    assert "server: disagg-tiny at" in out.out and "vocab_size 512 (server), block_size 64 (server)" in out.out
+    assert (
+        "server: disagg-tiny at" in out.out
+        and "vocab_size 512 (server), block_size 64 (server)" in out.out
+    )
     assert "failed" not in out.err
 
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "c1" / "requests.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "c1" / "requests.jsonl").read_text().splitlines()
+    ]
     assert len([r for r in rows if not r.get("warmup")]) == 3
     assert all(r["error"] is None for r in rows)
 
@@ -129,4 +179,7 @@ def test_failed_requests_say_why_on_the_console(server, trace, tmp_path, capsys)
     """A vocabulary the server does not have: every request fails, and the console gives the reason."""
     assert bench(server, trace, tmp_path, "--vocab-size", "32000") == 1
     err = capsys.readouterr().err
-    assert "c1: 3 of 3 requests failed; first: http_4xx (HTTP 400): token ids must be in [0, 512)" in err
+    assert (
+        "c1: 3 of 3 requests failed; first: http_4xx (HTTP 400): token ids must be in [0, 512)"
+        in err
+    )
