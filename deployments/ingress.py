@@ -139,21 +139,25 @@ class Ingress:
         self.config = load_config(config)
         self.backend = ServeBackend(self.config, decode, prefill)
         self._timings = RecentTimings()
+        ctx = serve.get_replica_context()
+        self._replica_id = ctx.replica_id.unique_id if ctx else "ingress"
 
     def __serve_build_asgi_app__(self):
         app = create_app(self.backend, self.config.http)
         app.add_middleware(TimedASGI, log=self._timings)  # outermost: stamps the arrival
         return app
 
-    async def console(self, since: int = 0) -> dict:
-        """Requests finished after sequence ``since``, the newest sequence number and the
-        replicas' merged stats (what ``disagg serve`` prints; ``disagg.console``)."""
-        records, last = self.backend.request_log.since(since)
+    async def console(self, seen: dict[str, int]) -> dict:
+        """This replica's requests finished after ``seen[its id]`` (each ingress replica numbers
+        its own), its id, its newest sequence number and the replicas' merged stats: what
+        ``disagg serve`` prints (``disagg.console``)."""
+        records, last = self.backend.request_log.since(seen.get(self._replica_id, 0))
         try:
             stats = await asyncio.wait_for(self.backend.stats(), timeout=5)
         except Exception:  # stats are best effort; the request lines still come
             stats = {}
-        return {"requests": [asdict(r) for r in records], "last_seq": last, "stats": stats}
+        return {"replica": self._replica_id, "requests": [asdict(r) for r in records], "last_seq": last,
+                "stats": stats}
 
     async def timings(self, request_ids: list[str]) -> dict[str, dict]:
         """First-token stamps of recent requests through this ingress (``deployments.timings``)."""

@@ -11,7 +11,8 @@ NOTES
 1. Sequence numbers start at 1 and grow by one per record; ``since(n)`` returns the
    records after ``n`` that the ring still holds and the newest number, so a poller
    that fell behind by more than the ring's capacity skips the oldest (it never
-   repeats one).
+   repeats one). Each ingress replica numbers its own records: a poller keeps one
+   number per replica.
 2. A record's repr and line carry no prompt text or token ids, only counts.
 """
 

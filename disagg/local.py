@@ -247,8 +247,8 @@ def serve_forever(cfg: AppConfig, log_level: str = "info", stats_period_s: float
     While serving it prints one line per finished request and, every ``stats_period_s`` in
     which there was traffic, a stats line (``disagg.console``), at ``log_level`` info.
     """
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("disagg").setLevel(log_level.upper())  # ours; other libraries keep WARNING
     out = logging.getLogger("disagg.serve")
     _trap_stop_signals()
     t0 = time.monotonic()
@@ -274,18 +274,19 @@ def _console_loop(out: logging.Logger, stats_period_s: float) -> None:
     from disagg.console import RequestRecord, format_request, format_stats
 
     handle = serve.get_app_handle(APP_NAME)
-    seq, window, window_t0 = 0, [], time.monotonic()
+    seen: dict[str, int] = {}  # ingress replica -> the last sequence number printed
+    window, window_t0 = [], time.monotonic()
     while True:
         try:
             time.sleep(1.0)
-            reply = handle.console.remote(seq).result(timeout_s=10)
+            reply = handle.console.remote(seen).result(timeout_s=10)
         except _Stop:
             raise
         except Exception as exc:  # a replica restarting: say so, keep serving
             out.debug("console poll failed: %r", exc)
             continue
         records = [RequestRecord(**r) for r in reply["requests"]]
-        seq = reply["last_seq"]
+        seen[reply["replica"]] = reply["last_seq"]
         for r in records:
             out.info(format_request(r))
         window.extend(records)
