@@ -76,8 +76,11 @@ def haproxy_shim() -> str:
     global _shim
     if _shim is None or not os.access(_shim, os.X_OK):
         from deployments.haproxy_front import SHIM
+        from disagg.haproxy_dirs import PREFIX, write_owner
 
-        path = os.path.join(tempfile.mkdtemp(prefix="disagg-haproxy-"), "haproxy-front")
+        folder = tempfile.mkdtemp(prefix=PREFIX)
+        write_owner(folder)  # a later run stops what this one leaves if it dies (haproxy_dirs)
+        path = os.path.join(folder, "haproxy-front")
         with open(path, "w") as f:
             f.write(SHIM.format(python=shlex.quote(sys.executable)))
         os.chmod(path, 0o755)
@@ -98,46 +101,19 @@ def _cluster_env() -> dict[str, str]:
 
 
 def stop_haproxy(timeout_s: float = 3.0) -> list[int]:
-    """Stop the HAProxy processes this process's shim started (``deployments.haproxy_front``
-    records their pids) and remove the shim's directory. Serve stops HAProxy when its proxy
-    actor stops cleanly; one left behind (its actor was killed) would hold the HTTP port.
-    Returns the pids that were still running."""
+    """Stop the HAProxy processes this process's shim started and remove the shim's directory
+    (``disagg.haproxy_dirs``). Serve stops HAProxy when its proxy actor stops cleanly; one left
+    behind (its actor was killed) would hold the HTTP port. Returns the pids still running."""
     global _shim
     if _shim is None:
         return []
-    folder = os.path.dirname(_shim)
-    try:
-        with open(os.path.join(folder, "pids")) as f:
-            pids = [int(line) for line in f if line.strip().isdigit()]
-    except OSError:
-        pids = []
-    alive = [pid for pid in pids if _is_haproxy(pid)]
-    for pid in alive:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while any(_is_haproxy(pid) for pid in alive) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid in alive:
-        if _is_haproxy(pid):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+    from disagg.haproxy_dirs import stop_recorded
+
+    alive = stop_recorded(os.path.dirname(_shim), timeout_s)
     if alive:
         log.info("stopped HAProxy left running after Ray: pids %s", alive)
-    shutil.rmtree(folder, ignore_errors=True)
     _shim = None
     return alive
-
-
-def _is_haproxy(pid: int) -> bool:
-    """``pid`` runs HAProxy now (not a reused pid, not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:][:1]
-    return "haproxy" in name and state != "Z"
 
 
 def export_cluster_env() -> None:
