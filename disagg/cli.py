@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -102,10 +103,14 @@ def _load(args):
 
 def _check_local(cfg) -> None:
     """What the local cluster needs, checked before Ray starts."""
+    from disagg.haproxy_dirs import reap_orphans
     from disagg.local import local_num_cpus
     from disagg.preflight import check_cpus, check_port
 
     check_cpus(cfg, local_num_cpus())
+    reaped = reap_orphans()  # HAProxy left by a run that died: it may hold this very port
+    if reaped:
+        print(f"stopped HAProxy left running by an earlier run that died (pids {reaped})", file=sys.stderr)
     check_port(cfg.http.host, cfg.http.port)
 
 
@@ -114,7 +119,14 @@ def cmd_serve(args) -> int:
 
     cfg = _load(args)
     _check_local(cfg)
-    return serve_forever(cfg, log_level=args.log_level)
+    rc = serve_forever(cfg, log_level=args.log_level)
+    # Everything outside this process is stopped by now (app, Ray, HAProxy, temp files). The
+    # interpreter's own finalization after a Ray driver took another ~10 s on a busy 2-core
+    # machine (after the atexit hooks, with no Python thread left): leave without it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def cmd_demo(args) -> int:
