@@ -140,6 +140,10 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
+class ClusterStartError(RuntimeError):
+    """The local Ray cluster did not start; the message says why in one line."""
+
+
 def local_num_cpus() -> int:
     """Logical CPUs of the local cluster: at least 4, so the embedded default (ingress + prefill +
     decode) packs onto small machines."""
@@ -152,8 +156,15 @@ def _init_ray() -> bool:
     if ray.is_initialized():
         return False
     export_cluster_env()
-    ray.init(num_cpus=local_num_cpus(), include_dashboard=False, namespace="disagg",
-             log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
+    try:
+        ray.init(num_cpus=local_num_cpus(), include_dashboard=False, namespace="disagg",
+                 log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
+    except Exception as exc:  # e.g. Ray's fixed 30 s wait for its raylet, missed on an overloaded machine
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        stop_haproxy()
+        raise ClusterStartError(f"Ray's local cluster did not start: {str(exc).splitlines()[0]} "
+                                "(an overloaded machine? try again)") from exc
     return True
 
 
