@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 from disagg.config import AppConfig
+from disagg.engine.reference.config import PRESETS
 
 log = logging.getLogger(__name__)
 APP_NAME = "disagg"
@@ -159,10 +160,12 @@ def _init_ray() -> bool:
     try:
         ray.init(num_cpus=local_num_cpus(), include_dashboard=False, namespace="disagg",
                  log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
-    except Exception as exc:  # e.g. Ray's fixed 30 s wait for its raylet, missed on an overloaded machine
+    except BaseException as exc:  # e.g. Ray's fixed 30 s wait for its raylet, missed on an overloaded machine
         with contextlib.suppress(Exception):
             ray.shutdown()
         stop_haproxy()
+        if not isinstance(exc, Exception):
+            raise  # a stop signal (serve_forever) or KeyboardInterrupt during the start
         raise ClusterStartError(f"Ray's local cluster did not start: {str(exc).splitlines()[0]} "
                                 "(an overloaded machine? try again)") from exc
     return True
@@ -197,8 +200,9 @@ def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
                 serve.shutdown()
 
 
-class _Stop(Exception):
-    """SIGINT or SIGTERM arrived: leave the serving loop and tear down."""
+class _Stop(BaseException):
+    """SIGINT or SIGTERM arrived: leave the serving loop and tear down (a BaseException, as
+    KeyboardInterrupt is, so that no ``except Exception`` on the way swallows it)."""
 
     def __init__(self, signame: str) -> None:
         super().__init__(signame)
@@ -245,7 +249,7 @@ def serve_forever(cfg: AppConfig, log_level: str = "info", stats_period_s: float
             print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1, ready in "
                   f"{time.monotonic() - t0:.0f} s (Ctrl-C or SIGTERM stops)\nlogs: {ray_log_dir()} "
                   "(replica logs under serve/)", flush=True)
-            if not os.path.isdir(cfg.model.name):
+            if cfg.engine.backend == "reference" and cfg.model.name in PRESETS:
                 print(f"model {cfg.model.name!r} is a preset with random weights: its text is meaningless "
                       "(serve a checkpoint directory for real text)", flush=True)
             _console_loop(out, stats_period_s)
@@ -267,8 +271,6 @@ def _console_loop(out: logging.Logger, stats_period_s: float) -> None:
         try:
             time.sleep(1.0)
             reply = handle.console.remote(seen).result(timeout_s=10)
-        except _Stop:
-            raise
         except Exception as exc:  # a replica restarting: say so, keep serving
             out.debug("console poll failed: %r", exc)
             continue
