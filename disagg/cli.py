@@ -175,7 +175,8 @@ def cmd_generate(args) -> int:
             done = o.finished
     total = time.perf_counter() - t0
     decode_s = total - (ttft or 0)
-    result = {"model": cfg.model.openai_name, "weights_id": engine.model_id, "prompt_tokens": len(ids), "output_token_ids": out_ids,
+    result = {"model": cfg.model.openai_name, "weights_id": engine.model_id,
+              "prompt_tokens": len(ids), "output_token_ids": out_ids,
               "text": tok.decode(out_ids), "ttft_s": round(ttft or 0, 4), "total_s": round(total, 4),
               "decode_tokens_per_s": round((len(out_ids) - 1) / decode_s, 1) if len(out_ids) > 1 and decode_s else None}
     print(json.dumps(result, indent=None if args.json else 2))

@@ -6,7 +6,8 @@ its message (one line per problem, naming the fix) and exits with status 2,
 without a traceback (``disagg --debug`` shows one). Each check runs before Ray
 starts, so it answers in about a second instead of after a cluster start.
 
-    cfg = load_config_for_cli("serve.yaml")   # UsageError: serve.yaml: unknown key 'model.nmae'; did you mean 'model.name'?
+    cfg = load_config_for_cli("serve.yaml")
+    # UsageError: serve.yaml: unknown key 'model.nmae'; did you mean 'model.name'?
     check_model(cfg); check_device(cfg); check_cpus(cfg, 4); check_port(cfg.http.host, cfg.http.port)
 
 NOTES

@@ -48,4 +48,5 @@ def test_stats_line_sums_roles_and_reports_the_window():
 
 
 def test_stats_line_without_stats_or_traffic():
-    assert format_stats([], 10.0, {}) == "stats: running ?, queued ? | 0.0 gen tok/s, 0 prompt tok/s | hit - (0 req) | tiers ?"
+    assert format_stats([], 10.0, {}) == (
+        "stats: running ?, queued ? | 0.0 gen tok/s, 0 prompt tok/s | hit - (0 req) | tiers ?")
