@@ -72,7 +72,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
                    help="override model.dtype; default: the config's (float32)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="console log level (info: one line per request and a stats line every 10 s)")
+                   help="level of disagg's console messages (serve at info: a line per request, "
+                        "a stats line every 10 s)")
     _add_debug_arg(p)
 
 
@@ -134,6 +135,8 @@ def cmd_demo(args) -> int:
 
     cfg = _load(args)
     _check_local(cfg)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("disagg").setLevel(args.log_level.upper())
     return run_demo(cfg, num_sessions=args.sessions, num_turns=args.turns, context_tokens=args.context)
 
 
