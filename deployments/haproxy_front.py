@@ -30,6 +30,7 @@ import shutil
 import sys
 
 SHIM = '#!/bin/sh\n# Serve starts HAProxy through this (deployments/haproxy_front.py)\nexec {python} -m deployments.haproxy_front "$@"\n'
+PID_FILE_ENV = "DISAGG_HAPROXY_PID_FILE"  # where main() records HAProxy's pid (set by disagg.local)
 _SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|userlist|peers|resolvers|program|cache)\b")
 _BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|::|\[::\])?:(\d+)\b")
 
@@ -94,10 +95,19 @@ def rewrite(path: str) -> None:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
+def record_pid(path: str | None) -> None:
+    """Append this process's pid (HAProxy's, after the exec) to ``path``: whoever started the
+    cluster stops what is left of HAProxy there at shutdown (``disagg.local``)."""
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     for path in config_paths(args):
         rewrite(path)
+    record_pid(os.environ.get(PID_FILE_ENV))
     binary = real_binary(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"))
     os.execv(binary, [binary, *args])
 

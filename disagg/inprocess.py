@@ -62,6 +62,7 @@ class InProcessBackend:
         limits = engine_limits(cfg)
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size  # valid prompt token ids: [0, vocab_size)
+        self.block_size = cfg.engine.block_size  # tokens per cache block (prefix reuse granularity)
         self.model_name = cfg.model.openai_name
 
     def _worker(self, engine: AsyncEngine, name: str, role: str) -> StatefulWorker:

@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 from disagg.config import AppConfig
+from disagg.engine.reference.config import PRESETS
 
 log = logging.getLogger(__name__)
 APP_NAME = "disagg"
@@ -75,8 +77,11 @@ def haproxy_shim() -> str:
     global _shim
     if _shim is None or not os.access(_shim, os.X_OK):
         from deployments.haproxy_front import SHIM
+        from disagg.haproxy_dirs import PREFIX, write_owner
 
-        path = os.path.join(tempfile.mkdtemp(prefix="disagg-haproxy-"), "haproxy-front")
+        folder = tempfile.mkdtemp(prefix=PREFIX)
+        write_owner(folder)  # a later run stops what this one leaves if it dies (haproxy_dirs)
+        path = os.path.join(folder, "haproxy-front")
         with open(path, "w") as f:
             f.write(SHIM.format(python=shlex.quote(sys.executable)))
         os.chmod(path, 0o755)
@@ -85,12 +90,31 @@ def haproxy_shim() -> str:
 
 
 def _cluster_env() -> dict[str, str]:
+    from deployments.haproxy_front import PID_FILE_ENV
+
     env = {**SERVE_ENV, **CLUSTER_ENV}
     if _haproxy_available():
         env.update(HAPROXY_ENV)
         env.update({key: str(free_port()) for key in _HAPROXY_PORT_KEYS})
-        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = haproxy_shim()
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = shim = haproxy_shim()
+        env[PID_FILE_ENV] = os.path.join(os.path.dirname(shim), "pids")
     return env
+
+
+def stop_haproxy(timeout_s: float = 3.0) -> list[int]:
+    """Stop the HAProxy processes this process's shim started and remove the shim's directory
+    (``disagg.haproxy_dirs``). Serve stops HAProxy when its proxy actor stops cleanly; one left
+    behind (its actor was killed) would hold the HTTP port. Returns the pids still running."""
+    global _shim
+    if _shim is None:
+        return []
+    from disagg.haproxy_dirs import stop_recorded
+
+    alive = stop_recorded(os.path.dirname(_shim), timeout_s)
+    if alive:
+        log.info("stopped HAProxy left running after Ray: pids %s", alive)
+    _shim = None
+    return alive
 
 
 def export_cluster_env() -> None:
@@ -117,15 +141,33 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
+class ClusterStartError(RuntimeError):
+    """The local Ray cluster did not start; the message says why in one line."""
+
+
+def local_num_cpus() -> int:
+    """Logical CPUs of the local cluster: at least 4, so the embedded default (ingress + prefill +
+    decode) packs onto small machines."""
+    return max(4, os.cpu_count() or 1)
+
+
 def _init_ray() -> bool:
     import ray
 
     if ray.is_initialized():
         return False
     export_cluster_env()
-    # logical CPUs: the embedded default packs ingress + prefill + decode onto small machines
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, namespace="disagg",
-             log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
+    try:
+        ray.init(num_cpus=local_num_cpus(), include_dashboard=False, namespace="disagg",
+                 log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
+    except BaseException as exc:  # e.g. Ray's fixed 30 s wait for its raylet, missed on an overloaded machine
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        stop_haproxy()
+        if not isinstance(exc, Exception):
+            raise  # a stop signal (serve_forever) or KeyboardInterrupt during the start
+        raise ClusterStartError(f"Ray's local cluster did not start: {str(exc).splitlines()[0]} "
+                                "(an overloaded machine? try again)") from exc
     return True
 
 
@@ -149,18 +191,98 @@ def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
         with contextlib.suppress(Exception):
             shutdown_node_stores()
         if started:  # our own cluster: its end takes Serve's actors with it
+            with contextlib.suppress(Exception):
+                serve.shutdown()  # the proxies first: they stop HAProxy themselves
             ray.shutdown()
+            stop_haproxy()
         else:
             with contextlib.suppress(Exception):
                 serve.shutdown()
 
 
-def serve_forever(cfg: AppConfig) -> None:
-    with local_app(cfg) as url:
-        print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1  (Ctrl-C to stop)",
-              flush=True)
+class _Stop(BaseException):
+    """SIGINT or SIGTERM arrived: leave the serving loop and tear down (a BaseException, as
+    KeyboardInterrupt is, so that no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(signame)
+        self.t0 = time.monotonic()
+
+
+def _on_stop_signal(signum, _frame) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the teardown runs once, uninterrupted
+        signal.signal(sig, signal.SIG_IGN)
+    name = signal.Signals(signum).name
+    os.write(2, f"{name}: stopping the app, Ray and HAProxy\n".encode())  # no logging lock in a handler
+    raise _Stop(name)
+
+
+def _trap_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_stop_signal)
+
+
+def ray_log_dir() -> str:
+    """The local cluster's log directory (Serve's replica logs are under ``serve/``)."""
+    try:
+        from ray._private.worker import _global_node
+
+        return _global_node.get_logs_dir_path()
+    except Exception:
+        return "/tmp/ray/session_latest/logs"
+
+
+def serve_forever(cfg: AppConfig, log_level: str = "info", stats_period_s: float = 10.0) -> int:
+    """``disagg serve``: serve until SIGINT / SIGTERM, then stop the app, Ray and HAProxy.
+
+    While serving it prints one line per finished request and, every ``stats_period_s`` in
+    which there was traffic, a stats line (``disagg.console``), at ``log_level`` info.
+    """
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("disagg").setLevel(log_level.upper())  # ours; other libraries keep WARNING
+    out = logging.getLogger("disagg.serve")
+    _trap_stop_signals()
+    t0 = time.monotonic()
+    try:
+        with local_app(cfg) as url:
+            _trap_stop_signals()  # ray.init installed its own SIGTERM handler (sys.exit)
+            print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1, ready in "
+                  f"{time.monotonic() - t0:.0f} s (Ctrl-C or SIGTERM stops)\nlogs: {ray_log_dir()} "
+                  "(replica logs under serve/)", flush=True)
+            if cfg.engine.backend == "reference" and cfg.model.name in PRESETS:
+                print(f"model {cfg.model.name!r} is a preset with random weights: its text is meaningless "
+                      "(serve a checkpoint directory for real text)", flush=True)
+            _console_loop(out, stats_period_s)
+    except _Stop as stop:
+        print(f"stopped in {time.monotonic() - stop.t0:.1f} s", flush=True)
+    return 0
+
+
+def _console_loop(out: logging.Logger, stats_period_s: float) -> None:
+    """Poll the ingress for finished requests and stats; print them (until a stop signal)."""
+    from ray import serve
+
+    from disagg.console import RequestRecord, format_request, format_stats
+
+    handle = serve.get_app_handle(APP_NAME)
+    seen: dict[str, int] = {}  # ingress replica -> the last sequence number printed
+    window, window_t0 = [], time.monotonic()
+    while True:
         try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            print("shutting down", flush=True)
+            time.sleep(1.0)
+            reply = handle.console.remote(seen).result(timeout_s=10)
+        except Exception as exc:  # a replica restarting: say so, keep serving
+            out.debug("console poll failed: %r", exc)
+            continue
+        records = [RequestRecord(**r) for r in reply["requests"]]
+        seen[reply["replica"]] = reply["last_seq"]
+        for r in records:
+            out.info(format_request(r))
+        window.extend(records)
+        now = time.monotonic()
+        if now - window_t0 >= stats_period_s:
+            engines = reply["stats"].get("engines") or {}
+            busy = any(e.get("running") or e.get("waiting") for e in engines.values())
+            if window or busy:
+                out.info(format_stats(window, now - window_t0, reply["stats"]))
+            window, window_t0 = [], now

@@ -108,8 +108,12 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
     started = int(time.time())
 
     def model_card() -> dict:
-        return {"id": backend.model_name, "object": "model", "created": started, "owned_by": "disagg",
+        card = {"id": backend.model_name, "object": "model", "created": started, "owned_by": "disagg",
                 "max_model_len": backend.max_model_len}
+        # extension: what a client needs to build valid token-ID prompts (disagg bench reads it)
+        card["disagg"] = {"max_model_len": backend.max_model_len, "vocab_size": getattr(backend, "vocab_size", None),
+                          "block_size": getattr(backend, "block_size", None)}
+        return card
 
     @app.get("/v1/models", responses={401: {"model": ErrorResponse, "description": _ERRORS[401]}})
     async def models():

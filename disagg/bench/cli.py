@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from disagg.bench.pareto import DEFAULT_TARGETS
+from disagg.bench.preflight import FALLBACK_VOCAB_SIZE, FIRST_TOKEN_ID
 from disagg.bench.trace import DEFAULT_BLOCK_SIZE, TraceError
 
 
@@ -53,7 +54,7 @@ def add_bench_parsers(subparsers: Any) -> None:
 
     synth = tsub.add_parser("synth", help="synthesize agentic coding sessions")
     synth.add_argument("--sessions", type=int, default=100, help="top-level sessions")
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--seed", type=int, default=0, help="random seed of the synthesis")
     synth.add_argument("--scale", type=float, default=1.0, help="multiplies token lengths")
     synth.add_argument("--turn-scale", type=float, default=1.0, help="multiplies turns per session")
     synth.add_argument("--block-size", type=int, default=256, help="tokens per hash block")
@@ -64,12 +65,12 @@ def add_bench_parsers(subparsers: Any) -> None:
         default=None,
         help="session starts per second for open-loop timestamps",
     )
-    synth.add_argument("--no-subagents", action="store_true")
+    synth.add_argument("--no-subagents", action="store_true", help="no subagent sessions")
     synth.add_argument("-o", "--out", required=True, help="output JSONL")
     synth.set_defaults(func=cmd_trace_synth)
 
     stats = tsub.add_parser("stats", help="print a trace's statistics")
-    stats.add_argument("trace")
+    stats.add_argument("trace", help="trace JSONL")
     stats.add_argument(
         "--block-size",
         type=int,
@@ -80,16 +81,23 @@ def add_bench_parsers(subparsers: Any) -> None:
     stats.set_defaults(func=cmd_trace_stats)
 
     moon = tsub.add_parser("import-mooncake", help="convert a Mooncake-style trace")
-    moon.add_argument("input")
-    moon.add_argument("-o", "--out", required=True)
+    moon.add_argument("input", help="Mooncake-style JSONL")
+    moon.add_argument("-o", "--out", required=True, help="output trace JSONL")
     moon.add_argument(
         "--sessions",
         choices=["prefix", "each"],
         default="prefix",
         help="infer sessions by hash prefix, or one session per request",
     )
-    moon.add_argument("--block-size", type=int, default=512)
-    moon.add_argument("--min-match-blocks", type=int, default=2)
+    moon.add_argument(
+        "--block-size", type=int, default=512, help="tokens per hash block of the input"
+    )
+    moon.add_argument(
+        "--min-match-blocks",
+        type=int,
+        default=2,
+        help="shared leading blocks that make one session",
+    )
     moon.set_defaults(func=cmd_trace_import_mooncake)
 
     bench = subparsers.add_parser("bench", help="replay a trace against a server and report")
@@ -97,14 +105,19 @@ def add_bench_parsers(subparsers: Any) -> None:
     bench.set_defaults(func=cmd_bench)
     bsub = bench.add_subparsers(dest="bench_command", metavar="{plot,compare}")
     plot = bsub.add_parser("plot", help="(re)draw the plots of a results directory")
-    plot.add_argument("results")
+    plot.add_argument("results", help="results directory of a disagg bench run")
     plot.set_defaults(func=cmd_bench_plot)
     comp = bsub.add_parser("compare", help="A/B: two fronts and ratios at target interactivities")
-    comp.add_argument("a")
-    comp.add_argument("b")
+    comp.add_argument("a", help="results directory A")
+    comp.add_argument("b", help="results directory B")
     comp.add_argument("--labels", default=None, help="names of A and B, comma-separated")
-    comp.add_argument("-o", "--out", default="compare.png")
-    comp.add_argument("--targets", type=_floats, default=list(DEFAULT_TARGETS))
+    comp.add_argument("-o", "--out", default="compare.png", help="output PNG")
+    comp.add_argument(
+        "--targets",
+        type=_floats,
+        default=list(DEFAULT_TARGETS),
+        help="interactivities (tok/s/user) to compare at",
+    )
     comp.set_defaults(func=cmd_bench_compare)
 
 
@@ -113,13 +126,25 @@ def _add_bench_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="trace JSONL")
     p.add_argument("--out", default="results", help="results directory")
     p.add_argument("--concurrency", type=_ints, default=[1], help="closed-loop lanes, e.g. 1,2,4,8")
-    p.add_argument("--mode", choices=["closed", "open"], default="closed")
+    p.add_argument(
+        "--mode",
+        choices=["closed", "open"],
+        default="closed",
+        help="closed-loop lanes or open-loop timestamps",
+    )
     p.add_argument("--duration", type=float, default=None, help="measured seconds per run")
     p.add_argument("--requests", type=int, default=None, help="measured requests per run")
     p.add_argument("--warmup", type=float, default=0.0, help="warm-up seconds")
-    p.add_argument("--warmup-requests", type=int, default=0)
-    p.add_argument("--think-cap-ms", type=float, default=30_000.0)
-    p.add_argument("--think-scale", type=float, default=1.0)
+    p.add_argument("--warmup-requests", type=int, default=0, help="first N requests are warm-up")
+    p.add_argument(
+        "--think-cap-ms", type=float, default=30_000.0, help="closed loop: cap on think time"
+    )
+    p.add_argument(
+        "--think-scale",
+        type=float,
+        default=1.0,
+        help="closed loop: multiplies think time (0: none)",
+    )
     p.add_argument("--speedup", type=float, default=1.0, help="open loop: timestamp speedup")
     p.add_argument(
         "--sample-start-turn",
@@ -128,15 +153,15 @@ def _add_bench_run_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ramp", type=float, default=0.0, help="seconds over which lanes start")
     p.add_argument("--salt", type=int, default=1, help="cache-busting salt of the first run")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts and sampled start turns")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs serving (prefill + decode)")
     p.add_argument(
         "--gpu-cost",
         default=None,
         help="$/GPU-hour: a number or a preset such as mi355x, b300-neocloud, h200:3yr",
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-itl-ms", type=float, default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound (ms)")
+    p.add_argument("--slo-itl-ms", type=float, default=None, help="goodput: ITL bound (ms)")
     p.add_argument(
         "--targets",
         type=_floats,
@@ -149,8 +174,15 @@ def _add_bench_run_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("OPENAI_API_KEY"),
         help="bearer token (default: $OPENAI_API_KEY)",
     )
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--prompt-mode", choices=["tokens", "text"], default="tokens")
+    p.add_argument(
+        "--endpoint", choices=["completions", "chat"], default="completions", help="OpenAI endpoint"
+    )
+    p.add_argument(
+        "--prompt-mode",
+        choices=["tokens", "text"],
+        default="tokens",
+        help="token-ID prompts, or text (chat endpoint, servers without token-ID prompts)",
+    )
     p.add_argument(
         "--transport",
         choices=["auto", "raw", "aiohttp"],
@@ -158,21 +190,44 @@ def _add_bench_run_args(p: argparse.ArgumentParser) -> None:
         help="streaming client: raw (kernel receive stamps; plain http) or aiohttp; "
         "auto: raw for http://, aiohttp for https://",
     )
-    p.add_argument("--vocab-size", type=int, default=32_000)
-    p.add_argument("--first-token-id", type=int, default=100)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="prompt token ids are below this; default: the server's (its /v1/models card), "
+        f"else {FALLBACK_VOCAB_SIZE}",
+    )
+    p.add_argument(
+        "--first-token-id",
+        type=int,
+        default=None,
+        help=f"prompt token ids start here; default: {FIRST_TOKEN_ID} (0 for a smaller vocabulary)",
+    )
     p.add_argument(
         "--block-size",
         type=int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="default for records without block_size",
+        default=None,
+        help="tokens per hash block of records without block_size; default: the server's cache "
+        f"block size, else {DEFAULT_BLOCK_SIZE}",
     )
-    p.add_argument("--metrics-path", default="/metrics")
-    p.add_argument("--metrics-counter", default="disagg_prompt_tokens_total")
+    p.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the GET /v1/models check (for servers without it; then give --model)",
+    )
+    p.add_argument(
+        "--metrics-path", default="/metrics", help="Prometheus endpoint scraped around runs"
+    )
+    p.add_argument(
+        "--metrics-counter",
+        default="disagg_prompt_tokens_total",
+        help="prompt-token counter by source (server-side hit rate)",
+    )
     p.add_argument("--parquet", action="store_true", help="also write requests.parquet")
     p.add_argument("--record-chunks", action="store_true", help="keep per-chunk times in JSONL")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no per-run summaries")
 
 
 def _fail(message: str) -> int:
@@ -239,15 +294,22 @@ def cmd_trace_import_mooncake(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from disagg.bench.preflight import PreflightError, probe, token_params
     from disagg.bench.sweep import BenchParams, run_bench_sync
     from disagg.bench.trace import load_trace
 
     if not args.url or not args.trace:
         return _fail("disagg bench needs --url and --trace (or a subcommand: plot, compare)")
     try:
-        records = load_trace(args.trace, default_block_size=args.block_size)
+        info = None if args.no_preflight else probe(args.url, args.model, args.api_key)
+        tp = token_params(info, args.vocab_size, args.first_token_id, args.block_size)
+    except PreflightError as exc:
+        return _fail(str(exc))
+    try:
+        records = load_trace(args.trace, default_block_size=tp.block_size)
     except (TraceError, OSError) as exc:
         return _fail(str(exc))
+    _print_server(args.url, info, tp, records, args.quiet)
     params = BenchParams(
         url=args.url,
         trace=args.trace,
@@ -270,14 +332,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,
         targets=args.targets,
-        model=args.model,
+        model=info.model if info else args.model,
         api_key=args.api_key,
         endpoint=args.endpoint,
         prompt_mode=args.prompt_mode,
         transport=args.transport,
-        vocab_size=args.vocab_size,
-        first_token_id=args.first_token_id,
-        default_block_size=args.block_size,
+        vocab_size=tp.vocab_size,
+        first_token_id=tp.first_token_id,
+        default_block_size=tp.block_size,
         metrics_path=args.metrics_path,
         metrics_counter=args.metrics_counter,
         parquet=args.parquet,
@@ -302,6 +364,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"INVALID runs (>10% failed): {invalid}", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_server(url: str, info, tp, records: list, quiet: bool) -> None:
+    """Where the prompt parameters came from; a warning for requests longer than the server takes."""
+    if not quiet:
+        where = ", ".join(
+            f"{k} {getattr(tp, k)} ({tp.sources[k]})" for k in ("vocab_size", "block_size")
+        )
+        model = f"{info.model} at {url}" if info else f"{url} (no preflight)"
+        print(f"server: {model}; {where}", flush=True)
+    limit = info.max_model_len if info else None
+    too_long = [r for r in records if limit and r.input_length + r.output_length > limit]
+    if too_long:
+        print(
+            f"warning: {len(too_long)} of {len(records)} trace requests exceed the server's max_model_len "
+            f"{limit} (prompt + output); they will fail",
+            file=sys.stderr,
+        )
 
 
 def cmd_bench_plot(args: argparse.Namespace) -> int:

@@ -21,10 +21,12 @@ Example config (what ``disagg bench`` builds from its flags)::
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from disagg.bench.client import OpenAIClient
+from disagg.bench.client import OpenAIClient, RequestResult
 from disagg.bench.cost import gpu_hour_price
 from disagg.bench.metrics import SLO, RunSummary, format_summary, summarize
 from disagg.bench.pareto import DEFAULT_TARGETS
@@ -162,6 +164,14 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
             runs.append((output, summary))
             if not params.quiet:
                 print(format_summary(summary, cfg.label), flush=True)
+            failed = [r for r in output.results if r.error]
+            if failed:  # even with --quiet: the reason is otherwise only in requests.jsonl
+                print(
+                    f"{cfg.label}: {len(failed)} of {len(output.results)} requests failed; first: "
+                    f"{describe_failure(failed[0])}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     config = asdict(params)
     config.pop("api_key", None)
     config["model"] = client.model
@@ -171,6 +181,19 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
     if params.plots:
         write_plots(doc, params.targets)
     return doc
+
+
+def describe_failure(result: RequestResult) -> str:
+    """``http_4xx (HTTP 400): token ids must be in [0, 512)``: the error class, the status and the
+    server's message (an OpenAI error body's ``message``, else the start of the body)."""
+    detail = result.error_detail.strip()
+    try:
+        err = json.loads(detail).get("error")
+        detail = str(err.get("message", err) if isinstance(err, dict) else err or detail)
+    except (ValueError, AttributeError):
+        pass
+    status = f" (HTTP {result.status})" if result.status is not None else ""
+    return f"{result.error}{status}: {detail[:200] or 'no detail'}"
 
 
 def write_plots(doc: dict, targets: list[float] | None = None) -> list[Path]:

@@ -11,7 +11,8 @@ from the moment the handler starts, so sleep jitter does not accumulate)::
          token i at  first + i * itl_ms                      (i = 1 .. n-1)
 
 Endpoints: ``POST /v1/completions`` (token-ID or text prompts, streaming or
-not), ``POST /v1/chat/completions`` (minimal), ``GET /metrics`` (Prometheus
+not), ``POST /v1/chat/completions`` (minimal), ``GET /v1/models`` (one model,
+``test``, without the ``disagg`` extension), ``GET /metrics`` (Prometheus
 text with ``disagg_prompt_tokens_total{source=device|computed}``), and
 ``GET /debug/timings`` (with ``record_timings``, per ``x-request-id``: the
 handler's start ``recv_ns``, each token chunk's write ``write_ns`` and the
@@ -303,6 +304,11 @@ def build_app(config: TestServerConfig) -> web.Application:
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
+    async def models(request: web.Request) -> web.Response:
+        if config.api_key and request.headers.get("Authorization") != f"Bearer {config.api_key}":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": "test", "object": "model"}]})
+
     async def timings(request: web.Request) -> web.Response:
         out = dict(state.timings)
         if request.query.get("clear"):
@@ -312,6 +318,7 @@ def build_app(config: TestServerConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/debug/timings", timings)
     return app
 
