@@ -54,6 +54,7 @@ from disagg.messages import GenerateParams
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.router import RouterConfig, StateAwareRouter
 from disagg.router.types import RouteRequest, TailProbe, WorkerState
+from disagg.session import session_key
 from kv_transfer.keys import BlockHasher, KeyExtras
 
 log = logging.getLogger("ray.serve")
@@ -275,7 +276,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
 
 def affinity_key(params: GenerateParams, block_size: int = 64) -> str:
     if params.session_id:
-        return f"s:{params.cache_salt}:{params.session_id}"
+        return "s:" + session_key(params.cache_salt, params.session_id)
     head = params.prompt_token_ids[:block_size]
     return "p:" + hashlib.sha256(f"{params.cache_salt}|{head}".encode()).hexdigest()
 

@@ -53,6 +53,7 @@ from disagg import faults as fault_injection
 from disagg.engine.protocol import EngineRequest
 from disagg.faults import FaultInjector, LoadFault
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.session import session_key
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
 
 if TYPE_CHECKING:
@@ -446,7 +447,7 @@ def continue_params(params: GenerateParams, streamed: list[int], attempt: int) -
 
 
 def _session_key(params: GenerateParams) -> str | None:
-    return f"{params.cache_salt}|{params.session_id}" if params.session_id else None
+    return session_key(params.cache_salt, params.session_id) or None
 
 
 def _source(tier: str | None) -> str:

@@ -42,6 +42,7 @@ from disagg.router.metrics import RouterMetrics
 from disagg.router.profile import ProfileResult
 from disagg.router.registry import build_profiles
 from disagg.router.types import RouteDecision, RouteRequest, WorkerState
+from disagg.session import session_key
 
 _ID_NODE = attrgetter("worker_id", "node_id")
 _AGGREGATED = {"both"}
@@ -205,7 +206,5 @@ class StateAwareRouter:
 
 
 def _session_key(request: RouteRequest) -> str:
-    """Sessions are a tenant's: one session id under two cache salts is two sessions."""
-    if not request.session_id:
-        return ""
-    return f"{request.cache_salt}\x00{request.session_id}" if request.cache_salt else request.session_id
+    """Sessions are a tenant's (``disagg.session``)."""
+    return session_key(request.cache_salt, request.session_id)
