@@ -80,7 +80,7 @@ class _ServerBase:
             self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
                                          self.config.router.local_prefill_max_tokens,
                                          load_deadline_s=self.config.transfer.load_deadline_s, faults=faults,
-                                         peer_stores=peers)
+                                         peer_stores=peers, decider=self.config.router.decider_params())
         self._draining = False
         self._inflight = 0
         self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)
@@ -90,20 +90,17 @@ class _ServerBase:
     async def check_health(self) -> None:
         if self.config.engine.backend == "vllm":
             await self.engine.check_health()
-        elif not self.engine._thread.is_alive():
+        elif not self.engine.is_alive():
             raise RuntimeError("engine step thread died")
 
     async def record_routing_stats(self) -> dict:
         """Load and device-tier content for the request routers (see deployments.request_router)."""
-        eng = self.engine.engine
-        version, sessions, load = await self.engine.call(
-            lambda: (eng.resident_version, eng.resident_contents() if eng.resident_version != self._snapshot_version
-                     else None, eng.load()))
+        version, sessions, load = await self.engine.routing_report(self._snapshot_version)
         if sessions is not None:
             self._snapshot, self._tails, self._checkpoints = device_snapshot(self.worker.hasher, sessions)
             self._snapshot_version = version
         return {"role": self.role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
-                "model_id": eng.model_id, "block_size": eng.block_size, "load": load,
+                "model_id": self.engine.model_id, "block_size": self.engine.block_size, "load": load,
                 "device_version": self._snapshot_version, "device_sessions": self._snapshot,
                 "device_tails": self._tails, "device_checkpoints": self._checkpoints}
 
