@@ -28,6 +28,14 @@ store must own it: the router of the decode deployment (its replicas report
 role "decode") does; the prefill deployment's routers, inside the decode
 replicas, do not.
 
+Replicas report their real role: "prefill", "decode" (a decode replica with a
+prefill pool) or "both" (aggregated: it prefills everything). A router sees one
+deployment's replicas, so it places within that pool (``disagg.router.router``
+step 3c); the P/D decision is the decode worker's (``disagg.flow`` NOTE 5),
+with the prefill pool's effective loads as this process's prefill-deployment
+router sees them (``prefill_pool_loads``): the same figures, and the same
+``PDDecider``, the simulator routes with.
+
 ``AffinityRequestRouter`` is the simple baseline (rendezvous hashing of the
 session id, load-ordered fallback). Requests that carry no ``GenerateParams``
 (stats, health) go anywhere.
@@ -78,6 +86,17 @@ def router_stats() -> dict:
         realized += snap["realized_cached_tokens"]
     return {"route_decisions": reasons, "route_predicted_cached_tokens": predicted,
             "route_realized_cached_tokens": realized}
+
+
+_POOL_ROUTERS: dict[str, StateAwareRequestRouter] = {}  # deployment name -> its router in this process
+_POOL_ROLES = ("prefill", "decode", "both")
+
+
+def prefill_pool_loads(deployment: str) -> list[float] | None:
+    """The effective queued prefill tokens of ``deployment``'s healthy replicas, as this process's
+    router of that deployment sees them; None before that router exists (no request sent yet)."""
+    router = _POOL_ROUTERS.get(deployment)
+    return None if router is None else router.pool_loads()
 
 
 def _params(pending_request) -> GenerateParams | None:
@@ -218,6 +237,18 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._node_events = NodeEventFeed(self._index, node_events_period_s)  # fed by decode routers only
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
+        deployment = getattr(getattr(self, "_deployment_id", None), "name", None)
+        if deployment:
+            _POOL_ROUTERS[deployment] = self
+
+    def pool_loads(self) -> list[float] | None:
+        """Effective queued prefill tokens per healthy replica of this pool (None: no replica known)."""
+        replicas = list(self.curr_replicas.values())
+        if not replicas:
+            return None
+        workers = [self._sync(r) for r in replicas]
+        loads = self._policy.effective_loads(workers, self._policy.clock())
+        return [loads[w.worker_id].prefill_tokens for w in workers if w.healthy]
 
     def _sync(self, replica) -> WorkerState:
         rid = replica.replica_id.unique_id
@@ -230,7 +261,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
             self._versions[rid] = -1
         elif node and self._index.node_of(rid) != node:  # seen before its first report: join its node
             self._index.add_worker(rid, node)
-        if stats.get("role") == "decode":  # this router owns its nodes' event logs (module docstring)
+        role = stats.get("role")
+        if role in ("decode", "both"):  # this router owns its nodes' event logs (module docstring)
             self._node_events.watch(stats.get("node_id", ""))
         version = stats.get("device_version", -1)
         if version != self._versions[rid]:
@@ -238,7 +270,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                                   stats.get("device_checkpoints"))
             self._versions[rid] = version
         load = stats.get("load", {})
-        return WorkerState(rid, "both", node or rid,
+        return WorkerState(rid, role if role in _POOL_ROLES else "both", node or rid,
                            queued_prefill_tokens=load.get("queued_prefill_tokens", 0),
                            queued_prefill_requests=load.get("queued_prefill_requests", 0),
                            running_decode_tokens=load.get("running_decode_tokens", 0),

@@ -23,6 +23,7 @@ from contextlib import aclosing
 from ray import serve
 
 from deployments.node_store import PeerStores, connect_node_store
+from deployments.request_router import prefill_pool_loads
 from deployments.timings import RecentTimings
 from disagg.config import AppConfig, load_config
 from disagg.engine.async_engine import AsyncEngine
@@ -33,6 +34,7 @@ from disagg.worker import StatefulWorker
 from kv_transfer.keys import BlockHasher
 
 log = logging.getLogger("ray.serve")
+PREFILL_DEPLOYMENT = "PrefillServer"  # the prefill deployment's name (deployments.app)
 
 
 def device_snapshot(hasher: BlockHasher, sessions: list[tuple]
@@ -56,6 +58,11 @@ def device_snapshot(hasher: BlockHasher, sessions: list[tuple]
 
 class _ServerBase:
     role = "server"
+
+    @property
+    def pool_role(self) -> str:
+        """The role reported to routers: what this replica computes (``deployments.request_router``)."""
+        return self.role
 
     def __init__(self, config: dict | AppConfig):
         self.config = config if isinstance(config, AppConfig) else load_config(config)
@@ -99,7 +106,7 @@ class _ServerBase:
         if sessions is not None:
             self._snapshot, self._tails, self._checkpoints = device_snapshot(self.worker.hasher, sessions)
             self._snapshot_version = version
-        return {"role": self.role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
+        return {"role": self.pool_role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
                 "model_id": self.engine.model_id, "block_size": self.engine.block_size, "load": load,
                 "device_version": self._snapshot_version, "device_sessions": self._snapshot,
                 "device_tails": self._tails, "device_checkpoints": self._checkpoints}
@@ -150,6 +157,12 @@ class DecodeServer(_ServerBase):
         super().__init__(config)
         self.prefill_handle = prefill_handle
         self._timings = RecentTimings()
+        if prefill_handle is not None:  # the P/D decision sees the prefill pool's loads (disagg.flow NOTE 5)
+            self.worker.flow.prefill_loads = lambda: prefill_pool_loads(PREFILL_DEPLOYMENT)
+
+    @property
+    def pool_role(self) -> str:
+        return "decode" if self.prefill_handle is not None else "both"  # aggregated: it prefills everything
 
     async def _prefill(self, params: GenerateParams) -> PrefillHandle:
         return await self.prefill_handle.prefill.remote(params)

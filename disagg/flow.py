@@ -146,6 +146,7 @@ class RequestFlow:
         self.load_deadline_s = load_deadline_s  # a lookup + load past this recomputes (NOTE 3)
         self.prefill_loads = prefill_loads
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
+        self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight (NOTE 6)
 
@@ -199,7 +200,9 @@ class RequestFlow:
     def decide(self, suffix_tokens: int, has_pool: bool) -> PDDecision:
         """NOTE 5: the router's decider over this worker's suffix and the pool's loads."""
         loads = (self.prefill_loads() if self.prefill_loads is not None else None) if has_pool else []
-        return self.decider.decide(suffix_tokens, [0.0] if loads is None or (has_pool and not loads) else loads)
+        decision = self.decider.decide(suffix_tokens, [0.0] if has_pool and not loads else loads)
+        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        return decision
 
     # -- 3 remote prefill ---------------------------------------------------------------
     async def remote_prefill(self, params: GenerateParams, prefill_fn: PrefillFn) -> PrefillHandle | None:

@@ -291,7 +291,7 @@ class StatefulWorker:
         await self.flow.drain()
 
     def stats(self) -> dict:
-        out = {"worker": dict(self.counters), "engine": self.engine.stats()}
+        out = {"worker": dict(self.counters), "engine": self.engine.stats(), "pd_decisions": dict(self.flow.decisions)}
         if self.store is not None:
             out["store"] = self.store.stats()
         return out

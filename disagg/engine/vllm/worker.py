@@ -121,7 +121,7 @@ class VLLMWorker:
         await self.flow.drain()  # nothing in the background: saves run inside vLLM, drained before it frees blocks
 
     def stats(self) -> dict:
-        out = {"worker": dict(self.counters), "engine": self.engine.stats()}
+        out = {"worker": dict(self.counters), "engine": self.engine.stats(), "pd_decisions": dict(self.flow.decisions)}
         if self.store is not None:
             out["store"] = self.store.stats()
         return out
