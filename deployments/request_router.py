@@ -88,15 +88,14 @@ def router_stats() -> dict:
             "route_realized_cached_tokens": realized}
 
 
-_POOL_ROUTERS: dict[str, StateAwareRequestRouter] = {}  # deployment name -> its router in this process
 _POOL_ROLES = ("prefill", "decode", "both")
 
 
 def prefill_pool_loads(deployment: str) -> list[float] | None:
     """The effective queued prefill tokens of ``deployment``'s healthy replicas, as this process's
     router of that deployment sees them; None before that router exists (no request sent yet)."""
-    router = _POOL_ROUTERS.get(deployment)
-    return None if router is None else router.pool_loads()
+    loads = router_metrics.POOL_LOADS.get(deployment)
+    return None if loads is None else loads()
 
 
 def _params(pending_request) -> GenerateParams | None:
@@ -238,8 +237,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
         deployment = getattr(getattr(self, "_deployment_id", None), "name", None)
-        if deployment:
-            _POOL_ROUTERS[deployment] = self
+        if deployment:  # as LIVE_POLICIES: in a module imported by reference
+            router_metrics.POOL_LOADS[deployment] = self.pool_loads
 
     def pool_loads(self) -> list[float] | None:
         """Effective queued prefill tokens per healthy replica of this pool (None: no replica known)."""
