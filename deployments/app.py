@@ -15,10 +15,10 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from deployments.env import SERVE_ENV
 from deployments.ingress import Ingress
 from deployments.servers import PREFILL_DEPLOYMENT, DecodeServer, PrefillServer
 from disagg.config import AppConfig, ReplicaConfig, load_config
-from disagg.local import SERVE_ENV
 
 # router.policy -> the Serve request router class
 ROUTERS = {
