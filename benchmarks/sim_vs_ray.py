@@ -146,7 +146,7 @@ def simulate_sweep(records, bp: BenchParams, cluster: ClusterConfig, prof: Engin
     """Simulated bench summaries per run label; ``requests`` (if given) gets the measured requests of each."""
     reqs = from_trace_records(records, 64)
     shared = shared_hash_ids(records)
-    router = {"decider": {"local_prefill_max_tokens": cfg.router.local_prefill_max_tokens}}
+    router = {"decider": cfg.router.decider_params()}
     out = {}
     for rc in bp.run_configs():
         sim = Simulator(reqs, "state_aware", cluster, prof.cost_model(), replay=ReplayConfig.from_run_config(rc),

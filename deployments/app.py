@@ -15,10 +15,10 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from deployments.env import SERVE_ENV
 from deployments.ingress import Ingress
-from deployments.servers import DecodeServer, PrefillServer
+from deployments.servers import PREFILL_DEPLOYMENT, DecodeServer, PrefillServer
 from disagg.config import AppConfig, ReplicaConfig, load_config
-from disagg.local import SERVE_ENV
 
 # router.policy -> the Serve request router class
 ROUTERS = {
@@ -39,8 +39,10 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
         # A served cluster runs for days: prefill area booked an hour ago says nothing about
         # today's queues, so the first-turn guard's booking fades (the simulator's runs are
         # minutes long and keep the router's default of no decay).
-        kwargs["policy"] = {"profiles": {"both": {"filters": ["healthy", "role", "load_guard"],
-                                                  "scorers": dict(cfg.router.weights)}},
+        # each deployment's router places within its own pool (replicas report their real role:
+        # disagg.router.router step 3c); every pool places by the same filters and weights
+        placement = {"filters": ["healthy", "role", "load_guard"], "scorers": dict(cfg.router.weights)}
+        kwargs["policy"] = {"profiles": {phase: placement for phase in ("both", "prefill", "decode")},
                             "area_tau_s": SERVE_AREA_TAU_S}
     return RequestRouterConfig(request_router_class=ROUTERS[cfg.router.policy], request_router_kwargs=kwargs,
                                request_routing_stats_period_s=cfg.router.stats_period_s)
@@ -86,7 +88,7 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     d = cfg.deployment
     prefill = None
     if d.mode == "disaggregated":
-        prefill = serve.deployment(PrefillServer, name="PrefillServer").options(
+        prefill = serve.deployment(PrefillServer, name=PREFILL_DEPLOYMENT).options(
             **deployment_options(d.prefill, cfg)).bind(data)
     decode = serve.deployment(DecodeServer, name="DecodeServer").options(
         **deployment_options(d.decode, cfg)).bind(data, prefill)

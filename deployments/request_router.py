@@ -28,6 +28,14 @@ store must own it: the router of the decode deployment (its replicas report
 role "decode") does; the prefill deployment's routers, inside the decode
 replicas, do not.
 
+Replicas report their real role: "prefill", "decode" (a decode replica with a
+prefill pool) or "both" (aggregated: it prefills everything). A router sees one
+deployment's replicas, so it places within that pool (``disagg.router.router``
+step 3c); the P/D decision is the decode worker's (``disagg.flow`` NOTE 5),
+with the prefill pool's effective loads as this process's prefill-deployment
+router sees them (``prefill_pool_loads``): the same figures, and the same
+``PDDecider``, the simulator routes with.
+
 ``AffinityRequestRouter`` is the simple baseline (rendezvous hashing of the
 session id, load-ordered fallback). Requests that carry no ``GenerateParams``
 (stats, health) go anywhere.
@@ -54,6 +62,7 @@ from disagg.messages import GenerateParams
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.router import RouterConfig, StateAwareRouter
 from disagg.router.types import RouteRequest, TailProbe, WorkerState
+from disagg.session import session_key
 from kv_transfer.keys import BlockHasher, KeyExtras
 
 log = logging.getLogger("ray.serve")
@@ -77,6 +86,16 @@ def router_stats() -> dict:
         realized += snap["realized_cached_tokens"]
     return {"route_decisions": reasons, "route_predicted_cached_tokens": predicted,
             "route_realized_cached_tokens": realized}
+
+
+_POOL_ROLES = ("prefill", "decode", "both")
+
+
+def prefill_pool_loads(deployment: str) -> list[float] | None:
+    """The effective queued prefill tokens of ``deployment``'s healthy replicas, as this process's
+    router of that deployment sees them; None before that router exists (no request sent yet)."""
+    loads = router_metrics.POOL_LOADS.get(deployment)
+    return None if loads is None else loads()
 
 
 def _params(pending_request) -> GenerateParams | None:
@@ -217,6 +236,18 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._node_events = NodeEventFeed(self._index, node_events_period_s)  # fed by decode routers only
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
+        deployment = getattr(getattr(self, "_deployment_id", None), "name", None)
+        if deployment:  # as LIVE_POLICIES: in a module imported by reference
+            router_metrics.POOL_LOADS[deployment] = self.pool_loads
+
+    def pool_loads(self) -> list[float] | None:
+        """Effective queued prefill tokens per healthy replica of this pool (None: no replica known)."""
+        replicas = list(self.curr_replicas.values())
+        if not replicas:
+            return None
+        workers = [self._sync(r) for r in replicas]
+        loads = self._policy.effective_loads(workers, self._policy.clock())
+        return [loads[w.worker_id].prefill_tokens for w in workers if w.healthy]
 
     def _sync(self, replica) -> WorkerState:
         rid = replica.replica_id.unique_id
@@ -229,7 +260,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
             self._versions[rid] = -1
         elif node and self._index.node_of(rid) != node:  # seen before its first report: join its node
             self._index.add_worker(rid, node)
-        if stats.get("role") == "decode":  # this router owns its nodes' event logs (module docstring)
+        role = stats.get("role")
+        if role in ("decode", "both"):  # this router owns its nodes' event logs (module docstring)
             self._node_events.watch(stats.get("node_id", ""))
         version = stats.get("device_version", -1)
         if version != self._versions[rid]:
@@ -237,7 +269,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                                   stats.get("device_checkpoints"))
             self._versions[rid] = version
         load = stats.get("load", {})
-        return WorkerState(rid, "both", node or rid,
+        return WorkerState(rid, role if role in _POOL_ROLES else "both", node or rid,
                            queued_prefill_tokens=load.get("queued_prefill_tokens", 0),
                            queued_prefill_requests=load.get("queued_prefill_requests", 0),
                            running_decode_tokens=load.get("running_decode_tokens", 0),
@@ -275,7 +307,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
 
 def affinity_key(params: GenerateParams, block_size: int = 64) -> str:
     if params.session_id:
-        return f"s:{params.cache_salt}:{params.session_id}"
+        return "s:" + session_key(params.cache_salt, params.session_id)
     head = params.prompt_token_ids[:block_size]
     return "p:" + hashlib.sha256(f"{params.cache_salt}|{head}".encode()).hexdigest()
 

@@ -23,6 +23,7 @@ from contextlib import aclosing
 from ray import serve
 
 from deployments.node_store import PeerStores, connect_node_store
+from deployments.request_router import prefill_pool_loads
 from deployments.timings import RecentTimings
 from disagg.config import AppConfig, load_config
 from disagg.engine.async_engine import AsyncEngine
@@ -33,6 +34,7 @@ from disagg.worker import StatefulWorker
 from kv_transfer.keys import BlockHasher
 
 log = logging.getLogger("ray.serve")
+PREFILL_DEPLOYMENT = "PrefillServer"  # the prefill deployment's name (deployments.app)
 
 
 def device_snapshot(hasher: BlockHasher, sessions: list[tuple]
@@ -57,6 +59,11 @@ def device_snapshot(hasher: BlockHasher, sessions: list[tuple]
 class _ServerBase:
     role = "server"
 
+    @property
+    def pool_role(self) -> str:
+        """The role reported to routers: what this replica computes (``deployments.request_router``)."""
+        return self.role
+
     def __init__(self, config: dict | AppConfig):
         self.config = config if isinstance(config, AppConfig) else load_config(config)
         ctx = serve.get_replica_context()
@@ -80,7 +87,7 @@ class _ServerBase:
             self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
                                          self.config.router.local_prefill_max_tokens,
                                          load_deadline_s=self.config.transfer.load_deadline_s, faults=faults,
-                                         peer_stores=peers)
+                                         peer_stores=peers, decider=self.config.router.decider_params())
         self._draining = False
         self._inflight = 0
         self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)
@@ -90,20 +97,17 @@ class _ServerBase:
     async def check_health(self) -> None:
         if self.config.engine.backend == "vllm":
             await self.engine.check_health()
-        elif not self.engine._thread.is_alive():
+        elif not self.engine.is_alive():
             raise RuntimeError("engine step thread died")
 
     async def record_routing_stats(self) -> dict:
         """Load and device-tier content for the request routers (see deployments.request_router)."""
-        eng = self.engine.engine
-        version, sessions, load = await self.engine.call(
-            lambda: (eng.resident_version, eng.resident_contents() if eng.resident_version != self._snapshot_version
-                     else None, eng.load()))
+        version, sessions, load = await self.engine.routing_report(self._snapshot_version)
         if sessions is not None:
             self._snapshot, self._tails, self._checkpoints = device_snapshot(self.worker.hasher, sessions)
             self._snapshot_version = version
-        return {"role": self.role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
-                "model_id": eng.model_id, "block_size": eng.block_size, "load": load,
+        return {"role": self.pool_role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
+                "model_id": self.engine.model_id, "block_size": self.engine.block_size, "load": load,
                 "device_version": self._snapshot_version, "device_sessions": self._snapshot,
                 "device_tails": self._tails, "device_checkpoints": self._checkpoints}
 
@@ -153,6 +157,12 @@ class DecodeServer(_ServerBase):
         super().__init__(config)
         self.prefill_handle = prefill_handle
         self._timings = RecentTimings()
+        if prefill_handle is not None:  # the P/D decision sees the prefill pool's loads (disagg.flow NOTE 5)
+            self.worker.flow.prefill_loads = lambda: prefill_pool_loads(PREFILL_DEPLOYMENT)
+
+    @property
+    def pool_role(self) -> str:
+        return "decode" if self.prefill_handle is not None else "both"  # aggregated: it prefills everything
 
     async def _prefill(self, params: GenerateParams) -> PrefillHandle:
         return await self.prefill_handle.prefill.remote(params)

@@ -22,6 +22,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The P/D placement rule's defaults (disagg.router.decider): the one place they are set. The
+# serving path (disagg.flow), the router and the simulator all build their decider from these.
+LOCAL_PREFILL_MAX_TOKENS = 512  # an uncached suffix up to this is prefilled on the decode replica
+PREFILL_BUSY_TOKENS = 65536.0  # the least-loaded prefill replica's queued tokens that count as busy
+BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, suffixes up to this prefill locally
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -109,8 +115,17 @@ class TransferConfig(_Strict):
 class RouterConfig(_Strict):
     policy: Literal["state_aware", "affinity", "power_of_two"] = "state_aware"  # Serve request router
     weights: dict[str, float] = Field(default_factory=lambda: {"prefix": 2.0, "load": 1.0, "affinity": 0.5})
-    local_prefill_max_tokens: int = 512  # uncached suffix at or under this is prefilled on the decode replica
+    # the P/D decider (disagg.router.decider): uncached suffix at or under this is prefilled on the decode replica
+    local_prefill_max_tokens: int = Field(default=LOCAL_PREFILL_MAX_TOKENS, ge=0)
+    prefill_busy_tokens: float = Field(default=PREFILL_BUSY_TOKENS, gt=0)  # prefill pool busy: min queue >= this
+    busy_local_max_tokens: int = Field(default=BUSY_LOCAL_MAX_TOKENS, ge=0)  # ... then suffixes up to this stay local
     stats_period_s: float = 1.0  # how often replicas report load and device-tier content to routers
+
+    def decider_params(self) -> dict[str, float]:
+        """The ``DeciderConfig`` fields (``disagg.router.decider``) of this config."""
+        return {"local_prefill_max_tokens": self.local_prefill_max_tokens,
+                "prefill_busy_tokens": self.prefill_busy_tokens,
+                "busy_local_max_tokens": self.busy_local_max_tokens}
 
 
 class ReplicaConfig(_Strict):

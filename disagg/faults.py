@@ -27,6 +27,12 @@ Faults, the event each is decided on, and the recovery that must follow:
 Transfer faults act inside the tiers (``install`` wraps a store's tiers), so the real code paths
 handle them: the store's checksum check, the worker's deadline and its recompute fallback.
 
+Where they plug in: the decode-side flow (``disagg.flow``) runs over interfaces, and the faults
+wrap those, not the flow: ``FaultyState`` wraps its ``FlowState`` (a fault decided per state
+load), ``guard_decode`` wraps a decode stream (kill after N streamed tokens) and
+``guard_prefill_fn`` wraps the remote-prefill call (records retries). Only the prefill kill sits
+in the reference prefill (``disagg.worker``): it falls between compute and publish.
+
 NOTES
 1. Each event is decided once, on the replica serving it: ``rate`` draws come from a generator
    seeded with (seed, replica id); ``nth`` counts the eligible events this replica process has
@@ -41,6 +47,7 @@ NOTES
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -48,7 +55,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -192,6 +199,40 @@ class FaultInjector:
         with open(path, "a") as f:  # one write per line: appends from many processes stay whole
             f.write(json.dumps(line) + "\n")
 
+    # -- wrappers of the request flow's interfaces (disagg.flow) ----------------------------
+    async def guard_decode(self, params: GenerateParams, chunks: AsyncIterator) -> AsyncIterator:
+        """``chunks`` (a decode stream), killing the replica after ``after_tokens`` streamed tokens
+        when a kill_decode rule picks this request (decided before the stream starts)."""
+        kill_after = self.kill_decode_after(params)
+        async with contextlib.aclosing(chunks):  # a kill closes the stream: its engine request aborts
+            num_streamed = 0
+            async for chunk in chunks:
+                yield chunk
+                num_streamed += len(chunk.token_ids)
+                if kill_after is not None and not chunk.finished and num_streamed >= kill_after:
+                    await asyncio.sleep(0.2)  # let the streamed tokens leave the replica: a mid-stream death
+                    self.kill("kill_decode", params, after_tokens=num_streamed)
+
+    def guard_prefill_fn(self, prefill_fn: Callable, attempts: int) -> Callable:
+        """``prefill_fn`` recording its recoveries: a success after failures ("prefill_retried"),
+        or ``attempts`` failures in a row ("prefill_local": the decode replica prefills)."""
+        tries = 0
+
+        async def call(params: GenerateParams):
+            nonlocal tries
+            tries += 1
+            try:
+                handle = await prefill_fn(params)
+            except Exception:
+                if tries == attempts:
+                    self.recovered("prefill_local", params, attempts=attempts)
+                raise
+            if tries > 1:
+                self.recovered("prefill_retried", params, attempts=tries, prefill_replica=handle.replica_id)
+            return handle
+
+        return call
+
     def install(self, store) -> None:
         """Wrap the tiers of a ``StateStore`` so loads run under an ``active`` fault see it."""
         if not any(isinstance(t, FaultyTier) for t in store.tiers):
@@ -269,3 +310,47 @@ class FaultyTier:
             fault.num_corrupted += 1
             return bytes(_flip(bytearray(data)))
         return data
+
+
+class FaultyState:
+    """A ``disagg.flow.FlowState`` whose state loads see the transfer faults (drop, delay, corrupt).
+
+    Each load (by position, or by a host-tier handle) asks ``FaultInjector.on_load``; a delay
+    stalls without holding a thread, drop and corrupt act in the wrapped store's tiers
+    (``install``, also on every peer store). A faulted load that yields nothing is recorded as
+    recovered by recompute ("load_recomputed"). A device hand-off is never faulted.
+    """
+
+    def __init__(self, inner, faults: FaultInjector):
+        self.inner = inner
+        self.faults = faults
+        inner.wrap_stores(faults.install)
+
+    async def lookup(self, tokens, hasher):
+        return await self.inner.lookup(tokens, hasher)
+
+    async def load(self, tokens, position, hasher, params, node_id=None):
+        return await self._faulted(params, lambda: self.inner.load(tokens, position, hasher, params, node_id))
+
+    async def open(self, handle, tokens, hasher, params, release_fn):
+        if handle.device_state is not None:
+            return await self.inner.open(handle, tokens, hasher, params, release_fn)
+        return await self._faulted(params, lambda: self.inner.open(handle, tokens, hasher, params, release_fn))
+
+    async def publish(self, engine, request_id, tokens, hasher, also_at=()):
+        return await self.inner.publish(engine, request_id, tokens, hasher, also_at)
+
+    async def _faulted(self, params, work: Callable):
+        fault = self.faults.on_load(params)
+        if fault is None:
+            return await work()
+        got = None
+        try:  # a deadline or a failure ends here too: every faulted load that came to nothing recomputes
+            if fault.kind == "delay":
+                await asyncio.sleep(fault.delay_s)  # an injected stall that holds no thread
+            with active(fault):  # the tier reads (in the load's thread, which copies this context) see it
+                got = await work()
+            return got
+        finally:
+            if got is None:
+                self.faults.recovered("load_recomputed", params, after=fault.kind)

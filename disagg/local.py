@@ -1,4 +1,7 @@
-"""Run the application on a local Ray cluster (``disagg serve`` / ``demo``, tests)."""
+"""Run the application on a local Ray cluster (``disagg serve`` / ``demo``, tests).
+
+A launcher: it starts ``deployments`` (``tools/check_imports.py`` ranks it above them).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from deployments.env import SERVE_ENV  # the launcher sets what the deployments run with
 from disagg.config import AppConfig
 from disagg.engine.reference.config import PRESETS
 
@@ -27,17 +31,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# Ray Serve's latency-oriented settings: user code and handle routing on the replica's own event
-# loop (no cross-thread hop per streamed token), gRPC between deployments, no per-request logs
-# on stderr. Measured on the CPU machine: per-token overhead 5.6 ms -> 0.4 ms (benchmarks/serve_bench.py).
-SERVE_ENV = {
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-    "RAY_SERVE_LOG_TO_STDERR": "0",
-}
 
 
 # Settings of the local cluster as a whole (raylet, controller, HTTP front), not of one deployment;

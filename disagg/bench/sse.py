@@ -22,7 +22,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from disagg.bench.client import RequestResult
+    from disagg.bench.result import RequestResult
 
 try:
     import orjson

@@ -7,6 +7,9 @@
 A consumer that stops iterating (client disconnect, task cancellation) aborts
 its request, which frees the request's blocks and slot on the next step.
 
+It is the reference backend's ``disagg.flow.FlowEngine``: callers (the request
+flow, the Serve replicas) use its methods, never the engine behind it.
+
 NOTES
 1. Every engine call happens under ``_lock``; the stepping thread holds it only
    for one step, so exports and admissions interleave with steps. ``call``
@@ -43,16 +46,21 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg.engine.protocol import EngineRequest, TokenOutput
+
+if TYPE_CHECKING:
+    from kv_transfer.objects import ResumeState
 
 TRACE_CAPACITY = 1024  # requests whose first-token stamps are kept (NOTE 3)
 
 
 class AsyncEngine:
+    keeps_state = True  # finished requests with keep_state stay held until release (disagg.flow)
+
     def __init__(self, engine, idle_wait_s: float = 0.05):
-        self.engine = engine
+        self.engine = engine  # the synchronous engine: only this class touches it
         self.model_id = engine.model_id
         self.block_size = engine.block_size
         self.layout = engine.layout
@@ -142,8 +150,11 @@ class AsyncEngine:
             pass
 
     # -- asyncio side -------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenOutput]:
-        """Stream a request's outputs. Raises ValueError for a request the engine refuses."""
+    async def generate(self, request: EngineRequest, state: ResumeState | None = None) -> AsyncIterator[TokenOutput]:
+        """Stream a request's outputs, resuming from ``state`` when given (it replaces
+        ``request.resume``). Raises ValueError for a request the engine refuses."""
+        if state is not None:
+            request.resume = state
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[TokenOutput] = asyncio.Queue()
         rid = request.request_id
@@ -224,6 +235,43 @@ class AsyncEngine:
 
     async def release(self, request_id: str, keep_resident: bool = True) -> None:
         await self.call(self.engine.release, request_id, keep_resident)
+
+    # -- what the request flow and the replicas ask of the engine (disagg.flow.FlowEngine) --------
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.engine.eos_token_id
+
+    @property
+    def device(self):
+        """The engine's torch device."""
+        return getattr(self.engine, "device", None)
+
+    async def resident_length(self, tokens: list[int], cache_salt: str = "") -> int:
+        """Tokens of ``tokens`` a device-resident session can resume (0: none)."""
+        _, n = await self.call(self.engine.resident_match, tokens, cache_salt)
+        return n
+
+    async def checkpoint_positions(self, request_id: str) -> list[int]:
+        """KDA checkpoint positions a held request keeps (KeyError: not held)."""
+        fn = getattr(self.engine, "checkpoint_positions", None)
+        return [] if fn is None else await self.call(fn, request_id)
+
+    async def computed_tokens(self, request_id: str) -> list[int]:
+        """The tokens whose state a held request has computed (KeyError: not held)."""
+        return await self.call(self.engine.computed_tokens, request_id)
+
+    async def routing_report(self, known_version: int) -> tuple[int, list | None, dict]:
+        """(resident version, resident sessions or None when ``known_version`` is current, load)."""
+        eng = self.engine
+        return await self.call(lambda: (eng.resident_version, eng.resident_contents()
+                                        if eng.resident_version != known_version else None, eng.load()))
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def is_alive(self) -> bool:
+        """Whether the stepping thread runs (a replica's health check)."""
+        return self._thread.is_alive()
 
     def trace(self, request_id: str) -> dict[str, float] | None:
         """First-token stamps of a finished request (NOTE 3), None when unknown or dropped."""

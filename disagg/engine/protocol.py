@@ -101,7 +101,7 @@ class Engine(Protocol):
 
 
 class AsyncEngineProtocol(Protocol):
-    """What Serve deployments call."""
+    """What Serve deployments call (the request flow asks more: ``disagg.flow.FlowEngine``)."""
 
     model_id: str
     block_size: int

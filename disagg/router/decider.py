@@ -10,9 +10,14 @@ A short suffix costs less to compute inside the decode batch than to ship
 through a prefill worker (an extra hop and a state transfer); a saturated
 prefill pool makes local prefill the faster path for medium suffixes too.
 
-Config example (YAML)::
+The same decider decides in serving (``disagg.flow``, fed with the prefill
+pool's effective loads by the Serve adapter) and in the simulator (through
+``StateAwareRouter``). Its defaults are set once, in ``disagg.config``
+(``router.local_prefill_max_tokens`` and friends).
 
-    decider: {local_prefill_max_tokens: 2048, prefill_busy_tokens: 65536,
+Config example (YAML, the router policy's ``decider`` key)::
+
+    decider: {local_prefill_max_tokens: 512, prefill_busy_tokens: 65536,
               busy_local_max_tokens: 8192}
 """
 
@@ -20,12 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.config import BUSY_LOCAL_MAX_TOKENS, LOCAL_PREFILL_MAX_TOKENS, PREFILL_BUSY_TOKENS
+
 
 @dataclass(slots=True)
 class DeciderConfig:
-    local_prefill_max_tokens: int = 2048  # suffixes up to this prefill locally
-    prefill_busy_tokens: float = 65536.0  # least-loaded prefill queue that counts as busy
-    busy_local_max_tokens: int = 8192  # local prefill limit while the pool is busy
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # suffixes up to this prefill locally
+    prefill_busy_tokens: float = PREFILL_BUSY_TOKENS  # least-loaded prefill queue that counts as busy
+    busy_local_max_tokens: int = BUSY_LOCAL_MAX_TOKENS  # local prefill limit while the pool is busy
 
     def __post_init__(self) -> None:
         if self.local_prefill_max_tokens < 0 or self.busy_local_max_tokens < 0:

@@ -91,7 +91,7 @@ from disagg.router.digest_table import (
 )
 from disagg.router.match import MatchResult, PrefixMatch, _Lengths
 from disagg.router.types import TIER_INDEX, TIERS, RouteRequest
-from disagg.router.walk import tail_points, visit_points, walk_ints
+from disagg.router.walk import _Candidates, tail_points, visit_points, walk_ints
 
 __all__ = ["IndexUpdate", "MatchResult", "PrefixIndex", "PrefixMatch", "tier_of", "update_from_event"]
 
@@ -156,19 +156,6 @@ def update_from_event(event: Any) -> IndexUpdate | None:
     src = getattr(event, "from_tier", None)
     return IndexUpdate(event.kind, kind, bytes.fromhex(parts[1]), tier, event.worker_id,
                        tier_of(src) if src else None)
-
-
-@dataclass(slots=True)
-class _Candidates:
-    """A candidate list as bits and as the word arrays the walk indexes with."""
-
-    key: tuple[str, ...]  # the worker ids, in order
-    bits: list[int]  # bit of each candidate
-    mask: int  # OR of their bits
-    words: np.ndarray  # mask as uint64 words (num_words,)
-    word: np.ndarray  # word of each candidate's bit (intp)
-    shift: np.ndarray  # position of the bit inside its word (uint64)
-    rank: dict[int, list[int]]  # bit -> positions in the list holding it
 
 
 def _ints(words: np.ndarray) -> list[int]:

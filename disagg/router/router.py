@@ -10,6 +10,10 @@ Per request:
     3b. P/D pools: profile "decode" picks D; the decider compares the uncached
         suffix at D against a threshold and the prefill pool's load; either
         prefill locally on D or run profile "prefill" to pick P
+    3c. one pool of one role ("prefill" or "decode": a Serve deployment, whose
+        router sees only its own replicas): that phase's profile picks one; the
+        P/D decision is taken where both pools' figures meet, the decode
+        worker's request flow (``disagg.flow`` NOTE 5), with the same decider
 
 Effective loads (live stats + in-flight predictions, active sessions and a
 time-averaged queue per worker) come from ``disagg.router.loads``.
@@ -19,7 +23,8 @@ prompt's blocks, see ``disagg.router.index``) plus numpy over the candidates
 (``RoutingContext.view``): O(prompt blocks + workers) with small constants.
 
 Decision reasons are "<pd>/<cache>" with pd in {aggregated, disagg,
-local_short_suffix, local_prefill_busy, local_no_prefill_pool} and cache in
+local_short_suffix, local_prefill_busy, local_no_prefill_pool, prefill_pool,
+decode_pool} and cache in
 {cache_hit, fallback, cold}: "fallback" means a better-cached eligible
 worker existed but load (guard or scores) sent the request elsewhere.
 """
@@ -42,6 +47,7 @@ from disagg.router.metrics import RouterMetrics
 from disagg.router.profile import ProfileResult
 from disagg.router.registry import build_profiles
 from disagg.router.types import RouteDecision, RouteRequest, WorkerState
+from disagg.session import session_key
 
 _ID_NODE = attrgetter("worker_id", "node_id")
 _AGGREGATED = {"both"}
@@ -136,9 +142,15 @@ class StateAwareRouter:
             session_node=prev.node_id if prev else None,
             now=now,
         )
-        if {w.role for w in workers} == _AGGREGATED:
+        roles = {w.role for w in workers}
+        if roles == _AGGREGATED:
             res = self._run("both", ctx, workers)
             return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, "aggregated", res, "both")
+        if len(roles) == 1:  # one phase's pool (3c)
+            (phase,) = roles
+            res = self._run(phase, ctx, workers)
+            return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, f"{phase}_pool",
+                                  res, phase)
         dec = self._run("decode", ctx, workers)
         decode_id = dec.picked
         if decode_id is None:  # no healthy decode-capable worker: degrade to any healthy worker
@@ -205,7 +217,5 @@ class StateAwareRouter:
 
 
 def _session_key(request: RouteRequest) -> str:
-    """Sessions are a tenant's: one session id under two cache salts is two sessions."""
-    if not request.session_id:
-        return ""
-    return f"{request.cache_salt}\x00{request.session_id}" if request.cache_salt else request.session_id
+    """Sessions are a tenant's (``disagg.session``)."""
+    return session_key(request.cache_salt, request.session_id)

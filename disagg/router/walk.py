@@ -31,17 +31,39 @@ NOTES
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import reduce
 from itertools import accumulate, compress, repeat
 from operator import and_, itemgetter, or_
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from disagg.router.digest_table import REC_LINK, REC_MASKS
+import numpy as np
+
+from disagg.router.digest_table import REC_LINK, REC_MASKS, DigestTable
 from disagg.router.match import _IntLengths
 from disagg.router.types import TIERS, RouteRequest
 
-if TYPE_CHECKING:
-    from disagg.router.index import PrefixIndex, _Candidates
+
+class IndexTables(Protocol):
+    """What the walk reads of a ``disagg.router.index.PrefixIndex``: its digest tables."""
+
+    hybrid: bool  # KDA checkpoints gate resume points
+    _mla: DigestTable  # MLA blocks by block digest
+    _kda: DigestTable  # KDA checkpoints by prefix digest
+    _tail: DigestTable  # MLA tails by tail digest
+
+
+@dataclass(slots=True)
+class _Candidates:
+    """A candidate list as bits and as the word arrays the walk indexes with."""
+
+    key: tuple[str, ...]  # the worker ids, in order
+    bits: list[int]  # bit of each candidate
+    mask: int  # OR of their bits
+    words: np.ndarray  # mask as uint64 words (num_words,)
+    word: np.ndarray  # word of each candidate's bit (intp)
+    shift: np.ndarray  # position of the bit inside its word (uint64)
+    rank: dict[int, list[int]]  # bit -> positions in the list holding it
 
 _NO_TIER = -1
 _ANY = 3  # tier index of "readable from any tier"
@@ -54,7 +76,7 @@ _bit_count = int.bit_count
 Point = tuple[int, int, int, list[list[int]]]  # (position, blocks read, workers, le ints of the extra objects)
 
 
-def tail_points(index: PrefixIndex, c: _Candidates, request: RouteRequest, alive_at: Callable[[int], int],
+def tail_points(index: IndexTables, c: _Candidates, request: RouteRequest, alive_at: Callable[[int], int],
                 bs: int, plen: int, n: int) -> list[Point]:
     """Unaligned resume points the request probes: (p, k, workers, le ints of tail [and checkpoint]), furthest first.
 
@@ -85,7 +107,7 @@ def tail_points(index: PrefixIndex, c: _Candidates, request: RouteRequest, alive
     return points
 
 
-def visit_points(index: PrefixIndex, c: _Candidates, at_l: list[int], km_l: list[int], ck_l: list[int] | None,
+def visit_points(index: IndexTables, c: _Candidates, at_l: list[int], km_l: list[int], ck_l: list[int] | None,
                  tails: list[Point], fast_at: Callable[[int], list[int]], bs: int
                  ) -> tuple[list[int], list[int], list[int]]:
     """Furthest resume point and its slowest tier per candidate (0 and -1: none), and who has one.
@@ -148,7 +170,7 @@ def _bits(mask: int):
         mask ^= low
 
 
-def walk_ints(index: PrefixIndex, c: _Candidates, request: RouteRequest, common_min: int | None
+def walk_ints(index: IndexTables, c: _Candidates, request: RouteRequest, common_min: int | None
               ) -> tuple[int, list[int], list[int], _IntLengths]:
     """``match``'s walk on the rows' int masks: (common blocks, resumable, tiers, mla_blocks)."""
     bs, plen = request.block_size, request.prompt_len

@@ -5,9 +5,9 @@ Modules, imports pointing down: ``cli`` -> ``sweep``, ``shard``, ``calibrate`` -
 ``profile``, ``workload``, ``metrics``. See docs/sim.md.
 """
 
-from disagg.sim.cost_model import CostModel, cost_profile
+from disagg.sim.cost_model import CostModel
 from disagg.sim.driver import ReplayConfig
-from disagg.sim.profile import EngineProfile, load_profile, profile_names
+from disagg.sim.profile import EngineProfile, cost_profile, load_profile, profile_names
 from disagg.sim.shard import simulate
 from disagg.sim.simulator import ClusterConfig, SimResult, Simulator
 from disagg.sim.workload import (

@@ -24,9 +24,9 @@ import sys
 import time
 
 from disagg.router.baselines import BASELINES
-from disagg.sim.cost_model import PROFILES, cost_profile
+from disagg.sim.cost_model import PROFILES
 from disagg.sim.driver import ReplayConfig
-from disagg.sim.profile import profile_names
+from disagg.sim.profile import cost_profile, profile_names
 from disagg.sim.simulator import ClusterConfig
 from disagg.sim.workload import (
     SimRequest,

@@ -136,13 +136,3 @@ PROFILES: dict[str, dict] = {
         "checkpoint_bytes": 140e6,
     },
 }
-
-
-def cost_profile(name_or_path: str) -> CostModel:
-    """A named cost model ("small", "large"), a named engine profile (``disagg/sim/profiles``),
-    or a JSON file: an engine profile or a plain cost model."""
-    if name_or_path in PROFILES:
-        return CostModel.from_dict(PROFILES[name_or_path])
-    from disagg.sim.profile import load_profile
-
-    return load_profile(name_or_path).cost_model()

@@ -24,13 +24,22 @@ benchmark; salt 0 is the trace as written.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from disagg.sim.workload import SimRequest
 
-if TYPE_CHECKING:
-    from disagg.sim.simulator import Simulator
+
+class Simulator(Protocol):
+    """What the driver needs of ``disagg.sim.simulator.Simulator``: a clock to schedule on,
+    a door for requests, and word of finished sessions."""
+
+    def schedule(self, t: float, fn: Callable[..., None], *args: Any) -> None: ...
+
+    def send(self, now: float, req: SimRequest, salt: int = 0, lane: int = -1, warmup: bool = False) -> None: ...
+
+    def session_done(self, session_id: str, salt: int) -> None: ...
 
 
 @dataclass(slots=True)

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from disagg.sim.cost_model import CostModel
+from disagg.sim.cost_model import PROFILES, CostModel
 
 FORMAT = "disagg-sim-profile/1"
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -335,3 +335,11 @@ def load_profile(name_or_path: str | Path) -> EngineProfile:
 
 def relative_error(model: float, measured: float) -> float:
     return (model - measured) / measured if measured else math.inf
+
+
+def cost_profile(name_or_path: str) -> CostModel:
+    """A named cost model ("small", "large"), a named engine profile (``disagg/sim/profiles``),
+    or a JSON file: an engine profile or a plain cost model."""
+    if name_or_path in PROFILES:
+        return CostModel.from_dict(PROFILES[name_or_path])
+    return load_profile(name_or_path).cost_model()

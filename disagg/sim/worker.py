@@ -57,16 +57,32 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from disagg.router.types import WorkerState
 from disagg.sim.cache import LRUTier
 from disagg.sim.cost_model import CostModel
 
 if TYPE_CHECKING:
-    from disagg.sim.simulator import Simulator
     from disagg.sim.state import PromptState
+
+
+class Simulator(Protocol):
+    """What a worker needs of ``disagg.sim.simulator.Simulator``: its clock, and where to report."""
+
+    now: float  # the simulated time
+
+    def schedule(self, t: float, fn: Callable[..., None], *args: Any) -> None: ...
+
+    def busy_changed(self, w: SimWorker, now: float) -> None: ...
+
+    def node_slowdown(self, w: SimWorker) -> float: ...
+
+    def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None: ...
+
+    def finish(self, job: SimJob, w: SimWorker, now: float) -> None: ...
 
 
 @dataclass(slots=True, repr=False)

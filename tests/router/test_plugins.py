@@ -176,8 +176,18 @@ def test_registry_rejects_unknown_plugins():
     ],
 )
 def test_decider(suffix, loads, disagg, reason):
-    d = PDDecider().decide(suffix, loads)
+    d = PDDecider(local_prefill_max_tokens=2048, prefill_busy_tokens=65536, busy_local_max_tokens=8192).decide(
+        suffix, loads)
     assert (d.disaggregate, d.reason) == (disagg, reason)
+
+
+def test_decider_defaults_are_the_app_configs():
+    """One set of defaults: the decider's are ``disagg.config``'s router settings."""
+    from disagg.config import RouterConfig
+    from disagg.router.decider import DeciderConfig
+
+    assert DeciderConfig() == DeciderConfig(**RouterConfig().decider_params())
+    assert PDDecider().decide(RouterConfig().local_prefill_max_tokens + 1, [0.0]).disaggregate
 
 
 # ---- wait scorer, new load terms, array fast paths ----------------------------------

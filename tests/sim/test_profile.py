@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from disagg.sim.cost_model import CostModel, cost_profile
+from disagg.sim.cost_model import CostModel
 from disagg.sim.profile import (
     DecodePoint,
     EngineProfile,
     PrefillPoint,
     chunk_steps,
+    cost_profile,
     load_profile,
     profile_names,
 )

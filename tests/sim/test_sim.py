@@ -5,7 +5,8 @@ import json
 import pytest
 
 from disagg.sim.cache import LRUTier
-from disagg.sim.cost_model import CostModel, cost_profile
+from disagg.sim.cost_model import CostModel
+from disagg.sim.profile import cost_profile
 from disagg.sim.simulator import ClusterConfig, Simulator
 from disagg.sim.workload import (
     SimRequest,

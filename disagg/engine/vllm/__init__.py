@@ -3,7 +3,7 @@
 ```
 options.py   engine.vllm options -> vLLM AsyncEngineArgs (connector, roles, per-role overrides)
 engine.py    VLLMEngine: the engine protocol over AsyncLLM (token streaming, abort, health)
-worker.py    VLLMWorker: the prefill / decode request flow (P/D hand-off via kv_transfer_params)
+worker.py    VLLMWorker: disagg.flow over vLLM (ConnectorState: hand-off via kv_transfer_params)
 ```
 
 vLLM is imported only when an engine is built (``vllm`` extra). See docs/vllm.md.
@@ -43,5 +43,5 @@ def build_vllm_worker(app: AppConfig, role: str, host_socket: str | None, replic
 
         lookup = lookup_store(app, [HostTierClient(host_socket)])
     worker = VLLMWorker(engine, lookup, replica_id, node_id, app.router.local_prefill_max_tokens,
-                        producer_sizes=parallel_sizes(app, "prefill"))
+                        producer_sizes=parallel_sizes(app, "prefill"), decider=app.router.decider_params())
     return engine, lookup, worker

@@ -11,8 +11,10 @@ State never passes through this object: vLLM's connector loads resumable
 prefixes and hand-offs, and saves checkpoints, itself. So ``export_state`` is
 not available and ``release`` has nothing to free (vLLM frees on finish).
 
-``engine`` is a small synchronous view (``EngineView``) with the figures the
-Serve replicas report to routers (``record_routing_stats``).
+It is the vLLM backend's ``disagg.flow.FlowEngine``: it keeps no finished
+request for export (``keeps_state`` False) and reports no device-resident
+sessions. ``engine`` is a small synchronous view (``EngineView``) with the
+figures the Serve replicas report to routers (``routing_report``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class VLLMEngine:
         host_socket: the node host tier's socket (None: the connector needs ``local_tier``).
         start: False builds everything but the engine (config checks, tests).
     """
+
+    keeps_state = False  # the connector saves turn ends itself (disagg.flow)
 
     def __init__(self, app: AppConfig, role: str, host_socket: str | None, *, start: bool = True,
                  engine_id: str | None = None):
@@ -161,6 +165,24 @@ class VLLMEngine:
 
     async def release(self, request_id: str, keep_resident: bool = True) -> None:
         return None  # vLLM frees a finished request's blocks itself (after the connector's saves)
+
+    # -- what the request flow and the replicas ask of the engine (disagg.flow.FlowEngine) --------
+    async def resident_length(self, tokens: list[int], cache_salt: str = "") -> int:
+        return 0  # vLLM's own prefix cache is opaque: the connector reports hits as cached tokens
+
+    async def checkpoint_positions(self, request_id: str) -> list[int]:
+        raise KeyError(request_id)  # no request is held after it finishes
+
+    async def computed_tokens(self, request_id: str) -> list[int]:
+        raise KeyError(request_id)
+
+    async def routing_report(self, known_version: int) -> tuple[int, list | None, dict]:
+        """(resident version, resident sessions or None when current, load): what replicas report."""
+        view = self.engine
+        return view.resident_version, (None if known_version == view.resident_version else []), view.load()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
 
     async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """Run ``fn`` off the event loop (the replica's stats path)."""

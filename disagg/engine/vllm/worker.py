@@ -1,19 +1,24 @@
-"""The serving worker of the vLLM backend: the same interface as ``disagg.worker.StatefulWorker``.
+"""The serving worker of the vLLM backend: ``disagg.flow`` over vLLM, adapters only.
 
 The Serve prefill/decode deployments call ``prefill(params)`` and
 ``generate(params, prefill_fn)`` on it exactly as on the reference worker. The
-difference is where state moves: inside vLLM, through the K3 state connector.
+decode side is ``disagg.flow.RequestFlow`` (the same flow as the reference
+backend's); what differs is where state moves: inside vLLM, through the K3
+state connector. ``ConnectorState`` is the flow's state interface for that:
+
+    lookup      the node's tiers' resumable length (a presence-only store, off the event loop)
+    load        nothing to load here: vLLM's connector loads the resumable prefix itself
+    open        a prefill's hand-off -> ``kv_transfer_params`` (StateHandle) for the decode request
+    publish     nothing: the connector saves the turn end (kv_both) before vLLM frees the blocks
 
     decode replica                                   prefill replica
-    generate(params)                                 prefill(params)
-      resumable prefix on this node's tiers  ----->    vLLM: max_tokens=1, kv_transfer_params
-      suffix > local_prefill_max_tokens ?                {"do_remote_decode": true}
-        yes: prefill_fn(params) ----------------->     connector saves the state at the prompt end
+    RequestFlow.generate(params)                     prefill(params)
+      lookup, PDDecider                   ----->       vLLM: max_tokens=1, kv_transfer_params
+        disaggregate: prefill_fn(params) ------>         {"do_remote_decode": true}
              <---------------- PrefillHandle(position, first_token)
              vLLM: prompt + [first_token], kv_transfer_params = StateHandle(position)
                    (connector waits for the save, loads, computes one token)
-        no:  vLLM: prompt (connector loads the resumable prefix itself)
-      stream tokens; at finish the connector checkpoints the turn end (kv_both)
+        local: vLLM: prompt (connector loads the resumable prefix itself)
 
 NOTES
 1. Same node only: the hand-off is read from the node's shared host tier (the
@@ -24,57 +29,82 @@ NOTES
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from disagg.config import LOCAL_PREFILL_MAX_TOKENS
 from disagg.engine.protocol import EngineRequest
+from disagg.flow import LoadsFn, PrefillFn, RequestFlow, Resume, ResumePoint
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.router.decider import DeciderConfig, PDDecider
 from kv_transfer.keys import BlockHasher, KeyExtras
 from kv_transfer.vllm.jobs import StateHandle
 
 log = logging.getLogger(__name__)
-PrefillFn = Callable[[GenerateParams], Awaitable[PrefillHandle]]
+
+
+class ConnectorState:
+    """``disagg.flow.FlowState`` where vLLM's connector moves the state (module docstring)."""
+
+    def __init__(self, lookup, model_id: str, block_size: int, producer_sizes: tuple[int, int]):
+        self.store = lookup  # a presence-only StateStore over the node's tiers, or None
+        self.model_id, self.block_size = model_id, block_size
+        self.producer_sizes = producer_sizes  # (TP, DCP) of the prefill engines: how hand-offs are stored
+
+    async def lookup(self, tokens: list[int], hasher: BlockHasher) -> ResumePoint | None:
+        if self.store is None:
+            return None
+        point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, len(tokens) - 1)
+        return None if point is None else ResumePoint(point.position, point.slowest_tier)
+
+    async def load(self, tokens, position, hasher, params, node_id=None) -> Resume:
+        return Resume(None, position, "host")  # the connector loads it (NOTE 2)
+
+    async def open(self, handle: PrefillHandle, tokens, hasher, params, release_fn) -> Resume:
+        tp, dcp = self.producer_sizes
+        kv_params = StateHandle(handle.position, tp, dcp, self.model_id, self.block_size,
+                                producer=handle.replica_id, saved_at=StateHandle.now()).to_params()
+        return Resume(kv_params, handle.position, "host")
+
+    async def publish(self, engine, request_id, tokens, hasher, also_at=()) -> int:
+        return 0  # the connector saves (the engine keeps no finished request for export)
 
 
 class VLLMWorker:
-    """Prefill / decode request flow over a ``VLLMEngine``.
+    """Prefill / decode over a ``VLLMEngine`` (a ``disagg.flow.FlowEngine``).
 
     Args:
         engine: the role's ``VLLMEngine``.
         lookup: a ``StateStore`` over this node's tiers for resumable-length checks (or None).
         producer_sizes: (TP, DCP) of the prefill engines (their hand-offs are stored that way).
+        decider: the P/D decider's config (``disagg.config.RouterConfig.decider_params``).
     """
 
     def __init__(self, engine, lookup=None, replica_id: str = "local", node_id: str = "local",
-                 local_prefill_max_tokens: int = 512, producer_sizes: tuple[int, int] = (1, 1),
-                 prefill_retries: int = 1):
+                 local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS, producer_sizes: tuple[int, int] = (1, 1),
+                 prefill_retries: int = 1, decider: dict | None = None, prefill_loads: LoadsFn | None = None):
         self.engine = engine
         self.store = lookup
         self.replica_id, self.node_id = replica_id, node_id
-        self.local_prefill_max_tokens = local_prefill_max_tokens
-        self.producer_sizes = producer_sizes
-        self.prefill_retries = prefill_retries
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
-        self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,
-                         "prefill_failures": 0}
+        decider_cfg = DeciderConfig(**dict(decider or {}, local_prefill_max_tokens=local_prefill_max_tokens))
+        state = ConnectorState(lookup, engine.model_id, engine.block_size, producer_sizes)
+        self.flow = RequestFlow(engine, state, PDDecider(decider_cfg), replica_id, prefill_retries=prefill_retries,
+                                prefill_loads=prefill_loads)
+        self.counters = self.flow.counters
 
-    def _resumable(self, tokens: list[int], salt: str) -> int:
-        if self.store is None:
-            return 0
-        try:
-            return self.store.resumable_length(tokens, self.hasher.with_salt(salt), len(tokens) - 1).position
-        except Exception:  # a tier that fails is a miss
-            log.exception("resumable-length lookup failed")
-            return 0
+    def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
+        return self.flow.generate(params, self.hasher.with_salt(params.cache_salt), prefill_fn)
 
     async def prefill(self, params: GenerateParams) -> PrefillHandle:
         """Compute the prompt, let the connector save its state, return the first token."""
         t0 = time.perf_counter()
         tokens = list(params.prompt_token_ids)
         req = EngineRequest(f"{params.request_id}/prefill", tokens, replace(params.sampling, max_tokens=1),
-                            cache_salt=params.cache_salt)
+                            first_output_index=params.resumed_output_tokens, cache_salt=params.cache_salt)
         handle_params: list[dict | None] = []
         last = None
         async for out in self.engine.generate(req, {"do_remote_decode": True}, handle_params.append):
@@ -87,60 +117,11 @@ class VLLMWorker:
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
                              self.replica_id, self.node_id, 0, 0.0, time.perf_counter() - t0)
 
-    def _handoff_params(self, handle: PrefillHandle) -> dict:
-        tp, dcp = self.producer_sizes
-        return StateHandle(handle.position, tp, dcp, self.engine.model_id, self.engine.block_size,
-                           producer=handle.replica_id, saved_at=StateHandle.now()).to_params()
-
-    async def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
-        tokens = list(params.prompt_token_ids)
-        sampling = params.sampling
-        handle = None
-        if prefill_fn is not None and len(tokens) - self._resumable(tokens, params.cache_salt) > self.local_prefill_max_tokens:
-            handle = await self._remote_prefill(params, prefill_fn)
-        kv_params = None
-        cached, source = 0, "computed"
-        if handle is not None:
-            self.counters["remote_prefills"] += 1
-            cached, source = handle.num_cached_tokens, handle.cached_source
-            first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=cached,
-                                cached_source=source, replica_id=self.replica_id)
-            eos = self.engine.engine.eos_token_id
-            stop = handle.first_token in sampling.stop_token_ids or (not sampling.ignore_eos and handle.first_token == eos)
-            if sampling.max_tokens == 1 or stop:
-                first.finished, first.finish_reason = True, "length" if sampling.max_tokens == 1 else "stop"
-                yield first
-                return
-            yield first
-            tokens = tokens + [handle.first_token]
-            sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
-            kv_params = self._handoff_params(handle)
-        else:
-            self.counters["local_prefills"] += 1
-        req = EngineRequest(f"{params.request_id}/decode", tokens, sampling, first_output_index=1 if handle else 0,
-                            cache_salt=params.cache_salt)
-        try:
-            async for out in self.engine.generate(req, kv_params):
-                yield StreamChunk(out.new_token_ids, out.finished, out.finish_reason, len(params.prompt_token_ids),
-                                  cached if handle else out.num_cached_tokens,
-                                  source if handle else out.cached_source, out.error, 0, 0.0, self.replica_id)
-        finally:
-            self.counters["decodes"] += 1
-
-    async def _remote_prefill(self, params: GenerateParams, prefill_fn: PrefillFn) -> PrefillHandle | None:
-        for attempt in range(self.prefill_retries + 1):
-            try:
-                return await prefill_fn(params)
-            except Exception as exc:  # a failing prefill replica: retry, then prefill here
-                self.counters["prefill_failures"] += 1
-                log.warning("remote prefill attempt %d failed (%s)", attempt + 1, exc)
-        return None
-
     async def drain(self) -> None:
-        return None  # saves run inside vLLM; it drains them before it frees the blocks
+        await self.flow.drain()  # nothing in the background: saves run inside vLLM, drained before it frees blocks
 
     def stats(self) -> dict:
-        out = {"worker": dict(self.counters), "engine": self.engine.engine.stats()}
+        out = {"worker": dict(self.counters), "engine": self.engine.stats(), "pd_decisions": dict(self.flow.decisions)}
         if self.store is not None:
             out["store"] = self.store.stats()
         return out

@@ -1,0 +1,373 @@
+"""The decode-side request flow, written once over two small interfaces.
+
+Both workers (``disagg.worker.StatefulWorker`` over the reference engine,
+``disagg.engine.vllm.worker.VLLMWorker`` over vLLM) are adapters of the two
+interfaces below and run this flow; neither has a decode flow of its own.
+
+    RequestFlow.generate(params, prefill_fn)
+      1 plan       resume = longest of (engine.resident_length,          [resume planned]
+                                        state.lookup -> state.load)
+      2 decide     PDDecider.decide(suffix = prompt - resume,             [decision taken]
+                                    prefill_loads())
+      3 remote     prefill_fn(params), retried with backoff -> PrefillHandle
+                   stream its first token; state.open(handle)             [load result]
+                   (a miss or a failure: recompute here, never a wrong token)
+      4 decode     engine.generate(EngineRequest(prompt [+ first token]), resume state)
+      5 turn end   engine.checkpoint_positions / export_state ->          (background)
+                   state.publish, then engine.release
+
+``FlowEngine`` is what the flow needs of an engine (``disagg.engine.async_engine.AsyncEngine``
+and ``disagg.engine.vllm.engine.VLLMEngine`` implement it); ``FlowState`` is what it needs of
+the node's state tiers (``disagg.worker.TierState`` over a ``kv_transfer`` store,
+``disagg.engine.vllm.worker.ConnectorState`` where vLLM's connector moves the bytes).
+Fault injection wraps these (``disagg.faults.FaultyState``, ``FaultInjector.guard_decode``).
+
+NOTES
+1. Bulk state never travels in a Ray message: only ``PrefillHandle``.
+2. ``num_cached_tokens`` counts prompt tokens whose state was reused (by the
+   prefill worker when one ran); the hand-off itself is a transfer, not a hit.
+3. Any failure of the state path degrades to recompute: a tier that errors, a
+   checksum that fails, a lookup or load past ``load_deadline_s``.
+4. A resumed request (``resumed_output_tokens > 0``: its prompt ends with its own
+   earlier output, after its decode replica was lost) samples output index
+   ``resumed_output_tokens`` next (plus one after a remote prefill's first token),
+   so seeded sampling continues where it stopped.
+5. The P/D decision is ``disagg.router.decider.PDDecider``, the object the router and the
+   simulator decide with: the suffix is measured here (this worker's real resume point),
+   the prefill pool's effective loads come from ``prefill_loads`` (the Serve adapter's view
+   of the prefill replicas, ``deployments.request_router.prefill_pool_loads``). A pool whose
+   loads are not known yet counts as one idle replica; no ``prefill_fn``: no pool.
+6. A session's next turn waits (at most ``PUBLISH_WAIT_S``) for its previous turn end's
+   publish, so it can resume from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
+from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.router.decider import PDDecider, PDDecision
+from disagg.session import session_key
+from kv_transfer.keys import BlockHasher
+
+log = logging.getLogger(__name__)
+
+PrefillFn = Callable[[GenerateParams], Awaitable[PrefillHandle]]
+ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
+LoadsFn = Callable[[], "list[float] | None"]  # the prefill pool's effective queued tokens per replica
+PUBLISH_WAIT_S = 1.0  # NOTE 6
+COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
+            "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures")
+
+
+@dataclass(slots=True)
+class Resume:
+    """Where a request resumes: state to hand the engine, and how it was had."""
+
+    state: object | None  # what ``FlowEngine.generate`` imports (None: compute, or the engine loads itself)
+    position: int  # prompt tokens reused
+    source: str  # device | host | disk | peer | computed
+    nbytes: int = 0  # bytes loaded
+    seconds: float = 0.0  # load time
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """A store's resumable prefix: ``position`` tokens, the slowest tier it needs."""
+
+    position: int
+    tier: str | None
+
+
+class FlowEngine(Protocol):
+    """What the flow needs of an engine."""
+
+    model_id: str
+    block_size: int
+    eos_token_id: int | None
+    keeps_state: bool  # a finished request stays held for export until ``release`` (turn-end publish)
+
+    def generate(self, request: EngineRequest, state: object | None = None) -> AsyncIterator[TokenOutput]: ...
+
+    async def resident_length(self, tokens: list[int], cache_salt: str) -> int: ...
+
+    async def checkpoint_positions(self, request_id: str) -> list[int]: ...  # KeyError: not held
+
+    async def computed_tokens(self, request_id: str) -> list[int]: ...  # KeyError: not held
+
+    async def export_state(self, request_id: str, position: int | None = None, first_block: int = 0,
+                           on_device: bool = False): ...
+
+    async def release(self, request_id: str) -> None: ...
+
+
+class FlowState(Protocol):
+    """What the flow needs of the node's state tiers. Calls may raise: the flow degrades (NOTE 3)."""
+
+    async def lookup(self, tokens: list[int], hasher: BlockHasher) -> ResumePoint | None: ...
+
+    async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
+                   node_id: str | None = None) -> Resume | None: ...
+
+    async def open(self, handle: PrefillHandle, tokens: list[int], hasher: BlockHasher, params: GenerateParams,
+                   release_fn: ReleaseFn | None) -> Resume | None: ...
+
+    async def publish(self, engine: FlowEngine, request_id: str, tokens: list[int], hasher: BlockHasher,
+                      also_at: tuple[int, ...] = ()) -> int: ...
+
+
+class RequestFlow:
+    """The decode-side flow (module docstring) over one engine and one state.
+
+    Args:
+        engine: a ``FlowEngine``.
+        state: a ``FlowState``, or None (no tiers: resume from the device or compute).
+        decider: the P/D decider (NOTE 5).
+        replica_id: stamped on every chunk.
+        prefill_loads: the prefill pool's loads (NOTE 5); None: unknown.
+    """
+
+    def __init__(self, engine: FlowEngine, state: FlowState | None, decider: PDDecider, replica_id: str = "local",
+                 *, prefill_retries: int = 2, retry_backoff_s: float = 0.25, load_deadline_s: float = 5.0,
+                 prefill_loads: LoadsFn | None = None, counters: dict[str, int] | None = None):
+        self.engine = engine
+        self.state = state
+        self.decider = decider
+        self.replica_id = replica_id
+        self.prefill_retries = prefill_retries
+        self.retry_backoff_s = retry_backoff_s  # pause before a retry (lets the router see a dead replica)
+        self.load_deadline_s = load_deadline_s  # a lookup + load past this recomputes (NOTE 3)
+        self.prefill_loads = prefill_loads
+        self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
+        self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)
+        self._tasks: set[asyncio.Task] = set()  # background publishes
+        self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight (NOTE 6)
+
+    # -- 1 plan ---------------------------------------------------------------------
+    async def plan_resume(self, tokens: list[int], hasher: BlockHasher, params: GenerateParams) -> Resume:
+        """The longest of the device-resident session and the tiers' resumable prefix (loaded)."""
+        resident = self.engine.resident_length(tokens, params.cache_salt)  # both lookups at once
+        if self.state is None:
+            device_len = await resident
+            return Resume(None, device_len, "device" if device_len else "computed")
+        deadline = time.monotonic() + self.load_deadline_s  # lookup and load share one deadline
+        lookup = asyncio.wait_for(self.state.lookup(tokens, hasher), self.load_deadline_s)
+        device_len, point = await asyncio.gather(resident, lookup, return_exceptions=True)
+        if isinstance(device_len, BaseException):
+            raise device_len
+        if isinstance(point, asyncio.TimeoutError):
+            self.counters["load_timeouts"] += 1
+            log.warning("state lookup passed its %.1f s deadline; recomputing", self.load_deadline_s)
+            point = None
+        elif isinstance(point, Exception):  # a tier that fails is a miss (NOTE 3)
+            self.counters["load_failures"] += 1
+            log.error("state lookup failed; recomputing", exc_info=point)
+            point = None
+        elif isinstance(point, BaseException):  # cancelled: not a failure of the state path
+            raise point
+        if point is not None and point.position > device_len:
+            loaded = await self.load(tokens, point.position, hasher, params, deadline)
+            if loaded is not None:
+                return replace(loaded, source=_source(point.tier))
+        return Resume(None, device_len, "device" if device_len else "computed")
+
+    async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
+                   deadline: float | None = None, node_id: str | None = None) -> Resume | None:
+        """The state at ``position`` within the deadline, or None (recompute, NOTE 3)."""
+        budget = self.load_deadline_s if deadline is None else deadline - time.monotonic()
+        try:
+            got = await asyncio.wait_for(self.state.load(tokens, position, hasher, params, node_id),
+                                         max(0.0, budget))
+        except asyncio.TimeoutError:  # a stalled tier or peer: recompute rather than wait
+            self.counters["load_timeouts"] += 1
+            log.warning("state load passed its %.1f s deadline; recomputing", self.load_deadline_s)
+            got = None
+        except Exception:  # a tier that fails is a miss
+            log.exception("state load failed; recomputing")
+            got = None
+        if got is None:
+            self.counters["load_failures"] += 1
+        return got
+
+    # -- 2 decide -------------------------------------------------------------------
+    def decide(self, suffix_tokens: int, has_pool: bool) -> PDDecision:
+        """NOTE 5: the router's decider over this worker's suffix and the pool's loads."""
+        loads = (self.prefill_loads() if self.prefill_loads is not None else None) if has_pool else []
+        decision = self.decider.decide(suffix_tokens, [0.0] if has_pool and not loads else loads)
+        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        return decision
+
+    # -- 3 remote prefill ---------------------------------------------------------------
+    async def remote_prefill(self, params: GenerateParams, prefill_fn: PrefillFn) -> PrefillHandle | None:
+        """A prefill replica's handle, retried with backoff; None: prefill here."""
+        for attempt in range(self.prefill_retries + 1):
+            try:
+                return await prefill_fn(params)
+            except Exception as exc:  # a dead or failing prefill replica: retry, then prefill here
+                self.counters["prefill_failures"] += 1
+                log.warning("remote prefill attempt %d failed (%s)", attempt + 1, exc)
+                if attempt < self.prefill_retries:
+                    await asyncio.sleep(self.retry_backoff_s * (attempt + 1))
+        return None
+
+    # -- the decode-side flow -------------------------------------------------------------
+    async def generate(self, params: GenerateParams, hasher: BlockHasher, prefill_fn: PrefillFn | None = None,
+                       release_fn: ReleaseFn | None = None) -> AsyncIterator[StreamChunk]:
+        """Stream one request's chunks. ``hasher`` carries the request's cache salt;
+        ``release_fn(handle)`` tells a prefill replica its device hand-off was copied."""
+        session = session_key(params.cache_salt, params.session_id)
+        pending = self._publishing.get(session) if session else None
+        if pending:  # NOTE 6
+            await asyncio.wait(list(pending), timeout=PUBLISH_WAIT_S)
+        tokens = list(params.prompt_token_ids)
+        sampling = params.sampling
+        self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
+        plan = await self.plan_resume(tokens, hasher, params)  # resume planned
+        decision = self.decide(len(tokens) - plan.position, prefill_fn is not None)  # decision taken
+        handle = await self.remote_prefill(params, prefill_fn) if decision.disaggregate else None
+        first_index = params.resumed_output_tokens  # NOTE 4
+        reported = None  # (cached, source) of the prefill replica, when one ran (NOTE 2)
+        if handle is None:
+            self.counters["local_prefills"] += 1
+        else:
+            self.counters["remote_prefills"] += 1
+            reported = handle.num_cached_tokens, handle.cached_source
+            first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=reported[0],
+                                cached_source=reported[1], replica_id=self.replica_id)
+            going_on = False
+            try:
+                stop = _is_stop(handle.first_token, sampling, self.engine.eos_token_id)
+                if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
+                    first.finished, first.finish_reason = True, "stop" if stop else "length"
+                    yield first
+                    return
+                yield first
+                going_on = True
+            finally:  # done, or closed after the first token: a device hand-off is released unopened
+                if not going_on and handle.device_state is not None and release_fn is not None:
+                    self.spawn(_quietly(release_fn(handle), f"device hand-off {handle.device_state.share_id}"))
+            plan = await self.open(handle, tokens, hasher, params, release_fn)  # load result
+            tokens = tokens + [handle.first_token]
+            sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
+            first_index += 1
+        async for chunk in self.decode(params, tokens, sampling, plan, first_index, hasher, reported):
+            yield chunk
+
+    async def open(self, handle: PrefillHandle, tokens: list[int], hasher: BlockHasher, params: GenerateParams,
+                   release_fn: ReleaseFn | None) -> Resume:
+        """The prefill's state by handle (within the deadline), or a recompute from scratch (NOTE 3)."""
+        if self.state is None:  # nowhere to load from
+            self.counters["load_failures"] += 1
+            return Resume(None, 0, "computed")
+        opening = self.state.open(handle, tokens, hasher, params, release_fn)
+        try:  # a device hand-off is one peer copy (no deadline); a tier load has the load deadline
+            got = await (opening if handle.device_state is not None
+                         else asyncio.wait_for(opening, self.load_deadline_s))
+        except asyncio.TimeoutError:
+            self.counters["load_timeouts"] += 1
+            log.warning("hand-off load passed its %.1f s deadline; recomputing", self.load_deadline_s)
+            got = None
+        except Exception:
+            log.exception("hand-off load failed; recomputing")
+            got = None
+        if got is None:
+            self.counters["load_failures"] += 1
+        return got or Resume(None, 0, "computed")
+
+    # -- 4 decode, 5 turn end ----------------------------------------------------------
+    async def decode(self, params: GenerateParams, tokens: list[int], sampling: SamplingParams, plan: Resume,
+                     first_index: int, hasher: BlockHasher, reported: tuple[int, str] | None
+                     ) -> AsyncIterator[StreamChunk]:
+        rid = f"{params.request_id}/decode"
+        keep = self.engine.keeps_state
+        req = EngineRequest(rid, tokens, sampling, keep_state=keep, first_output_index=first_index,
+                            cached_source=plan.source, cache_salt=params.cache_salt)
+        n_prompt = len(params.prompt_token_ids)
+        try:
+            async with aclosing(self.engine.generate(req, plan.state)) as outs:  # closing aborts the request
+                async for out in outs:
+                    cached, source = reported or (out.num_cached_tokens, out.cached_source)
+                    if out.finished and keep and out.finish_reason in ("length", "stop"):
+                        session = session_key(params.cache_salt, params.session_id) or None
+                        self.spawn(self.publish_turn_end(rid, hasher), session)  # off the response path
+                    yield StreamChunk(out.new_token_ids, out.finished, out.finish_reason, n_prompt, cached, source,
+                                      out.error, plan.nbytes, plan.seconds, self.replica_id)
+        finally:  # an unfinished request was aborted when ``outs`` closed (async_engine NOTE 4)
+            self.counters["decodes"] += 1
+
+    async def publish(self, request_id: str, tokens: list[int], hasher: BlockHasher,
+                      also_at: tuple[int, ...] = ()) -> tuple[int, float]:
+        """Publish a held request's state at ``len(tokens)`` (and at ``also_at``), then release it."""
+        t0 = time.perf_counter()
+        nbytes = 0
+        try:
+            if self.state is not None:
+                nbytes = await self.state.publish(self.engine, request_id, tokens, hasher, also_at)
+                self.counters["published_bytes"] += nbytes
+        except Exception:
+            log.exception("publishing state failed; the next turn will recompute")
+        finally:
+            await self.engine.release(request_id)
+        return nbytes, time.perf_counter() - t0
+
+    async def publish_turn_end(self, request_id: str, hasher: BlockHasher) -> None:
+        try:
+            computed = await self.engine.computed_tokens(request_id)
+            positions = await self.engine.checkpoint_positions(request_id)
+        except KeyError:  # the engine no longer holds the request (it failed or was aborted)
+            log.warning("turn end of %s not published: the engine no longer holds it", request_id)
+            return
+        await self.publish(request_id, computed, hasher, earlier_checkpoints(positions, len(computed)))
+
+    # -- background work ---------------------------------------------------------------
+    def spawn(self, coro, session: str | None = None) -> None:
+        """Run ``coro`` in the background (a publish of ``session`` when named, NOTE 6)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if session is not None:
+            group = self._publishing.setdefault(session, set())
+            group.add(task)
+
+            def done(t, key=session):
+                group.discard(t)
+                if not group:
+                    self._publishing.pop(key, None)
+
+            task.add_done_callback(done)
+
+    async def drain(self) -> None:
+        """Wait for background publishes (graceful shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def earlier_checkpoints(positions: list[int], end: int) -> tuple[int, ...]:
+    """Checkpoint positions before ``end``, longest first (later publishes share its blocks)."""
+    return tuple(sorted((p for p in positions if p < end), reverse=True))
+
+
+def _source(tier: str | None) -> str:
+    """Metric source name of a tier: host, disk, or peer for any remote tier."""
+    if tier is None:
+        return "computed"
+    return "peer" if tier.startswith("remote") else tier
+
+
+def _is_stop(token: int, sampling: SamplingParams, eos_token_id: int | None) -> bool:
+    return token in sampling.stop_token_ids or (not sampling.ignore_eos and token == eos_token_id)
+
+
+async def _quietly(work, what: str) -> None:
+    """Await ``work``, logging instead of raising (clean-ups spawned off a closing request)."""
+    try:
+        await work
+    except Exception:  # noqa: BLE001 - the owner expires what is left (device_ipc NOTE 1)
+        log.warning("%s failed", what, exc_info=True)
