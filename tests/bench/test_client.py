@@ -48,12 +48,13 @@ def test_ttft_and_itl_match_controlled_timings(transport: str) -> None:
         assert r.output_tokens == 10 and len(r.chunk_ns) == 10
         assert r.ttft_ms >= 50 and r.e2e_ms >= 230  # never early; late only by scheduling
         assert r.itl_ms == pytest.approx((r.e2e_ms - r.ttft_ms) / (10 - 1))
-        written = timings[r.request_id]["write_ns"]
-        served_itl_ms.append((written[-1] - written[0]) / 1e6 / (10 - 1))
-    # medians resist the odd descheduled read; 2 ms covers the client's read delays on the
-    # first and last token (aiohttp's come from its loop)
+        sent = timings[r.request_id]["tx_ns"] or timings[r.request_id]["write_ns"]
+        served_itl_ms.append((sent[-1] - sent[0]) / 1e6 / (10 - 1))
+    # Medians resist the odd descheduled read. A client that falls behind reads several
+    # tokens at once, each stamped when the newest arrived (rawhttp NOTE 1); on a busy
+    # machine that moved the p50 ITL by up to ~6 ms: 8 ms still fails an ITL off by 10.
     s = summarize(results[1:])
-    assert s.itl_ms.p50 == pytest.approx(float(np.median(served_itl_ms)), abs=2.0)
+    assert s.itl_ms.p50 == pytest.approx(float(np.median(served_itl_ms)), abs=8.0)
 
 
 async def _complete_with_timings(
