@@ -43,6 +43,12 @@ NOTES
    export (``keep_state``, NOTE 1) leave too few: then it keeps what it has and
    waits, alone, for their ``release`` (``generate``, the engine alone, reports
    the stall; in a server the exporting worker releases them).
+7. Requested checkpoints (``EngineRequest.checkpoint_at``): a ``keep_state``
+   request also keeps the KDA state at each block boundary its caller names
+   (where a worker's placement policy expects a later prompt to diverge:
+   ``disagg.reuse.placement``). Chunks stop there as at NOTE 5's point, in any
+   step, whatever else the step carries; the positions are checked at
+   admission (block-aligned, inside the prompt).
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class _Request:
     finish_reason: str | None = None
     resume: ResumeState | None = None  # imported at admission, then dropped
     cache_salt: str = ""  # tenant salt (residents are matched within one salt)
+    checkpoint_at: tuple[int, ...] = ()  # requested checkpoint positions, ascending (NOTE 7)
 
     @property
     def num_output(self) -> int:
@@ -176,7 +183,16 @@ class ReferenceEngine:
         req.resume = request.resume
         req.cache_salt = request.cache_salt
         req.cached_source = request.cached_source if request.resume is not None else "computed"
+        req.checkpoint_at = self._check_points(request.checkpoint_at, len(prompt)) if request.keep_state else ()
         self._waiting.append(req)
+
+    def _check_points(self, points, num_prompt: int) -> tuple[int, ...]:
+        """NOTE 7's positions, ascending; a position off a block boundary or outside the prompt is refused."""
+        for p in points:
+            if p % self.block_size or not 0 < p < num_prompt:
+                raise ValueError(f"checkpoint position {p} must be a block boundary inside the prompt "
+                                 f"(block_size {self.block_size}, prompt {num_prompt})")
+        return tuple(sorted(set(points)))
 
     def _check_resume(self, state: ResumeState, prompt: list[int]) -> None:
         if state.layout.fingerprint() != self.layout.fingerprint():
@@ -466,6 +482,9 @@ class ReferenceEngine:
         aligned = self._aligned_point(req)
         if req.num_computed < aligned:  # stop at the prompt's last block boundary (NOTE 5)
             n = min(n, aligned - req.num_computed)
+        nxt = next((p for p in req.checkpoint_at if p > req.num_computed), 0)
+        if nxt:  # and at the next requested checkpoint (NOTE 7)
+            n = min(n, nxt - req.num_computed)
         return max(n, 0)
 
     def _aligned_point(self, req: _Request) -> int:
@@ -500,7 +519,8 @@ class ReferenceEngine:
 
     def _maybe_checkpoint(self, req: _Request) -> None:
         every = self.options.checkpoint_interval
-        if (req.keep_state and every and req.num_computed % every == 0) or req.num_computed == self._aligned_point(req):
+        if ((req.keep_state and every and req.num_computed % every == 0) or req.num_computed == self._aligned_point(req)
+                or req.num_computed in req.checkpoint_at):
             req.checkpoints[req.num_computed] = self._copy_slot(req.slot)
 
     def _finish_reason(self, req: _Request, token: int) -> str | None:
