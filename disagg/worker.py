@@ -35,6 +35,10 @@ NOTES
    ``peer_stores(handle.node_id)`` (this node's tiers, then that node's gRPC state
    service); with no peer store for that node, from this node's tiers (a miss
    there is a recompute, NOTE 3).
+7. Reuse accounting (``disagg.reuse``): the orchestrating side notes every prompt
+   in its ledger, asks where its prefill keeps extra checkpoints, and gives every
+   prompt token it recomputed below the infinite-cache bound one reason, on the
+   request's last chunk. The calls are marked ``# reuse:``; the logic lives there.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from disagg import faults as fault_injection
 from disagg.engine.protocol import EngineRequest
 from disagg.faults import FaultInjector, LoadFault
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.reuse.accounting import ReuseAccounting, ReuseTicket
+from disagg.reuse.placement import CheckpointPlacement
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
 
 if TYPE_CHECKING:
@@ -72,13 +78,14 @@ class _Resume:
     source: str  # device | host | disk | peer | computed
     nbytes: int = 0  # bytes loaded
     seconds: float = 0.0  # load time
+    failure: str = ""  # "load_deadline" | "load_failed": why a lookup or load gave nothing (NOTE 7)
 
 
 class StatefulWorker:
     def __init__(self, engine, store=None, replica_id: str = "local", node_id: str = "local",
                  local_prefill_max_tokens: int = 512, prefill_retries: int = 2, load_deadline_s: float = 5.0,
                  faults: FaultInjector | None = None, retry_backoff_s: float = 0.25, device_shares=None,
-                 peer_stores: PeerStoresFn | None = None):
+                 peer_stores: PeerStoresFn | None = None, checkpoint_placement: bool = True):
         self.engine = engine  # AsyncEngine
         self.store = store  # kv_transfer.store.StateStore (node-shared tiers) or None
         self.replica_id = replica_id
@@ -104,6 +111,8 @@ class StatefulWorker:
                 store.warm(self._load_device)
             except Exception as e:  # noqa: BLE001 - a cold first load is slower, not wrong
                 log.warning("warming direct loads to %s failed: %s", self._load_device, e)
+        placement = CheckpointPlacement(engine.block_size) if checkpoint_placement else None
+        self.reuse = ReuseAccounting(engine.block_size, placement)  # NOTE 7
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight
         self.counters = {"prefills": 0, "decodes": 0, "remote_prefills": 0, "local_prefills": 0,
@@ -124,36 +133,40 @@ class StatefulWorker:
         if isinstance(matched, BaseException):
             raise matched
         _, device_len = matched
+        failure = ""
         if isinstance(point, asyncio.TimeoutError):
             self.counters["load_timeouts"] += 1
             log.warning("state lookup passed its %.1f s deadline; recomputing", self.load_deadline_s)
-            point = None
+            point, failure = None, "load_deadline"
         elif isinstance(point, Exception):  # a tier that fails is a miss (NOTE 3)
             self.counters["load_failures"] += 1
             log.error("state lookup failed; recomputing", exc_info=point)
-            point = None
+            point, failure = None, "load_failed"
         elif isinstance(point, BaseException):  # cancelled: not a failure of the state path
             raise point
         if point is not None and point.position > device_len:
             loaded = await self._load(tokens, point.position, hasher, params, deadline)
-            if loaded is not None:
+            if loaded.state is not None:
                 return replace(loaded, source=_source(point.slowest_tier))
-        return _Resume(None, device_len, "device" if device_len else "computed")
+            failure = loaded.failure
+        return _Resume(None, device_len, "device" if device_len else "computed", failure=failure)
 
     async def _load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
-                    deadline: float | None = None, node_id: str | None = None) -> _Resume | None:
-        """Load the state at ``position`` (held by node ``node_id`` when given, NOTE 6)."""
+                    deadline: float | None = None, node_id: str | None = None) -> _Resume:
+        """Load the state at ``position`` (held by node ``node_id`` when given, NOTE 6); on a miss,
+        a ``_Resume`` without state that says why."""
         t0 = time.perf_counter()
         budget = self.load_deadline_s if deadline is None else deadline - time.monotonic()
         fault = self.faults.on_load(params) if self.faults is not None else None
         remote = self.peer_stores is not None and node_id is not None and node_id != self.node_id
+        failure = "load_failed"
         try:
             state = await asyncio.wait_for(
                 self._load_state(tokens, position, hasher, fault, node_id if remote else None), max(0.0, budget))
         except asyncio.TimeoutError:  # a stalled tier or peer: recompute rather than wait (NOTE 3)
             self.counters["load_timeouts"] += 1
             log.warning("state load passed its %.1f s deadline; recomputing", self.load_deadline_s)
-            state = None
+            state, failure = None, "load_deadline"
         except Exception:  # a tier that fails is a miss (NOTE 3)
             log.exception("state load failed; recomputing")
             state = None
@@ -163,7 +176,7 @@ class StatefulWorker:
             self.counters["load_failures"] += 1
             if fault is not None:
                 self.faults.recovered("load_recomputed", params, after=fault.kind)
-            return None
+            return _Resume(None, 0, "computed", failure=failure)
         nbytes = sum(b.rows.nbytes for b in state.mla_blocks) + (state.tail.rows.nbytes if state.tail else 0)
         nbytes += sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
         return _Resume(state, position, "host", nbytes, time.perf_counter() - t0)
@@ -192,11 +205,13 @@ class StatefulWorker:
         return store
 
     async def _publish(self, request_id: str, tokens: list[int], hasher: BlockHasher,
-                       also_at: tuple[int, ...] = ()) -> tuple[int, float]:
+                       also_at: tuple[int, ...] = ()) -> tuple[int, float, tuple[int, ...]]:
         """Publish a held request's state at its current position (and at the earlier checkpoints
-        ``also_at``, e.g. the prompt end), then release it to the device tier."""
+        ``also_at``, e.g. the prompt end), then release it to the device tier.
+        Returns (bytes stored, seconds, positions whose every piece is now stored)."""
         t0 = time.perf_counter()
         nbytes = 0
+        stored: list[int] = []
         try:
             if self.store is not None:
                 for pos in (len(tokens), *also_at):  # the longest first: later ones share its blocks
@@ -204,12 +219,15 @@ class StatefulWorker:
                     state = await self.engine.export_state(request_id, pos, present)
                     result = await asyncio.to_thread(self.store.put_state, tokens[:pos], state, hasher)
                     nbytes += result.bytes_stored
+                    if not result.num_refused:
+                        stored.append(pos)
                 self.counters["published_bytes"] += nbytes
         except Exception:
             log.exception("publishing state failed; the next turn will recompute")
         finally:
             await self.engine.release(request_id)
-        return nbytes, time.perf_counter() - t0
+            self.reuse.published(tokens, hasher, stored)  # reuse: published
+        return nbytes, time.perf_counter() - t0, tuple(stored)
 
     def _present_blocks(self, tokens: list[int], hasher: BlockHasher) -> int:
         digests = hasher.block_hashes(tokens)
@@ -231,7 +249,8 @@ class StatefulWorker:
         rid = f"{params.request_id}/prefill"
         req = EngineRequest(rid, tokens, replace(params.sampling, max_tokens=1), resume=plan.state,
                             keep_state=True, first_output_index=params.resumed_output_tokens,
-                            cached_source=plan.source, cache_salt=params.cache_salt)
+                            cached_source=plan.source, cache_salt=params.cache_salt,
+                            checkpoint_at=params.checkpoint_at)
         last = None
         async for out in self.engine.generate(req):
             last = out
@@ -239,7 +258,7 @@ class StatefulWorker:
         compute_s = time.perf_counter() - t0
         if kill:
             await self._injected_prefill_kill(rid, params)
-        shared = None
+        shared, stored = None, ()
         try:
             if self.device_shares is not None:  # NOTE 5
                 t1 = time.perf_counter()
@@ -256,7 +275,7 @@ class StatefulWorker:
                 except KeyError:  # not held any more: publish the prompt end alone (``_publish`` logs, releases)
                     positions = []
                 earlier = tuple(sorted((p for p in positions if p < len(tokens)), reverse=True))
-                nbytes, pub_s = await self._publish(rid, tokens, hasher, earlier)
+                nbytes, pub_s, stored = await self._publish(rid, tokens, hasher, earlier)
         except BaseException:  # cancelled (the client left) or failed before the release: the held
             self._spawn(_quietly(self.engine.release(rid), f"release of {rid}"), None)  # blocks go back
             if shared is not None:
@@ -265,30 +284,34 @@ class StatefulWorker:
             raise
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
-                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared)
+                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared, stored, plan.failure)
 
     # -- generate (runs on a decode worker) -----------------------------------------------------
     async def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None,
                        release_fn: ReleaseFn | None = None) -> AsyncIterator[StreamChunk]:
         """``release_fn(handle)`` tells a prefill replica that its device hand-off was copied (NOTE 5)."""
         pending = self._publishing.get(_session_key(params))
-        if pending:  # this session's previous turn end is being published: let it land first
-            await asyncio.wait(list(pending), timeout=1.0)
+        if pending:  # this session's previous turn end is being published: take it over when it lands
+            await asyncio.wait(list(pending), timeout=self.load_deadline_s)
         tokens = list(params.prompt_token_ids)
         hasher = self.hasher.with_salt(params.cache_salt)
         sampling = params.sampling
         kill_after = self.faults.kill_decode_after(params) if self.faults is not None else None
         self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
+        ticket = self.reuse.begin(tokens, hasher, params.session_id, params.request_id, params.cache_salt)  # reuse
         plan = await self._plan_resume(tokens, hasher, params)
+        points = self.reuse.checkpoint_at(ticket, plan.position)  # reuse: where the prefill keeps checkpoints
         handle = None
         if prefill_fn is not None and len(tokens) - plan.position > self.local_prefill_max_tokens:
-            handle = await self._remote_prefill(params, prefill_fn)
+            handle = await self._remote_prefill(replace(params, checkpoint_at=points), prefill_fn)
         first_index = params.resumed_output_tokens  # NOTE 4
         cached, source = plan.position, plan.source
         transfer_bytes, transfer_s = plan.nbytes, plan.seconds
         if handle is not None:
             self.counters["remote_prefills"] += 1
             cached, source = handle.num_cached_tokens, handle.cached_source
+            await self._reuse_finish(ticket, cached, handle.resume_failure, params)  # reuse: misses
+            self.reuse.published(tokens, hasher, handle.checkpoints)  # reuse: the prefill's publishes
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=cached,
                                 cached_source=source, replica_id=self.replica_id)
             stop = _is_stop(handle.first_token, sampling, self.engine.engine)
@@ -296,6 +319,7 @@ class StatefulWorker:
             try:
                 if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
                     first.finished, first.finish_reason = True, "stop" if stop else "length"
+                    first.reuse_misses, first.reuse_bound = ticket.misses, ticket.bound
                     yield first
                     return
                 yield first
@@ -311,6 +335,7 @@ class StatefulWorker:
             else:
                 loaded = await self._load(tokens, handle.position, hasher, params, node_id=handle.node_id)
             plan = loaded or _Resume(None, 0, "computed")
+            plan = plan if plan.state is not None else _Resume(None, 0, "computed")
             transfer_bytes, transfer_s = plan.nbytes, plan.seconds
             tokens = tokens + [handle.first_token]
             sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
@@ -319,18 +344,22 @@ class StatefulWorker:
             self.counters["local_prefills"] += 1
         rid = f"{params.request_id}/decode"
         req = EngineRequest(rid, tokens, sampling, resume=plan.state, keep_state=True,
-                            first_output_index=first_index, cached_source=plan.source, cache_salt=params.cache_salt)
+                            first_output_index=first_index, cached_source=plan.source, cache_salt=params.cache_salt,
+                            checkpoint_at=() if handle else tuple(p for p in points if p > plan.position))
         finished = False
         num_streamed = first_index - params.resumed_output_tokens
         try:
             async with aclosing(self.engine.generate(req)) as outs:  # closing this stream aborts the request
                 async for out in outs:
+                    if handle is None and num_streamed == 0:  # reuse: misses of the local prefill
+                        await self._reuse_finish(ticket, out.num_cached_tokens, plan.failure, params)
                     chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason,
                                         len(params.prompt_token_ids), cached if handle else out.num_cached_tokens,
                                         source if handle else out.cached_source, out.error, transfer_bytes,
                                         transfer_s, self.replica_id)
                     if out.finished:
                         finished = True
+                        chunk.reuse_misses, chunk.reuse_bound = ticket.misses, ticket.bound
                         if out.finish_reason in ("length", "stop"):  # checkpoint the turn end off the response path
                             self._spawn(self._publish_turn_end(rid, hasher), _session_key(params))
                     yield chunk
@@ -388,6 +417,20 @@ class StatefulWorker:
         earlier = tuple(sorted((p for p in positions if p < len(computed)), reverse=True))
         await self._publish(rid, computed, hasher, earlier)
 
+    async def _reuse_finish(self, ticket: ReuseTicket, realized: int, failure: str, params: GenerateParams) -> None:
+        """NOTE 7: classify the prompt tokens this request recomputed; ``held`` probes whether a
+        published resume point is still there (the store, or this engine's resident sessions)."""
+        tokens, hasher = ticket.tokens, ticket.hasher
+
+        async def held(position: int) -> bool:
+            _, device = await self.engine.call(self.engine.engine.resident_match, tokens, params.cache_salt)
+            if device >= position or self.store is None:
+                return device >= position
+            point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, position)
+            return point.position >= position
+
+        await self.reuse.finish(ticket, realized, failure, held)
+
     def _spawn(self, coro, session: str | None) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -426,7 +469,7 @@ class StatefulWorker:
         return None
 
     def stats(self) -> dict:
-        out = {"worker": dict(self.counters), "engine": self.engine.engine.stats()}
+        out = {"worker": dict(self.counters), "engine": self.engine.engine.stats(), "reuse": self.reuse.stats()}
         if self.store is not None:
             out["store"] = self.store.stats()
         return out

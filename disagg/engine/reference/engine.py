@@ -18,7 +18,10 @@ NOTES
    slot: its end state is copied out) until ``release``.
 2. Released and finished requests become *resident sessions* (the device tier):
    their blocks and end state stay until memory is needed (LRU). A new request
-   whose prompt extends a resident session's tokens adopts its state.
+   whose prompt extends a resident session's tokens adopts its state; one that
+   resumes at less than half of a resident (a prefix shared across sessions,
+   e.g. a system prompt) copies the pages it needs and leaves the resident to
+   its own session's next turn. Of equal matches the closest session wins.
 3. ``num_computed <= len(token_ids) - 1`` after every step of a live request
    that has sampled: the newest sampled token is not yet computed.
 4. A step launches hundreds of kernels from Python, so the stepping thread
@@ -290,25 +293,31 @@ class ReferenceEngine:
         A session is resumable at any of its checkpoints (prompt end, turn end, periodic)
         whose prefix ``tokens`` repeats, strictly inside ``tokens``.
         """
-        best, best_len = None, 0
+        best, best_len, best_common = None, 0, 0
         for rid, res in self._residents.items():
             if res.cache_salt != cache_salt:
                 continue
             common = _common_prefix(res.tokens, tokens)
-            p = max((q for q in res.checkpoints if best_len < q <= common and q < len(tokens)), default=0)
-            if p > best_len:
-                best, best_len = rid, p
+            p = max((q for q in res.checkpoints if best_len <= q <= common and q < len(tokens)), default=0)
+            if p > best_len or (p == best_len and p and common > best_common):  # a tie goes to the closest
+                best, best_len, best_common = rid, p, common  # session (its own), not another's shared prefix
         return best, best_len
 
     def _adopt_resident(self, req: _Request) -> None:
         best, best_len = self.resident_match(req.token_ids, req.cache_salt)
         if best is None:
             return
-        res = self._residents.pop(best)
-        self.resident_version += 1
-        keep = -(-best_len // self.block_size)  # pages past the resume point go back to the pool
-        self.cache.blocks.free(res.block_table[keep:])
-        req.block_table = res.block_table[:keep]
+        keep = -(-best_len // self.block_size)
+        res = self._residents[best]
+        if 2 * best_len < len(res.tokens) and self.cache.blocks.can_allocate(keep):  # a shared prefix (NOTE 2)
+            req.block_table = self.cache.blocks.allocate(keep)
+            self.cache.mla_all[:, req.block_table] = self.cache.mla_all[:, res.block_table[:keep]]
+            self._residents.move_to_end(best)
+        else:
+            del self._residents[best]
+            self.resident_version += 1
+            self.cache.blocks.free(res.block_table[keep:])  # pages past the resume point go back to the pool
+            req.block_table = res.block_table[:keep]
         conv, rec = res.checkpoints[best_len]
         self._load_slot(req.slot, conv, rec)
         req.num_computed = req.num_cached = best_len
