@@ -118,7 +118,7 @@ class Replayer:
     def __init__(self, client: OpenAIClient, tokens: TokenFactory, config: RunConfig) -> None:
         self.client, self.tokens, self.cfg = client, tokens, config
         self.results: list[RequestResult] = []
-        self._seen: set[int] = set()  # salted block keys sent so far (infinite cache)
+        self._seen: dict[int, int] = {}  # salted block key -> most tokens of it sent so far (infinite cache)
         self._hits = self._blocks = 0  # over measured requests
         self._count = 0
         self._measured = 0
@@ -170,13 +170,12 @@ class Replayer:
         number, warmup = claim
         rid = f"{self.cfg.label or 'run'}-{number}"
         keys = self.tokens.block_keys(rec.hash_ids, salt).tolist()
-        hits = sum(1 for k in keys if k in self._seen)  # an infinite cache, as the request is sent
-        self._seen.update(keys)
+        hits = self._infinite_cache_hit(keys, rec)  # tokens, as the request is sent
         body = await self._body(rec, salt)
         result = await self.client.send(body, rid)
         if not warmup and result.ok:  # over the requests the usage hit rate covers too
             self._hits += hits
-            self._blocks += len(keys)
+            self._blocks += rec.input_length  # prompt tokens (the usage hit's unit)
         result.session_id, result.turn, result.lane, result.salt = (
             rec.session_id,
             rec.turn,
@@ -193,6 +192,21 @@ class Replayer:
             self._bar.update(1)
             if result.error:
                 self._bar.set_postfix(failed=sum(1 for r in self.results if r.error), refresh=False)
+
+    def _infinite_cache_hit(self, keys: list[int], rec: TraceRecord) -> int:
+        """Prompt tokens an infinite prefix cache would reuse, in tokens like the usage hit: the
+        leading blocks seen before, a partial block counting the tokens of it seen, never the
+        prompt's last token (its logits give the first output token). Records this prompt."""
+        bs = rec.effective_block_size(self.tokens.block_size)
+        hit, prefix = 0, True
+        for i, k in enumerate(keys):
+            n = min(bs, rec.input_length - i * bs)
+            if prefix:
+                got = min(n, self._seen.get(k, 0))
+                hit += got
+                prefix = got == n
+            self._seen[k] = max(n, self._seen.get(k, 0))
+        return min(hit, rec.input_length - 1)
 
     # -- closed loop ----------------------------------------------------------
     async def _lane(self, lane: int, sessions: _Sessions) -> None:
