@@ -89,6 +89,7 @@ class RunOutput:
     results: list[RequestResult]
     started_ns: int  # perf_counter_ns at the start
     theoretical_hit: float | None = None  # infinite-cache hit rate of the replayed prompts
+    theoretical_tokens_all: int = 0  # infinite-cache hit tokens over every successful request (warm-up too)
 
     def config_dict(self) -> dict:
         return asdict(self.config)
@@ -120,6 +121,7 @@ class Replayer:
         self.results: list[RequestResult] = []
         self._seen: dict[int, int] = {}  # salted block key -> most tokens of it sent so far (infinite cache)
         self._hits = self._blocks = 0  # over measured requests
+        self._all_hits = 0  # over every successful request (the server's counters see them all)
         self._count = 0
         self._measured = 0
         self._t0 = 0
@@ -173,6 +175,8 @@ class Replayer:
         hits = self._infinite_cache_hit(keys, rec)  # tokens, as the request is sent
         body = await self._body(rec, salt)
         result = await self.client.send(body, rid)
+        if result.ok:
+            self._all_hits += hits
         if not warmup and result.ok:  # over the requests the usage hit rate covers too
             self._hits += hits
             self._blocks += rec.input_length  # prompt tokens (the usage hit's unit)
@@ -278,7 +282,7 @@ class Replayer:
             self._bar.close()
             self._bar = None
         hit = self._hits / self._blocks if self._blocks else None
-        return RunOutput(cfg, self.results, self._t0, hit)
+        return RunOutput(cfg, self.results, self._t0, hit, self._all_hits)
 
 
 async def replay(
