@@ -6,7 +6,7 @@
 #   TTFT, ITL, tok/s/GPU, realized vs theoretical hit (prompt tokens) and the miss-reason table;
 #   layouts not started before DEADLINE_S (default 420) are skipped and say so.
 # - overlap: benchmarks/overlap_bench.py, prefill with publishing off / on / node (ratio goal <= 1.05).
-# Env knobs: REQUESTS (default 48), CONC (4,16,32), LAYOUTS, OVERLAP_ROUNDS (4).
+# Env knobs: REQUESTS (default 48), CONC (4,16,32), LAYOUTS, OVERLAP_ROUNDS (4), SKIP_E2E=1, SKIP_OVERLAP=1.
 set -uo pipefail
 out=${1:-results/reuse-h200}
 deadline=${2:-420}
@@ -19,8 +19,8 @@ source benchmarks/gpu/env.sh
   git rev-parse HEAD 2>/dev/null || true
 } > "$out/card.txt" 2>&1
 cat "$out/card.txt"
-python3 benchmarks/gpu/two_gpu.py --out "$out/e2e" --part e2e --devices cuda:0,cuda:0 \
+[ -n "${SKIP_E2E:-}" ] || python3 benchmarks/gpu/two_gpu.py --out "$out/e2e" --part e2e --devices cuda:0,cuda:0 \
   --layouts "${LAYOUTS:-1p1d_host:before,1p1d_host,1x_aggregated_host}" --concurrency "${CONC:-4,16,32}" \
   --requests "${REQUESTS:-48}" --deadline-s "$deadline" 2>&1 | tee "$out/e2e.txt" | grep -v "^{"
-python3 benchmarks/overlap_bench.py --device cuda --preset small --dtype bfloat16 --prompt 8192 --batch 4 \
+[ -n "${SKIP_OVERLAP:-}" ] || python3 benchmarks/overlap_bench.py --device cuda --preset small --dtype bfloat16 --prompt 8192 --batch 4 \
   --rounds "${OVERLAP_ROUNDS:-4}" --modes off,on,node --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt"
