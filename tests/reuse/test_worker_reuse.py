@@ -133,3 +133,52 @@ def _drop_all(store) -> None:
     for key in list(tier._index):
         tier.delete(key)
 
+
+
+def test_load_deadline(threads):
+    """Every state load of session "late" stalls past the load deadline: the prompt's published
+    prefix is recomputed, and its tokens are ``load_deadline`` misses."""
+    rule = {"fault": "delay", "rate": 1.0, "session_prefix": "late", "delay_s": 5.0}
+    b = backend(transfer={"load_deadline_s": 0.2}, faults={"enabled": True, "rules": [rule]})
+    a = ids(400, 5)
+    try:
+        async def go():
+            await send(b, "a", a, "s")
+            for w in (b.prefill, b.decode):  # the device tier forgets: the next turn needs a load
+                await w.engine.call(w.engine.engine._residents.clear)
+            _, late = await send(b, "b", a + ids(30, 6), "late")
+            adds_up(late)
+            return late
+        late = asyncio.run(go())
+    finally:
+        b.shutdown()
+    assert late.num_cached_tokens == 0 and late.reuse_misses == {"load_deadline": 400}
+
+
+def test_in_flight_and_the_counters(threads):
+    """B shares A's full blocks and arrives while A's prefill (and publish) is still running: its
+    tokens are ``in_flight`` misses. The edge's counters of every request add up."""
+    from disagg.api.metrics import ServingMetrics
+    from disagg.bench.servermetrics import counter_by_label, counter_total, parse_prometheus
+
+    b = backend()
+    a = ids(1500, 7)
+    try:
+        async def go():
+            first = asyncio.create_task(send(b, "a", a, "sa"))
+            while not b.decode.reuse.ledger._blocks:  # A is noted as seen (its lookup began)
+                await asyncio.sleep(0.01)
+            _, lb = await send(b, "b", a[:1472] + ids(40, 8), "sb")
+            _, la = await first
+            return la, lb
+        la, lb = asyncio.run(go())
+    finally:
+        b.shutdown()
+    assert lb.num_cached_tokens == 0 and lb.reuse_misses.get("in_flight", 0) == 1472, lb.reuse_misses
+    metrics = ServingMetrics()
+    for last in (la, lb):
+        metrics.request_finished("completions", last, 3)
+    samples = parse_prometheus(metrics.render()[0].decode())
+    missed = sum(counter_by_label(samples, "disagg_reuse_miss_tokens_total", "reason").values())
+    cached = la.num_cached_tokens + lb.num_cached_tokens
+    assert missed == counter_total(samples, "disagg_reuse_bound_tokens_total") - cached == 1472
