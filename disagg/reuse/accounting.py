@@ -33,6 +33,7 @@ class ReuseTicket:
     hasher: BlockHasher  # its salted key space
     view: ReuseView  # what the ledger knew at the lookup
     pending: tuple[int, ...]  # positions noted pending for this prompt's own publishes
+    hashes: list[bytes] = field(default_factory=list)  # the prompt's block digests (hashed once)
     misses: dict[str, int] = field(default_factory=dict)  # filled by ``finish``
     bound: int = 0  # infinite-cache bound counted for this request (filled by ``finish``)
 
@@ -63,8 +64,8 @@ class ReuseAccounting:
         self.ledger.note_seen(tokens, hasher, owner, unsalted, hashes)
         bs = self.block_size
         own = tuple(sorted({len(tokens), len(tokens) // bs * bs} - {0}))
-        self.ledger.note_points(tokens, hasher, own, "pending")
-        return ReuseTicket(tokens, hasher, view, own)
+        self.ledger.note_points(tokens, hasher, own, "pending", hashes)
+        return ReuseTicket(tokens, hasher, view, own, hashes)
 
     def checkpoint_at(self, ticket: ReuseTicket, resume: int = 0) -> tuple[int, ...]:
         """Extra checkpoint positions for the ticket's prefill (engine NOTE 7)."""
@@ -73,7 +74,7 @@ class ReuseAccounting:
         view = ticket.view
         branch = view.branch if view.branch and view.branch not in view.published else 0
         points = self.placement.positions(view.num_prompt, resume, branch)
-        self.ledger.note_points(ticket.tokens, ticket.hasher, points, "pending")
+        self.ledger.note_points(ticket.tokens, ticket.hasher, points, "pending", ticket.hashes)
         return points
 
     async def finish(self, ticket: ReuseTicket, realized: int, failure: str = "",
@@ -87,7 +88,7 @@ class ReuseAccounting:
                 still = await held(furthest)
             except Exception:  # noqa: BLE001 - a failing probe only blurs the reason, never the count
                 still = True
-        raced = self.ledger.published_since(ticket.tokens, ticket.hasher, view)
+        raced = self.ledger.published_since(ticket.tokens, ticket.hasher, view, ticket.hashes or None)
         inputs = MissInputs(view.num_prompt, realized, view.bound, view.bound_any_salt, published,
                             view.pending, raced, still, failure)
         ticket.misses = classify(inputs)

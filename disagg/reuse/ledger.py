@@ -102,9 +102,10 @@ class ReuseLedger:
         published, pending = self._points_upto(tokens, hasher, hashes, bound, now)
         return ReuseView(n_tok, bound, any_bound, published, pending, branch, now)
 
-    def published_since(self, tokens: Sequence[int], hasher: BlockHasher, view: ReuseView) -> tuple[int, ...]:
+    def published_since(self, tokens: Sequence[int], hasher: BlockHasher, view: ReuseView,
+                        hashes: list[bytes] | None = None) -> tuple[int, ...]:
         """Points <= the view's bound published after its lookup began (raced it)."""
-        published, _ = self._points_upto(tokens, hasher, None, view.bound, time.monotonic())
+        published, _ = self._points_upto(tokens, hasher, hashes, view.bound, time.monotonic())
         return tuple(p for p, t in published.items() if t >= view.started)
 
     def _tails_seen(self, parent: bytes, length: int) -> set[bytes]:
@@ -169,15 +170,17 @@ class ReuseLedger:
         self._tails.put((parent, p % bs), seen)
         return digest
 
-    def note_points(self, tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[int], state: str) -> None:
+    def note_points(self, tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[int], state: str,
+                    hashes: list[bytes] | None = None) -> None:
         """Checkpoints of ``tokens`` at ``positions``: "pending" (a publish began), "published"
-        (it landed) or "dropped" (it will not land)."""
+        (it landed) or "dropped" (it will not land). ``hashes``: the tokens' block digests, when known."""
         assert state in ("pending", "published", "dropped"), f"bad state {state!r}"
         positions = [p for p in positions if 0 < p <= len(tokens)]
         if not positions:
             return
         now = time.monotonic()
-        hashes = hasher.block_hashes(tokens[: max(positions) // self.block_size * self.block_size])
+        if hashes is None:
+            hashes = hasher.block_hashes(tokens[: max(positions) // self.block_size * self.block_size])
         for p in positions:
             digest = self._note_tail(tokens, hasher, hashes, p)
             if state == "pending":
