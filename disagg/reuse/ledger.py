@@ -64,7 +64,7 @@ class _Lru(OrderedDict):
 class ReuseLedger:
     """Seen and published state of one worker's prompts (module docstring)."""
 
-    def __init__(self, block_size: int, max_entries: int = 1 << 20, pending_ttl_s: float = 60.0):
+    def __init__(self, block_size: int, max_entries: int = 1 << 18, pending_ttl_s: float = 60.0):
         self.block_size = block_size
         self.pending_ttl_s = pending_ttl_s
         self._blocks = _Lru(max_entries)  # digest -> owner session
