@@ -9,9 +9,11 @@ engine keeps one at the prompt end and at its last full block
    so it diverges a few blocks before the previous prompt's end, not inside
    its partial last block. Each follow-up shows how many blocks back from its
    predecessor's last full block it diverged (``observe``); a decayed
-   histogram of those distances (bounded: at most ``max_blocks_back`` bins)
-   picks the ``max_points`` most frequent ones covering ``coverage`` of the
-   mass, and each prefill keeps a checkpoint there (``positions``)::
+   histogram of those distances (bounded: at most ``max_blocks_back`` bins; a
+   follow-up that kept less than half of its predecessor, a compaction or a
+   rewrite, is not learned) picks the ``max_points`` most frequent ones
+   covering ``coverage`` of the mass, and each prefill keeps a checkpoint
+   there (``positions``)::
 
        prompt k     |....|....|....|eph.|eph.|e|      last full block: A
        prompt k+1   |....|....|....|new context.......   diverged at A - 2 blocks
@@ -24,7 +26,7 @@ engine keeps one at the prompt end and at its last full block
 
 Config (``engine``-neutral; the worker owns one)::
 
-    CheckpointPlacement(block_size=64, max_points=3, coverage=0.9)
+    CheckpointPlacement(block_size=64, max_points=3, coverage=0.98)
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class CheckpointPlacement:
 
     block_size: int
     max_points: int = 3  # extra checkpoints per prompt from the divergence histogram
-    coverage: float = 0.9  # stop adding distances once this share of the mass is covered
+    coverage: float = 0.98  # stop adding distances once this share of the mass is covered
     decay: float = 0.995  # weight kept by older observations at each new one
     max_blocks_back: int = 64  # distances beyond this (a rewrite, a compaction) are not learned
     _weights: dict[int, float] = field(default_factory=dict)  # blocks back -> decayed count
@@ -48,9 +50,11 @@ class CheckpointPlacement:
             raise ValueError("need block_size > 0, max_points >= 0 and 0 < coverage <= 1")
 
     def observe(self, prev_len: int, shared: int) -> None:
-        """A follow-up shared ``shared`` tokens of its predecessor's ``prev_len``-token prompt."""
+        """A follow-up shared ``shared`` tokens of its predecessor's ``prev_len``-token prompt.
+        One that kept less than half of it (a compaction, a rewrite) says nothing of where the next
+        follow-up drops its tail, and is not learned."""
         bs = self.block_size
-        if not 0 <= shared <= prev_len:
+        if not 0 <= shared <= prev_len or 2 * shared < prev_len:
             return
         back = (prev_len // bs) - (shared // bs)
         if not 0 <= back <= self.max_blocks_back:

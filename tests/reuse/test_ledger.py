@@ -79,7 +79,8 @@ def test_placement_learns_where_follow_ups_diverge():
     for _ in range(10):
         pl.observe(prev_len=700, shared=512)  # 640 - 512: two blocks back from the last full block
     pl.observe(prev_len=700, shared=640)
-    assert pl.learned()[0] == 2
+    pl.observe(prev_len=700, shared=256)  # a compaction: not learned
+    assert pl.learned() == [2, 0]
     assert 1000 // BS * BS - 2 * BS in pl.positions(1000)
     assert pl.positions(1000, resume=900) == ()
     assert 256 in pl.positions(1000, branch=256)
