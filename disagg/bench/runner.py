@@ -116,10 +116,14 @@ class _Sessions:
 class Replayer:
     """Replays a trace against one client (one run)."""
 
-    def __init__(self, client: OpenAIClient, tokens: TokenFactory, config: RunConfig) -> None:
+    def __init__(self, client: OpenAIClient, tokens: TokenFactory, config: RunConfig,
+                 seen: dict[int, int] | None = None) -> None:
         self.client, self.tokens, self.cfg = client, tokens, config
         self.results: list[RequestResult] = []
-        self._seen: dict[int, int] = {}  # salted block key -> most tokens of it sent so far (infinite cache)
+        # salted block key -> most tokens of it sent so far (the infinite cache). A sweep shares one
+        # across its runs: each run's salt renames session blocks, so only the shared prefix carries
+        # over, as it does in the server's cache.
+        self._seen: dict[int, int] = {} if seen is None else seen
         self._hits = self._blocks = 0  # over measured requests
         self._all_hits = 0  # over every successful request (the server's counters see them all)
         self._count = 0
@@ -286,7 +290,11 @@ class Replayer:
 
 
 async def replay(
-    client: OpenAIClient, tokens: TokenFactory, records: Sequence[TraceRecord], config: RunConfig
+    client: OpenAIClient,
+    tokens: TokenFactory,
+    records: Sequence[TraceRecord],
+    config: RunConfig,
+    seen: dict[int, int] | None = None,
 ) -> RunOutput:
-    """Run one replay with an open client."""
-    return await Replayer(client, tokens, config).run(records)
+    """Run one replay with an open client (``seen``: the sweep's infinite cache, see ``Replayer``)."""
+    return await Replayer(client, tokens, config, seen).run(records)

@@ -134,6 +134,7 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
     )
     max_conn = max(params.concurrency) if params.mode == "closed" else 0
     runs: list[tuple[RunOutput, RunSummary]] = []
+    seen: dict[int, int] = {}  # the sweep's infinite cache (runner.Replayer)
     async with OpenAIClient(
         params.url,
         model=params.model,
@@ -145,7 +146,7 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
     ) as client:
         for cfg in params.run_configs():
             before = await _scrape(client, params.metrics_path)
-            output = await replay(client, factory, records, cfg)
+            output = await replay(client, factory, records, cfg, seen)
             after = await _scrape(client, params.metrics_path)
             server = cache_delta(before, after, counter=params.metrics_counter)
             summary = summarize(
