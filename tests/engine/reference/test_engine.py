@@ -269,3 +269,24 @@ def test_requested_checkpoints_are_kept_whatever_the_step(model):
         eng.add_request(EngineRequest("bad", prompt(300), greedy(1), keep_state=True, checkpoint_at=(100,)))
     with pytest.raises(ValueError, match="inside the prompt"):
         eng.add_request(EngineRequest("bad", prompt(300), greedy(1), keep_state=True, checkpoint_at=(320,)))
+
+
+def test_a_shared_prefix_match_copies_and_leaves_the_resident_to_its_session(model):
+    """NOTE 2: another session resuming at A's shared 128-token prefix copies those pages; A's own
+    next turn still finds A's state (and its prompt-end checkpoint), token-exact."""
+    eng = make_engine(model, checkpoint_interval=0)
+    system = prompt(128, seed=50)
+    a = system + prompt(300, seed=51)
+    eng.add_request(EngineRequest("a2", a, greedy(1), keep_state=True, checkpoint_at=(128,)))
+    while eng.has_work():
+        eng.step()
+    eng.release("a2")
+    other = system + prompt(90, seed=52)
+    _, last_other, _ = run(eng, "o", other, 3)
+    assert last_other.num_cached_tokens == 128 and last_other.cached_source == "device"
+    follow = a + prompt(20, seed=53)
+    tokens, last, logits = run(eng, "a3", follow, 4)
+    assert last.num_cached_tokens == len(a) and last.cached_source == "device"
+    ref, _, ref_logits = run(make_engine(model, resident_sessions=False), "ref", follow, 4)
+    assert tokens == ref
+    assert_close(logits, ref_logits)
