@@ -212,20 +212,29 @@ class StatefulWorker:
         t0 = time.perf_counter()
         nbytes = 0
         stored: list[int] = []
+        positions = (len(tokens), *also_at)  # the longest first: the others share its blocks
+        released = False
         try:
             if self.store is not None:
-                for pos in (len(tokens), *also_at):  # the longest first: later ones share its blocks
-                    present = await asyncio.to_thread(self._present_blocks, tokens[:pos], hasher)
-                    state = await self.engine.export_state(request_id, pos, present)
-                    result = await asyncio.to_thread(self.store.put_state, tokens[:pos], state, hasher)
-                    nbytes += result.bytes_stored
-                    if not result.num_refused:
-                        stored.append(pos)
+                present = await asyncio.to_thread(self._present_blocks, tokens, hasher)
+                # One hop onto the engine thread exports every position and releases the request (the
+                # exports are copies): a hop waits for a step, and a prefill's hand-off waits for this.
+                released = True
+                states = await self.engine.call(_export_all, self.engine.engine, request_id, positions, present)
+
+                def put_all():
+                    return [self.store.put_state(tokens[:p], st, hasher) for p, st in zip(positions, states, strict=True)]
+
+                results = await asyncio.to_thread(put_all)
+                nbytes = sum(r.bytes_stored for r in results)
+                if not results[0].num_refused:  # the others' blocks are the longest one's
+                    stored = [p for p, r in zip(positions, results, strict=True) if not r.num_refused]
                 self.counters["published_bytes"] += nbytes
         except Exception:
             log.exception("publishing state failed; the next turn will recompute")
         finally:
-            await self.engine.release(request_id)
+            if not released:
+                await self.engine.release(request_id)
             self.reuse.published(tokens, hasher, stored)  # reuse: published
         return nbytes, time.perf_counter() - t0, tuple(stored)
 
@@ -486,6 +495,17 @@ def continue_params(params: GenerateParams, streamed: list[int], attempt: int) -
                    prompt_token_ids=[*params.prompt_token_ids, *streamed],
                    sampling=replace(params.sampling, max_tokens=params.sampling.max_tokens - len(streamed)),
                    resumed_output_tokens=params.resumed_output_tokens + len(streamed), prefill=None)
+
+
+def _export_all(engine, request_id: str, positions: tuple[int, ...], present: int) -> list:
+    """On the engine thread: the held request's state at each position (the first one's MLA blocks
+    from ``present`` on, the others' none: the first one's put stores them), then its release to the
+    device tier, whatever happened."""
+    bs = engine.block_size
+    try:
+        return [engine.export_state(request_id, p, present if i == 0 else p // bs) for i, p in enumerate(positions)]
+    finally:
+        engine.release(request_id)
 
 
 def _session_key(params: GenerateParams) -> str | None:
