@@ -87,7 +87,8 @@ class _ServerBase:
             self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
                                          self.config.router.local_prefill_max_tokens,
                                          load_deadline_s=self.config.transfer.load_deadline_s, faults=faults,
-                                         peer_stores=peers, decider=self.config.router.decider_params())
+                                         peer_stores=peers, decider=self.config.router.decider_params(),
+                                         checkpoint_placement=self.config.engine.learned_checkpoints)
         self._draining = False
         self._inflight = 0
         self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)

@@ -53,6 +53,7 @@ class EngineConfig(_Strict):
     cache_budget_mb: int = 256  # device cache budget (MLA blocks + KDA slots)
     checkpoint_interval: int = 0  # extra KDA checkpoints every N tokens (0 = turn ends only)
     resident_sessions: bool = True  # keep finished sessions on the device (device tier)
+    learned_checkpoints: bool = True  # extra KDA checkpoints where prompts diverge (disagg.reuse.placement)
     cuda_graphs: bool = True  # reference engine on CUDA: small steps replay their token-wise work as CUDA graphs
     max_model_len: int | None = None  # cap on prompt + output tokens
     num_threads: int | None = None  # torch intra-op threads per replica (None = torch's default)

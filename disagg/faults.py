@@ -326,8 +326,8 @@ class FaultyState:
         self.faults = faults
         inner.wrap_stores(faults.install)
 
-    async def lookup(self, tokens, hasher):
-        return await self.inner.lookup(tokens, hasher)
+    async def lookup(self, tokens, hasher, limit=None):
+        return await self.inner.lookup(tokens, hasher, limit)
 
     async def load(self, tokens, position, hasher, params, node_id=None):
         return await self._faulted(params, lambda: self.inner.load(tokens, position, hasher, params, node_id))

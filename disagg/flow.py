@@ -37,8 +37,13 @@ NOTES
    the prefill pool's effective loads come from ``prefill_loads`` (the Serve adapter's view
    of the prefill replicas, ``deployments.request_router.prefill_pool_loads``). A pool whose
    loads are not known yet counts as one idle replica; no ``prefill_fn``: no pool.
-6. A session's next turn waits (at most ``PUBLISH_WAIT_S``) for its previous turn end's
-   publish, so it can resume from it.
+6. A session's next turn waits (at most ``load_deadline_s``) for its previous turn end's
+   publish, so it takes that state over instead of recomputing it.
+7. Reuse accounting (``disagg.reuse``): the flow notes every prompt in its ledger
+   (``begin``), asks where its prefill keeps extra checkpoints (``checkpoint_at``), gives
+   every prompt token it recomputed below the infinite-cache bound one reason (``finish``,
+   reported on the request's last chunk) and notes what each publish stored. The calls are
+   marked ``# reuse:``; the logic lives in ``disagg.reuse``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from typing import Protocol
 
 from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.reuse.accounting import ReuseAccounting, ReuseTicket
 from disagg.router.decider import PDDecider, PDDecision
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher
@@ -62,7 +68,6 @@ log = logging.getLogger(__name__)
 PrefillFn = Callable[[GenerateParams], Awaitable[PrefillHandle]]
 ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
 LoadsFn = Callable[[], "list[float] | None"]  # the prefill pool's effective queued tokens per replica
-PUBLISH_WAIT_S = 1.0  # NOTE 6
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures")
 
@@ -76,6 +81,7 @@ class Resume:
     source: str  # device | host | disk | peer | computed
     nbytes: int = 0  # bytes loaded
     seconds: float = 0.0  # load time
+    failure: str = ""  # "load_deadline" | "load_failed": why a lookup or load gave nothing (NOTE 7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +111,16 @@ class FlowEngine(Protocol):
     async def export_state(self, request_id: str, position: int | None = None, first_block: int = 0,
                            on_device: bool = False): ...
 
+    async def export_and_release(self, request_id: str, positions: tuple[int, ...], present: int) -> list: ...
+
     async def release(self, request_id: str) -> None: ...
 
 
 class FlowState(Protocol):
     """What the flow needs of the node's state tiers. Calls may raise: the flow degrades (NOTE 3)."""
 
-    async def lookup(self, tokens: list[int], hasher: BlockHasher) -> ResumePoint | None: ...
+    async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None
+                     ) -> ResumePoint | None: ...  # limit: furthest position asked (default: the last token's)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
                    node_id: str | None = None) -> Resume | None: ...
@@ -120,7 +129,10 @@ class FlowState(Protocol):
                    release_fn: ReleaseFn | None) -> Resume | None: ...
 
     async def publish(self, engine: FlowEngine, request_id: str, tokens: list[int], hasher: BlockHasher,
-                      also_at: tuple[int, ...] = ()) -> int: ...
+                      also_at: tuple[int, ...] = ()) -> tuple[int, tuple[int, ...]]:
+        """Export the held request at ``len(tokens)`` and ``also_at``, release it (always, once
+        called) and store the state: (bytes stored, positions whose every piece is stored)."""
+        ...
 
 
 class RequestFlow:
@@ -132,11 +144,13 @@ class RequestFlow:
         decider: the P/D decider (NOTE 5).
         replica_id: stamped on every chunk.
         prefill_loads: the prefill pool's loads (NOTE 5); None: unknown.
+        reuse: the reuse accounting (NOTE 7); default: accounting without extra checkpoints.
     """
 
     def __init__(self, engine: FlowEngine, state: FlowState | None, decider: PDDecider, replica_id: str = "local",
                  *, prefill_retries: int = 2, retry_backoff_s: float = 0.25, load_deadline_s: float = 5.0,
-                 prefill_loads: LoadsFn | None = None, counters: dict[str, int] | None = None):
+                 prefill_loads: LoadsFn | None = None, counters: dict[str, int] | None = None,
+                 reuse: ReuseAccounting | None = None):
         self.engine = engine
         self.state = state
         self.decider = decider
@@ -145,6 +159,7 @@ class RequestFlow:
         self.retry_backoff_s = retry_backoff_s  # pause before a retry (lets the router see a dead replica)
         self.load_deadline_s = load_deadline_s  # a lookup + load past this recomputes (NOTE 3)
         self.prefill_loads = prefill_loads
+        self.reuse = reuse or ReuseAccounting(engine.block_size)  # NOTE 7
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
         self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)
         self._tasks: set[asyncio.Task] = set()  # background publishes
@@ -162,38 +177,43 @@ class RequestFlow:
         device_len, point = await asyncio.gather(resident, lookup, return_exceptions=True)
         if isinstance(device_len, BaseException):
             raise device_len
+        failure = ""
         if isinstance(point, asyncio.TimeoutError):
             self.counters["load_timeouts"] += 1
             log.warning("state lookup passed its %.1f s deadline; recomputing", self.load_deadline_s)
-            point = None
+            point, failure = None, "load_deadline"
         elif isinstance(point, Exception):  # a tier that fails is a miss (NOTE 3)
             self.counters["load_failures"] += 1
             log.error("state lookup failed; recomputing", exc_info=point)
-            point = None
+            point, failure = None, "load_failed"
         elif isinstance(point, BaseException):  # cancelled: not a failure of the state path
             raise point
         if point is not None and point.position > device_len:
             loaded = await self.load(tokens, point.position, hasher, params, deadline)
-            if loaded is not None:
+            if not loaded.failure:
                 return replace(loaded, source=_source(point.tier))
-        return Resume(None, device_len, "device" if device_len else "computed")
+            failure = loaded.failure
+        return Resume(None, device_len, "device" if device_len else "computed", failure=failure)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
-                   deadline: float | None = None, node_id: str | None = None) -> Resume | None:
-        """The state at ``position`` within the deadline, or None (recompute, NOTE 3)."""
+                   deadline: float | None = None, node_id: str | None = None) -> Resume:
+        """The state at ``position`` within the deadline; on a miss a ``Resume`` without state that
+        says why (recompute, NOTE 3)."""
         budget = self.load_deadline_s if deadline is None else deadline - time.monotonic()
+        failure = "load_failed"
         try:
             got = await asyncio.wait_for(self.state.load(tokens, position, hasher, params, node_id),
                                          max(0.0, budget))
         except asyncio.TimeoutError:  # a stalled tier or peer: recompute rather than wait
             self.counters["load_timeouts"] += 1
             log.warning("state load passed its %.1f s deadline; recomputing", self.load_deadline_s)
-            got = None
+            got, failure = None, "load_deadline"
         except Exception:  # a tier that fails is a miss
             log.exception("state load failed; recomputing")
             got = None
         if got is None:
             self.counters["load_failures"] += 1
+            return Resume(None, 0, "computed", failure=failure)
         return got
 
     # -- 2 decide -------------------------------------------------------------------
@@ -225,13 +245,17 @@ class RequestFlow:
         session = session_key(params.cache_salt, params.session_id)
         pending = self._publishing.get(session) if session else None
         if pending:  # NOTE 6
-            await asyncio.wait(list(pending), timeout=PUBLISH_WAIT_S)
+            await asyncio.wait(list(pending), timeout=self.load_deadline_s)
         tokens = list(params.prompt_token_ids)
         sampling = params.sampling
         self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
+        ticket = self.reuse.begin(tokens, hasher, params.session_id, params.request_id, params.cache_salt)  # reuse
         plan = await self.plan_resume(tokens, hasher, params)  # resume planned
+        points = self.reuse.checkpoint_at(ticket, plan.position)  # reuse: where the prefill keeps checkpoints
         decision = self.decide(len(tokens) - plan.position, prefill_fn is not None)  # decision taken
-        handle = await self.remote_prefill(params, prefill_fn) if decision.disaggregate else None
+        handle = None
+        if decision.disaggregate:
+            handle = await self.remote_prefill(replace(params, checkpoint_at=points), prefill_fn)
         first_index = params.resumed_output_tokens  # NOTE 4
         reported = None  # (cached, source) of the prefill replica, when one ran (NOTE 2)
         if handle is None:
@@ -239,6 +263,8 @@ class RequestFlow:
         else:
             self.counters["remote_prefills"] += 1
             reported = handle.num_cached_tokens, handle.cached_source
+            await self.reuse_finish(ticket, reported[0], handle.resume_failure, params)  # reuse: misses
+            self.reuse.published(tokens, hasher, handle.checkpoints)  # reuse: the prefill's publishes
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=reported[0],
                                 cached_source=reported[1], replica_id=self.replica_id)
             going_on = False
@@ -246,6 +272,7 @@ class RequestFlow:
                 stop = _is_stop(handle.first_token, sampling, self.engine.eos_token_id)
                 if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
                     first.finished, first.finish_reason = True, "stop" if stop else "length"
+                    first.reuse_misses, first.reuse_bound = ticket.misses, ticket.bound
                     yield first
                     return
                 yield first
@@ -257,7 +284,9 @@ class RequestFlow:
             tokens = tokens + [handle.first_token]
             sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
             first_index += 1
-        async for chunk in self.decode(params, tokens, sampling, plan, first_index, hasher, reported):
+        local_points = () if handle is not None else tuple(p for p in points if p > plan.position)
+        async for chunk in self.decode(params, tokens, sampling, plan, first_index, hasher, reported, ticket,
+                                       local_points):
             yield chunk
 
     async def open(self, handle: PrefillHandle, tokens: list[int], hasher: BlockHasher, params: GenerateParams,
@@ -283,39 +312,65 @@ class RequestFlow:
 
     # -- 4 decode, 5 turn end ----------------------------------------------------------
     async def decode(self, params: GenerateParams, tokens: list[int], sampling: SamplingParams, plan: Resume,
-                     first_index: int, hasher: BlockHasher, reported: tuple[int, str] | None
-                     ) -> AsyncIterator[StreamChunk]:
+                     first_index: int, hasher: BlockHasher, reported: tuple[int, str] | None,
+                     ticket: ReuseTicket, checkpoint_at: tuple[int, ...] = ()) -> AsyncIterator[StreamChunk]:
+        """Run the engine from ``plan``; ``reported`` is set when a prefill replica computed the
+        prompt, else this prefill keeps checkpoints at ``checkpoint_at`` (NOTE 7)."""
         rid = f"{params.request_id}/decode"
         keep = self.engine.keeps_state
         req = EngineRequest(rid, tokens, sampling, keep_state=keep, first_output_index=first_index,
-                            cached_source=plan.source, cache_salt=params.cache_salt)
+                            cached_source=plan.source, cache_salt=params.cache_salt, checkpoint_at=checkpoint_at)
         n_prompt = len(params.prompt_token_ids)
+        first = True
         try:
             async with aclosing(self.engine.generate(req, plan.state)) as outs:  # closing aborts the request
                 async for out in outs:
+                    if first and reported is None:  # reuse: misses of the local prefill
+                        await self.reuse_finish(ticket, out.num_cached_tokens, plan.failure, params)
+                    first = False
                     cached, source = reported or (out.num_cached_tokens, out.cached_source)
                     if out.finished and keep and out.finish_reason in ("length", "stop"):
                         session = session_key(params.cache_salt, params.session_id) or None
                         self.spawn(self.publish_turn_end(rid, hasher), session)  # off the response path
-                    yield StreamChunk(out.new_token_ids, out.finished, out.finish_reason, n_prompt, cached, source,
-                                      out.error, plan.nbytes, plan.seconds, self.replica_id)
+                    chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason, n_prompt, cached, source,
+                                        out.error, plan.nbytes, plan.seconds, self.replica_id)
+                    if out.finished:
+                        chunk.reuse_misses, chunk.reuse_bound = ticket.misses, ticket.bound
+                    yield chunk
         finally:  # an unfinished request was aborted when ``outs`` closed (async_engine NOTE 4)
             self.counters["decodes"] += 1
 
     async def publish(self, request_id: str, tokens: list[int], hasher: BlockHasher,
-                      also_at: tuple[int, ...] = ()) -> tuple[int, float]:
-        """Publish a held request's state at ``len(tokens)`` (and at ``also_at``), then release it."""
+                      also_at: tuple[int, ...] = ()) -> tuple[int, float, tuple[int, ...]]:
+        """Publish a held request's state at ``len(tokens)`` (and at ``also_at``) and release it:
+        (bytes stored, seconds, positions whose every piece is stored)."""
         t0 = time.perf_counter()
-        nbytes = 0
+        nbytes, stored = 0, ()
         try:
-            if self.state is not None:
-                nbytes = await self.state.publish(self.engine, request_id, tokens, hasher, also_at)
+            if self.state is None:
+                await self.engine.release(request_id)
+            else:  # the state releases the request (``FlowState.publish``)
+                nbytes, stored = await self.state.publish(self.engine, request_id, tokens, hasher, also_at)
                 self.counters["published_bytes"] += nbytes
         except Exception:
             log.exception("publishing state failed; the next turn will recompute")
         finally:
-            await self.engine.release(request_id)
-        return nbytes, time.perf_counter() - t0
+            self.reuse.published(tokens, hasher, stored)  # reuse: published
+        return nbytes, time.perf_counter() - t0, stored
+
+    async def reuse_finish(self, ticket: ReuseTicket, realized: int, failure: str, params: GenerateParams) -> None:
+        """NOTE 7: classify the prompt tokens this request recomputed; ``held`` probes whether a
+        published resume point is still there (this engine's resident sessions, or the tiers)."""
+        tokens, hasher = ticket.tokens, ticket.hasher
+
+        async def held(position: int) -> bool:
+            device = await self.engine.resident_length(tokens, params.cache_salt)
+            if device >= position or self.state is None:
+                return device >= position
+            point = await self.state.lookup(tokens, hasher, position)
+            return point is not None and point.position >= position
+
+        await self.reuse.finish(ticket, realized, failure, held)
 
     async def publish_turn_end(self, request_id: str, hasher: BlockHasher) -> None:
         try:

@@ -70,7 +70,8 @@ class InProcessBackend:
         cfg = self.config
         faults = FaultInjector(cfg.faults, name, role)  # off unless configured; a kill raises InjectedCrash
         return StatefulWorker(engine, self.store, name, "local", cfg.router.local_prefill_max_tokens,
-                              load_deadline_s=cfg.transfer.load_deadline_s, decider=cfg.router.decider_params(), faults=faults)
+                              load_deadline_s=cfg.transfer.load_deadline_s, decider=cfg.router.decider_params(), faults=faults,
+                              checkpoint_placement=cfg.engine.learned_checkpoints)
 
     def stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
         fn = self.prefill.prefill if self.prefill is not None else None

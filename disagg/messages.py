@@ -26,6 +26,8 @@ class PrefillHandle:
     publish_seconds: float = 0.0  # export + put time
     prefill_seconds: float = 0.0  # compute time on the prefill replica
     device_state: Any = None  # a ``device_ipc.SharedState`` when the state stayed on the prefill's GPU
+    checkpoints: tuple[int, ...] = ()  # positions whose state the prefill published (decode's reuse ledger)
+    resume_failure: str = ""  # "load_deadline" | "load_failed": what the prefill's own state lookup hit
 
 
 @dataclass(slots=True, repr=False)
@@ -40,6 +42,7 @@ class GenerateParams:
     prefill: PrefillHandle | None = None  # set when a prefill replica ran first
     route_reason: str = ""  # why the router placed it here (metrics)
     resumed_output_tokens: int = 0  # trailing prompt tokens that are this request's own earlier output
+    checkpoint_at: tuple[int, ...] = ()  # extra KDA checkpoints the prefill keeps (disagg.reuse.placement)
 
     def __repr__(self) -> str:
         return (
@@ -62,3 +65,5 @@ class StreamChunk:
     transfer_bytes: int = 0  # state bytes loaded for this request
     transfer_seconds: float = 0.0  # time spent loading them
     replica_id: str = ""  # the replica that produced the chunk
+    reuse_misses: dict[str, int] | None = None  # last chunk: prompt tokens missed by reason (disagg.reuse.misses)
+    reuse_bound: int = 0  # last chunk: prompt tokens an infinite cache would have reused (the server's view)

@@ -50,6 +50,8 @@ from disagg.flow import (
     earlier_checkpoints,
 )
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.reuse.accounting import ReuseAccounting
+from disagg.reuse.placement import CheckpointPlacement
 from disagg.router.decider import DeciderConfig, PDDecider
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
@@ -92,10 +94,11 @@ class TierState:
         if self.store is not None:
             fn(self.store)
 
-    async def lookup(self, tokens: list[int], hasher: BlockHasher) -> ResumePoint | None:
+    async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
         if self.store is None:
             return None
-        point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, len(tokens) - 1)
+        limit = len(tokens) - 1 if limit is None else limit
+        point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, limit)
         return None if point is None else ResumePoint(point.position, point.slowest_tier)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
@@ -139,17 +142,32 @@ class TierState:
         return Resume(state, handle.position, "peer", desc.nbytes, time.perf_counter() - t0)
 
     async def publish(self, engine, request_id: str, tokens: list[int], hasher: BlockHasher,
-                      also_at: tuple[int, ...] = ()) -> int:
-        """Store a held request's state at ``len(tokens)`` and at ``also_at`` (longest first)."""
+                      also_at: tuple[int, ...] = ()) -> tuple[int, tuple[int, ...]]:
+        """Store a held request's state at ``len(tokens)`` and at ``also_at`` (longest first: the
+        others share its blocks), releasing the request in the same engine hop as the exports (a hop
+        waits for a step, and a prefill's hand-off waits for this). Returns (bytes stored, positions
+        whose every piece is stored)."""
         if self.store is None:
-            return 0
-        nbytes = 0
-        for pos in (len(tokens), *also_at):  # the longest first: later ones share its blocks
-            present = await asyncio.to_thread(self._present_blocks, tokens[:pos], hasher)
-            state = await engine.export_state(request_id, pos, present)
-            result = await asyncio.to_thread(self.store.put_state, tokens[:pos], state, hasher)
-            nbytes += result.bytes_stored
-        return nbytes
+            await engine.release(request_id)
+            return 0, ()
+        positions = (len(tokens), *also_at)
+        released = False
+        try:
+            present = await asyncio.to_thread(self._present_blocks, tokens, hasher)
+            released = True
+            states = await engine.export_and_release(request_id, positions, present)
+        finally:
+            if not released:
+                await engine.release(request_id)
+
+        def put_all():
+            return [self.store.put_state(tokens[:p], st, hasher) for p, st in zip(positions, states, strict=True)]
+
+        results = await asyncio.to_thread(put_all)
+        stored = ()
+        if not results[0].num_refused:  # the others' blocks are the longest one's
+            stored = tuple(p for p, r in zip(positions, results, strict=True) if not r.num_refused)
+        return sum(r.bytes_stored for r in results), stored
 
     def _present_blocks(self, tokens: list[int], hasher: BlockHasher) -> int:
         digests = hasher.block_hashes(tokens)
@@ -173,13 +191,15 @@ class StatefulWorker:
         prefill_loads: the prefill pool's effective loads (``disagg.flow`` NOTE 5).
         device_shares: a prefill worker with ``kv_transfer.transport.device_ipc.DeviceShares``
             hands state over device to device (NOTE 1) instead of publishing it.
+        checkpoint_placement: learn where follow-ups diverge and have prefills keep KDA
+            checkpoints there (``disagg.reuse.placement``; ``disagg.flow`` NOTE 7).
     """
 
     def __init__(self, engine, store=None, replica_id: str = "local", node_id: str = "local",
                  local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS, prefill_retries: int = 2,
                  load_deadline_s: float = 5.0, faults: FaultInjector | None = None, retry_backoff_s: float = 0.25,
                  device_shares=None, peer_stores: PeerStoresFn | None = None, decider: dict | None = None,
-                 prefill_loads: LoadsFn | None = None):
+                 prefill_loads: LoadsFn | None = None, checkpoint_placement: bool = True):
         self.engine = engine  # AsyncEngine
         self.store = store
         self.replica_id = replica_id
@@ -198,9 +218,11 @@ class StatefulWorker:
             except Exception as e:  # noqa: BLE001 - a cold first load is slower, not wrong
                 log.warning("warming direct loads to %s failed: %s", load_device, e)
         decider_cfg = DeciderConfig(**dict(decider or {}, local_prefill_max_tokens=local_prefill_max_tokens))
+        placement = CheckpointPlacement(engine.block_size) if checkpoint_placement else None
         self.flow = RequestFlow(engine, None, PDDecider(decider_cfg), replica_id, prefill_retries=prefill_retries,
                                 retry_backoff_s=retry_backoff_s, load_deadline_s=load_deadline_s,
-                                prefill_loads=prefill_loads)
+                                prefill_loads=prefill_loads, reuse=ReuseAccounting(engine.block_size, placement))
+        self.reuse = self.flow.reuse
         self.counters = self.flow.counters
         state = TierState(store, engine.layout, node_id, load_device, device, peer_stores, self.counters)
         self.flow.state = FaultyState(state, self.faults) if self.faults is not None else state
@@ -238,7 +260,7 @@ class StatefulWorker:
         rid = f"{params.request_id}/prefill"
         req = EngineRequest(rid, tokens, replace(params.sampling, max_tokens=1), keep_state=True,
                             first_output_index=params.resumed_output_tokens, cached_source=plan.source,
-                            cache_salt=params.cache_salt)
+                            cache_salt=params.cache_salt, checkpoint_at=params.checkpoint_at)
         last = None
         async for out in self.engine.generate(req, plan.state):
             last = out
@@ -246,7 +268,7 @@ class StatefulWorker:
         compute_s = time.perf_counter() - t0
         if kill:
             await self._injected_prefill_kill(rid, params)
-        shared = None
+        shared, stored = None, ()
         try:
             if self.device_shares is not None:  # NOTE 1
                 t1 = time.perf_counter()
@@ -261,7 +283,8 @@ class StatefulWorker:
                     positions = await self.engine.checkpoint_positions(rid)
                 except KeyError:  # not held any more: publish the prompt end alone (``publish`` logs, releases)
                     positions = []
-                nbytes, pub_s = await self.flow.publish(rid, tokens, hasher, earlier_checkpoints(positions, len(tokens)))
+                nbytes, pub_s, stored = await self.flow.publish(rid, tokens, hasher,
+                                                                earlier_checkpoints(positions, len(tokens)))
         except BaseException:  # cancelled (the client left) or failed before the release: the held
             self.flow.spawn(_quietly(self.engine.release(rid), f"release of {rid}"))  # blocks go back
             if shared is not None:
@@ -270,7 +293,7 @@ class StatefulWorker:
             raise
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
-                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared)
+                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared, stored, plan.failure)
 
     async def _injected_prefill_kill(self, rid: str, params: GenerateParams) -> None:
         """Die mid-request: the prompt is computed, its state not yet published.
@@ -291,7 +314,8 @@ class StatefulWorker:
         await self.flow.drain()
 
     def stats(self) -> dict:
-        out = {"worker": dict(self.counters), "engine": self.engine.stats(), "pd_decisions": dict(self.flow.decisions)}
+        out = {"worker": dict(self.counters), "engine": self.engine.stats(), "pd_decisions": dict(self.flow.decisions),
+               "reuse": self.reuse.stats()}
         if self.store is not None:
             out["store"] = self.store.stats()
         return out

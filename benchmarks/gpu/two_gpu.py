@@ -17,7 +17,13 @@ e2e       An agentic trace replayed over HTTP (client in this process; front and
             1p1d_host     prefill GPU 0 + decode GPU 1, hand-off through the host tier
             2x_aggregated one engine per GPU, sessions sticky to one of them
           all with a node host tier for turn-end checkpoints; and, for one GPU,
-            1x_aggregated_nohost  one engine, device-resident sessions only.
+            1x_aggregated_nohost  one engine, device-resident sessions only
+            1x_aggregated_host    the fair aggregated baseline: one engine with the same
+                                  host tier, its step budget ``--agg-chunk`` tuned for ITL
+          A layout suffixed ``:before`` runs with ``engine.learned_checkpoints``
+          off (the engine's own checkpoints only), for a before/after in one run.
+          Each layout's rows carry the miss-reason table read from its /metrics
+          (``disagg.reuse.misses``; realized / theoretical in prompt tokens).
           Prints TTFT, ITL, P90 interactivity and total tokens/s/GPU (GPUs =
           distinct ``--devices``; ``--devices cuda:0,cuda:0`` puts both engines
           on one GPU).
@@ -45,13 +51,14 @@ BLOCK = 64
 T0 = time.monotonic()
 
 
-def _cfg(args, device: str = "cuda:0"):
+def _cfg(args, device: str = "cuda:0", chunk: int | None = None, learned: bool = True):
     from disagg.config import AppConfig
 
     return AppConfig.model_validate({
         "model": {"name": args.preset, "dtype": args.dtype, "device": device, "seed": 0},
         "engine": {"backend": "reference", "block_size": BLOCK, "max_num_seqs": 64,
-                   "max_num_batched_tokens": args.chunk, "cache_budget_mb": args.cache_mb},
+                   "max_num_batched_tokens": chunk or args.chunk, "cache_budget_mb": args.cache_mb,
+                   "learned_checkpoints": learned},
         "transfer": {"host": {"capacity_mb": args.host_mb, "policy": "s3fifo", "pin_memory": True},
                      "load_deadline_s": 30.0},
         "router": {"local_prefill_max_tokens": 256},
@@ -240,10 +247,12 @@ def _front(args, layout: str, port: int, ready) -> None:
     from disagg.api.app import create_app
     from disagg.multiproc import ProcessBackend
 
-    cfg = _cfg(args)
+    layout, _, variant = layout.partition(":")
+    cfg = _cfg(args, chunk=args.agg_chunk if layout == "1x_aggregated_host" else None, learned=variant != "before")
     kind, handoff = {"1p1d_device": ("1p1d", "device"), "1p1d_host": ("1p1d", "host"),
                      "2x_aggregated": ("aggregated", "device"),
-                     "1x_aggregated_nohost": ("aggregated", "device")}[layout]
+                     "1x_aggregated_nohost": ("aggregated", "device"),
+                     "1x_aggregated_host": ("aggregated", "device")}[layout]
     devices = args.devices[:1] if layout.startswith("1x") else list(args.devices)
     backend = ProcessBackend(cfg, devices, layout=kind, handoff=handoff, pool_mb=args.pool_mb,
                              host_tier=not layout.endswith("nohost"))
@@ -295,7 +304,7 @@ def run_e2e(args, out: Path) -> list[dict]:
         httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()
         print(f"=== {layout}: up in {time.monotonic() - t0:.0f} s", flush=True)
         try:
-            params = BenchParams(url=url, trace=str(trace), out=str(out / layout), concurrency=conc,
+            params = BenchParams(url=url, trace=str(trace), out=str(out / layout.replace(":", "-")), concurrency=conc,
                                  max_requests=args.requests, warmup_requests=4, think_cap_ms=2000,
                                  sample_start_turn=True, salt=1 + 100 * k, num_gpus=len(set(args.devices)),
                                  vocab_size=engine_limits(cfg).vocab_size, first_token_id=3,
@@ -307,12 +316,13 @@ def run_e2e(args, out: Path) -> list[dict]:
                        "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
                        "itl_p50_ms": s["itl_ms"]["p50"], "itl_p90_ms": s["itl_ms"]["p90"],
                        "p90_interactivity": s["p90_interactivity"], "total_tps_per_gpu": s["total_tps_per_gpu"],
-                       "cache_hit_usage": s["cache_hit_usage"], "cache_hit_theoretical": s["cache_hit_theoretical"]}
+                       "cache_hit_usage": s["cache_hit_usage"], "cache_hit_theoretical": s["cache_hit_theoretical"],
+                       "reuse": s.get("reuse") or {}}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             try:
                 row_stats = httpx.get(url + "/metrics", timeout=10).text
-                (out / f"{layout}_metrics.txt").write_text(row_stats)
+                (out / f"{layout.replace(':', '-')}_metrics.txt").write_text(row_stats)
             except httpx.HTTPError:
                 pass
         finally:
@@ -328,7 +338,25 @@ def run_e2e(args, out: Path) -> list[dict]:
               f"{f(r['ttft_p90_ms'], '.0f')} | {f(r['itl_p50_ms'], '.1f')} / {f(r['itl_p90_ms'], '.1f')} | "
               f"{f(r['p90_interactivity'], '.1f')} | {f(r['total_tps_per_gpu'], ',.0f')} | "
               f"{f(r['cache_hit_usage'], '.1%')} / {f(r['cache_hit_theoretical'], '.1%')} |")
+    _print_misses(rows)
     return rows
+
+
+def _print_misses(rows: list[dict]) -> None:
+    """Realized / theoretical and the missed tokens by reason, per layout and point (% of prompt tokens)."""
+    reasons = sorted({k for r in rows for k in (r.get("reuse") or {}).get("misses", {})})
+    if not reasons:
+        return
+    print("| layout | run | realized / theoretical | " + " | ".join(reasons) + " |")
+    print("|---|---|---|" + "---|" * len(reasons))
+    for r in rows:
+        u = r.get("reuse") or {}
+        if not u:
+            continue
+        prompt = max(u["prompt_tokens"], 1)
+        ratio = u["realized_tokens"] / u["theoretical_tokens"] if u["theoretical_tokens"] else float("nan")
+        cells = " | ".join(f"{100 * u['misses'].get(k, 0) / prompt:.1f}%" for k in reasons)
+        print(f"| {r['layout']} | {r['run']} | {ratio:.3f} | {cells} |")
 
 
 def main() -> None:
@@ -340,6 +368,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--chunk", type=int, default=8192, help="max tokens per engine step")
+    ap.add_argument("--agg-chunk", type=int, default=2048, help="1x_aggregated_host: its step budget (ITL)")
     ap.add_argument("--cache-mb", type=int, default=40000, help="engine cache budget per engine")
     ap.add_argument("--host-mb", type=int, default=24000, help="node host tier capacity")
     ap.add_argument("--io-threads", type=int, default=8)

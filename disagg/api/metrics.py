@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from disagg.reuse.misses import REASONS
+
 SOURCES = ("device", "host", "disk", "peer", "computed")
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -23,6 +25,11 @@ class ServingMetrics:
         self.requests = Counter("disagg_requests", "Finished requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens by where their state came from",
                                      ["source"], registry=r)
+        self.reuse_misses = Counter("disagg_reuse_miss_tokens", "Prompt tokens computed although an infinite cache "
+                                    "would have reused them, by reason (disagg.reuse.misses)", ["reason"], registry=r)
+        self.reuse_bound = Counter("disagg_reuse_bound_tokens", "Prompt tokens an infinite cache would have reused "
+                                   "(the server's view; its difference to the cached tokens is the misses' sum)",
+                                   registry=r)
         self.generation_tokens = Counter("disagg_generation_tokens", "Generated tokens", registry=r)
         self.transfer_bytes = Counter("disagg_transfer_bytes", "State bytes loaded by decode/prefill", registry=r)
         self.transfer_seconds = Histogram("disagg_transfer_seconds", "State load latency", buckets=_LAT, registry=r)
@@ -53,6 +60,8 @@ class ServingMetrics:
                                      "after theirs was lost (cumulative)", registry=r)
         for s in SOURCES:
             self.prompt_tokens.labels(source=s)
+        for reason in REASONS:
+            self.reuse_misses.labels(reason=reason)
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason=reason).inc()
@@ -75,6 +84,9 @@ class ServingMetrics:
         if cached:
             self.prompt_tokens.labels(source=source).inc(cached)
         self.prompt_tokens.labels(source="computed").inc(max(0, last.num_prompt_tokens - cached))
+        for reason, n in (last.reuse_misses or {}).items():
+            self.reuse_misses.labels(reason=reason).inc(n)
+        self.reuse_bound.inc(last.reuse_bound)
         if last.transfer_bytes:
             self.transfer_bytes.inc(last.transfer_bytes)
             self.transfer_seconds.observe(last.transfer_seconds)

@@ -90,6 +90,7 @@ class RunSummary:
     cache_hit_server: float | None
     cache_hit_theoretical: float | None
     server_cache: dict = field(default_factory=dict)
+    reuse: dict = field(default_factory=dict)  # miss table (``sweep.reuse_table``); empty without server counters
     slo: dict = field(default_factory=dict)
     goodput_rps: float | None = None
     goodput_fraction: float | None = None
@@ -108,6 +109,7 @@ def summarize(
     slo: SLO | None = None,
     server: ServerCacheStats | None = None,
     theoretical_hit: float | None = None,
+    reuse: dict | None = None,
     usd_per_gpu_hour: float | None = None,
 ) -> RunSummary:
     """Summarize one run's results (warm-up requests are counted, then excluded)."""
@@ -179,6 +181,7 @@ def summarize(
         cache_hit_server=server_hit,
         cache_hit_theoretical=theoretical_hit,
         server_cache=server.to_dict() if server is not None else {},
+        reuse=reuse or {},
     )
     if slo is not None and (slo.ttft_ms is not None or slo.itl_ms is not None):
         good = sum(1 for r in ok if slo.met(r))
@@ -190,6 +193,18 @@ def summarize(
         summary.tokens_per_dollar = tokens_per_dollar(total_tps, usd_per_gpu_hour)
         summary.usd_per_million_tokens = usd_per_million_tokens(total_tps, usd_per_gpu_hour)
     return summary
+
+
+def format_reuse(reuse: dict) -> list[str]:
+    """The miss-reason table: tokens and share of the run's prompt tokens per reason."""
+    prompt = max(reuse["prompt_tokens"], 1)
+    theo, real = reuse["theoretical_tokens"], reuse["realized_tokens"]
+    lines = [f"reuse  realized / theoretical {real / theo:.3f}" if theo else "reuse  theoretical 0",
+             f"  {'reason':<16}{'tokens':>12}{'% of prompt':>13}"]
+    for reason, n in sorted(reuse["misses"].items(), key=lambda kv: -abs(kv[1])):
+        lines.append(f"  {reason:<16}{n:>12,.0f}{100 * n / prompt:>12.2f}%")
+    lines.append(f"  {'theor. - real.':<16}{theo - real:>12,.0f}{100 * (theo - real) / prompt:>12.2f}%")
+    return lines
 
 
 def format_summary(s: RunSummary, label: str = "") -> str:
@@ -216,6 +231,8 @@ def format_summary(s: RunSummary, label: str = "") -> str:
         f"cache hit  usage {pct(s.cache_hit_usage)}  server {pct(s.cache_hit_server)}  "
         f"theoretical {pct(s.cache_hit_theoretical)}",
     ]
+    if s.reuse:
+        lines.extend(format_reuse(s.reuse))
     if s.goodput_rps is not None:
         lines.append(
             f"goodput {s.goodput_rps:.2f} req/s ({pct(s.goodput_fraction)} of requests) "

@@ -89,6 +89,7 @@ class RunOutput:
     results: list[RequestResult]
     started_ns: int  # perf_counter_ns at the start
     theoretical_hit: float | None = None  # infinite-cache hit rate of the replayed prompts
+    theoretical_tokens_all: int = 0  # infinite-cache hit tokens over every successful request (warm-up too)
 
     def config_dict(self) -> dict:
         return asdict(self.config)
@@ -115,11 +116,16 @@ class _Sessions:
 class Replayer:
     """Replays a trace against one client (one run)."""
 
-    def __init__(self, client: OpenAIClient, tokens: TokenFactory, config: RunConfig) -> None:
+    def __init__(self, client: OpenAIClient, tokens: TokenFactory, config: RunConfig,
+                 seen: dict[int, int] | None = None) -> None:
         self.client, self.tokens, self.cfg = client, tokens, config
         self.results: list[RequestResult] = []
-        self._seen: set[int] = set()  # salted block keys sent so far (infinite cache)
+        # salted block key -> most tokens of it sent so far (the infinite cache). A sweep shares one
+        # across its runs: each run's salt renames session blocks, so only the shared prefix carries
+        # over, as it does in the server's cache.
+        self._seen: dict[int, int] = {} if seen is None else seen
         self._hits = self._blocks = 0  # over measured requests
+        self._all_hits = 0  # over every successful request (the server's counters see them all)
         self._count = 0
         self._measured = 0
         self._t0 = 0
@@ -170,13 +176,14 @@ class Replayer:
         number, warmup = claim
         rid = f"{self.cfg.label or 'run'}-{number}"
         keys = self.tokens.block_keys(rec.hash_ids, salt).tolist()
-        hits = sum(1 for k in keys if k in self._seen)  # an infinite cache, as the request is sent
-        self._seen.update(keys)
+        hits = self._infinite_cache_hit(keys, rec)  # tokens, as the request is sent
         body = await self._body(rec, salt)
         result = await self.client.send(body, rid)
+        if result.ok:
+            self._all_hits += hits
         if not warmup and result.ok:  # over the requests the usage hit rate covers too
             self._hits += hits
-            self._blocks += len(keys)
+            self._blocks += rec.input_length  # prompt tokens (the usage hit's unit)
         result.session_id, result.turn, result.lane, result.salt = (
             rec.session_id,
             rec.turn,
@@ -193,6 +200,21 @@ class Replayer:
             self._bar.update(1)
             if result.error:
                 self._bar.set_postfix(failed=sum(1 for r in self.results if r.error), refresh=False)
+
+    def _infinite_cache_hit(self, keys: list[int], rec: TraceRecord) -> int:
+        """Prompt tokens an infinite prefix cache would reuse, in tokens like the usage hit: the
+        leading blocks seen before, a partial block counting the tokens of it seen, never the
+        prompt's last token (its logits give the first output token). Records this prompt."""
+        bs = rec.effective_block_size(self.tokens.block_size)
+        hit, prefix = 0, True
+        for i, k in enumerate(keys):
+            n = min(bs, rec.input_length - i * bs)
+            if prefix:
+                got = min(n, self._seen.get(k, 0))
+                hit += got
+                prefix = got == n
+            self._seen[k] = max(n, self._seen.get(k, 0))
+        return min(hit, rec.input_length - 1)
 
     # -- closed loop ----------------------------------------------------------
     async def _lane(self, lane: int, sessions: _Sessions) -> None:
@@ -264,11 +286,15 @@ class Replayer:
             self._bar.close()
             self._bar = None
         hit = self._hits / self._blocks if self._blocks else None
-        return RunOutput(cfg, self.results, self._t0, hit)
+        return RunOutput(cfg, self.results, self._t0, hit, self._all_hits)
 
 
 async def replay(
-    client: OpenAIClient, tokens: TokenFactory, records: Sequence[TraceRecord], config: RunConfig
+    client: OpenAIClient,
+    tokens: TokenFactory,
+    records: Sequence[TraceRecord],
+    config: RunConfig,
+    seen: dict[int, int] | None = None,
 ) -> RunOutput:
-    """Run one replay with an open client."""
-    return await Replayer(client, tokens, config).run(records)
+    """Run one replay with an open client (``seen``: the sweep's infinite cache, see ``Replayer``)."""
+    return await Replayer(client, tokens, config, seen).run(records)

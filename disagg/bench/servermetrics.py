@@ -60,6 +60,25 @@ def counter_by_label(samples: Samples, name: str, label: str = "source") -> dict
     return out
 
 
+REUSE_MISSES = "disagg_reuse_miss_tokens_total"
+REUSE_BOUND = "disagg_reuse_bound_tokens_total"
+
+
+def reuse_delta(before: str | None, after: str | None) -> dict:
+    """Missed prompt tokens by reason and the server's infinite-cache bound over a run
+    (``disagg.reuse.misses``); empty when the server does not expose them."""
+    if before is None or after is None:
+        return {}
+    b, a = parse_prometheus(before), parse_prometheus(after)
+    miss_a = counter_by_label(a, REUSE_MISSES, "reason")
+    bound_a = counter_total(a, REUSE_BOUND)
+    if not miss_a or bound_a is None:
+        return {}
+    miss_b = counter_by_label(b, REUSE_MISSES, "reason")
+    misses = {k: v - miss_b.get(k, 0.0) for k, v in miss_a.items()}
+    return {"misses": {k: v for k, v in misses.items() if v}, "bound_tokens": bound_a - (counter_total(b, REUSE_BOUND) or 0.0)}
+
+
 def counter_total(samples: Samples, name: str) -> float | None:
     values = [v for (n, _), v in samples.items() if n == name]
     return sum(values) if values else None

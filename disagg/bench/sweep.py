@@ -32,7 +32,7 @@ from disagg.bench.metrics import SLO, RunSummary, format_summary, summarize
 from disagg.bench.pareto import DEFAULT_TARGETS
 from disagg.bench.report import latency_lists, load_sweep, save_run, save_sweep, sweep_points
 from disagg.bench.runner import RunConfig, RunOutput, replay
-from disagg.bench.servermetrics import DEFAULT_COUNTER, cache_delta
+from disagg.bench.servermetrics import DEFAULT_COUNTER, cache_delta, reuse_delta
 from disagg.bench.tokens import TokenFactory, shared_hash_ids
 from disagg.bench.trace import DEFAULT_BLOCK_SIZE, TraceRecord
 
@@ -136,6 +136,7 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
     )
     max_conn = max(params.concurrency) if params.mode == "closed" else 0
     runs: list[tuple[RunOutput, RunSummary]] = []
+    seen: dict[int, int] = {}  # the sweep's infinite cache (runner.Replayer)
     async with OpenAIClient(
         params.url,
         model=params.model,
@@ -147,7 +148,7 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
     ) as client:
         for cfg in params.run_configs():
             before = await _scrape(client, params.metrics_path)
-            output = await replay(client, factory, records, cfg)
+            output = await replay(client, factory, records, cfg, seen)
             after = await _scrape(client, params.metrics_path)
             server = cache_delta(before, after, counter=params.metrics_counter)
             summary = summarize(
@@ -156,6 +157,7 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
                 slo=slo,
                 server=server,
                 theoretical_hit=output.theoretical_hit,
+                reuse=reuse_table(reuse_delta(before, after), output),
                 usd_per_gpu_hour=price,
             )
             save_run(
@@ -194,6 +196,24 @@ def describe_failure(result: RequestResult) -> str:
         pass
     status = f" (HTTP {result.status})" if result.status is not None else ""
     return f"{result.error}{status}: {detail[:200] or 'no detail'}"
+
+
+def reuse_table(delta: dict, output) -> dict:
+    """The run's miss table: the server's missed tokens by reason, plus ``hash_mismatch`` (tokens the
+    client counts reusable that the server never saw as such) and ``unattributed`` (what is left of
+    theoretical - realized: usage and the server's counters disagreeing). Over every successful
+    request of the run, warm-up included, as the counters are; empty without the counters."""
+    if not delta:
+        return {}
+    ok = [r for r in output.results if r.ok]
+    prompt = sum(r.prompt_tokens or r.input_length for r in ok)
+    realized = sum(r.cached_tokens or 0 for r in ok)
+    theoretical = output.theoretical_tokens_all
+    rows = dict(delta["misses"])
+    rows["hash_mismatch"] = theoretical - delta["bound_tokens"]
+    rows["unattributed"] = (theoretical - realized) - sum(rows.values())
+    return {"prompt_tokens": prompt, "theoretical_tokens": theoretical, "realized_tokens": realized,
+            "server_bound_tokens": delta["bound_tokens"], "misses": rows}
 
 
 def write_plots(doc: dict, targets: list[float] | None = None) -> list[Path]:

@@ -91,7 +91,8 @@ def _prompt_tokens(prompt: object) -> list:
 
 
 def _match_and_insert(state: _State, tokens: list, block: int) -> int:
-    """Cached prefix length in tokens (full blocks), then insert all full blocks.
+    """Cached prefix length in tokens (full blocks before the last prompt token: as in vLLM, that
+    token is always computed, its logits give the first output token), then insert all full blocks.
 
     Keys chain Python's tuple hash (stable within one process, which is all
     an in-memory cache needs); ``block <= 0`` disables the cache.
@@ -106,7 +107,7 @@ def _match_and_insert(state: _State, tokens: list, block: int) -> int:
         else:
             matching = False
             state.cache.add(key)
-    return hit
+    return min(hit, max(len(tokens) - 1, 0) // block * block)
 
 
 class _TxRecorder:

@@ -236,6 +236,12 @@ class AsyncEngine:
     async def release(self, request_id: str, keep_resident: bool = True) -> None:
         await self.call(self.engine.release, request_id, keep_resident)
 
+    async def export_and_release(self, request_id: str, positions: tuple[int, ...], present: int) -> list:
+        """In one hop onto the stepping thread: the held request's state at each of ``positions``
+        (the first one's MLA blocks from block ``present`` on, the others' none: the first one's
+        put stores them), then its release to the device tier, whatever happened."""
+        return await self.call(_export_all, self.engine, request_id, positions, present)
+
     # -- what the request flow and the replicas ask of the engine (disagg.flow.FlowEngine) --------
     @property
     def eos_token_id(self) -> int | None:
@@ -295,3 +301,12 @@ def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
+
+
+def _export_all(engine, request_id: str, positions: tuple[int, ...], present: int) -> list:
+    """``AsyncEngine.export_and_release`` on the stepping thread."""
+    bs = engine.block_size
+    try:
+        return [engine.export_state(request_id, p, present if i == 0 else p // bs) for i, p in enumerate(positions)]
+    finally:
+        engine.release(request_id)

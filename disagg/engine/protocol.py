@@ -58,6 +58,7 @@ class EngineRequest:
     first_output_index: int = 0  # index of the first token this engine samples (seeded sampling)
     cached_source: str = "host"  # where ``resume`` came from: "host" | "disk" | "peer" | "device"
     cache_salt: str = ""  # tenant salt: device-resident state is only shared within a salt
+    checkpoint_at: tuple[int, ...] = ()  # with keep_state: also keep KDA checkpoints here (block boundaries)
 
     def __repr__(self) -> str:  # keep prompts out of logs
         return (

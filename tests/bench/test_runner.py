@@ -268,13 +268,36 @@ def test_max_requests_bounds_closed_lanes_building_long_prompts(server_factory) 
 
 
 def test_the_theoretical_hit_covers_the_requests_the_usage_hit_covers(server_factory) -> None:
-    """Two identical prompts succeed, a third, new one fails: an infinite cache hits 2 of the 4
-    blocks of the two that succeeded (the failed request's blocks are not in either rate)."""
+    """Two identical prompts succeed, a third, new one fails: an infinite cache reuses 7 of the 16
+    prompt tokens of the two that succeeded (all of the repeat but its last token; the failed
+    request's tokens are not in either rate)."""
     server = server_factory(cache_block_size=4, fail_every=3)
     records = [TraceRecord("a", 0, 0.0, 0.0, 8, 2, [1, 2], block_size=4),
                TraceRecord("b", 0, 1.0, 0.0, 8, 2, [1, 2], block_size=4),
                TraceRecord("c", 0, 2.0, 0.0, 8, 2, [7, 8], block_size=4)]
     out = _bounded_replay(server.url, records, RunConfig(concurrency=1, recycle=False, progress=False), 4)
     s = summarize(out.results, theoretical_hit=out.theoretical_hit)
-    assert s.num_failed == 1 and out.theoretical_hit == pytest.approx(0.5)
+    assert s.num_failed == 1 and out.theoretical_hit == pytest.approx(7 / 16)
     assert s.cache_hit_usage <= s.cache_hit_theoretical
+
+
+def test_a_sweeps_infinite_cache_keeps_the_shared_prefix_across_runs(server_factory) -> None:
+    """Each run renames session blocks (its salt) but not the shared prefix: with the sweep's
+    ``seen`` the second run's first prompt counts the prefix the first run sent."""
+    server = server_factory(cache_block_size=4)
+    records = [TraceRecord("a", 0, 0.0, 0.0, 12, 2, [1, 2, 3], block_size=4),
+               TraceRecord("b", 0, 1.0, 0.0, 12, 2, [1, 2, 4], block_size=4)]  # ids 1, 2: shared
+
+    async def two_runs():
+        seen: dict[int, int] = {}
+        async with OpenAIClient(server.url, model="m") as client:
+            factory = TokenFactory(block_size=4, shared_ids=shared_hash_ids(records))
+            outs = []
+            for salt in (1, 2):
+                cfg = RunConfig(concurrency=1, recycle=False, progress=False, run_salt=salt)
+                outs.append(await replay(client, factory, records, cfg, seen))
+            return outs
+
+    first, second = asyncio.run(two_runs())
+    assert first.theoretical_hit == pytest.approx(8 / 24)  # b reuses a's shared 8 tokens
+    assert second.theoretical_hit == pytest.approx(16 / 24)  # and now a reuses the first run's too

@@ -18,7 +18,10 @@ NOTES
    slot: its end state is copied out) until ``release``.
 2. Released and finished requests become *resident sessions* (the device tier):
    their blocks and end state stay until memory is needed (LRU). A new request
-   whose prompt extends a resident session's tokens adopts its state.
+   whose prompt extends a resident session's tokens adopts its state; one that
+   resumes at less than half of a resident (a prefix shared across sessions,
+   e.g. a system prompt) copies the pages it needs and leaves the resident to
+   its own session's next turn. Of equal matches the closest session wins.
 3. ``num_computed <= len(token_ids) - 1`` after every step of a live request
    that has sampled: the newest sampled token is not yet computed.
 4. A step launches hundreds of kernels from Python, so the stepping thread
@@ -43,6 +46,12 @@ NOTES
    export (``keep_state``, NOTE 1) leave too few: then it keeps what it has and
    waits, alone, for their ``release`` (``generate``, the engine alone, reports
    the stall; in a server the exporting worker releases them).
+7. Requested checkpoints (``EngineRequest.checkpoint_at``): a ``keep_state``
+   request also keeps the KDA state at each block boundary its caller names
+   (where a worker's placement policy expects a later prompt to diverge:
+   ``disagg.reuse.placement``). Chunks stop there as at NOTE 5's point, in any
+   step, whatever else the step carries; the positions are checked at
+   admission (block-aligned, inside the prompt).
 """
 
 from __future__ import annotations
@@ -106,6 +115,7 @@ class _Request:
     finish_reason: str | None = None
     resume: ResumeState | None = None  # imported at admission, then dropped
     cache_salt: str = ""  # tenant salt (residents are matched within one salt)
+    checkpoint_at: tuple[int, ...] = ()  # requested checkpoint positions, ascending (NOTE 7)
 
     @property
     def num_output(self) -> int:
@@ -176,7 +186,16 @@ class ReferenceEngine:
         req.resume = request.resume
         req.cache_salt = request.cache_salt
         req.cached_source = request.cached_source if request.resume is not None else "computed"
+        req.checkpoint_at = self._check_points(request.checkpoint_at, len(prompt)) if request.keep_state else ()
         self._waiting.append(req)
+
+    def _check_points(self, points, num_prompt: int) -> tuple[int, ...]:
+        """NOTE 7's positions, ascending; a position off a block boundary or outside the prompt is refused."""
+        for p in points:
+            if p % self.block_size or not 0 < p < num_prompt:
+                raise ValueError(f"checkpoint position {p} must be a block boundary inside the prompt "
+                                 f"(block_size {self.block_size}, prompt {num_prompt})")
+        return tuple(sorted(set(points)))
 
     def _check_resume(self, state: ResumeState, prompt: list[int]) -> None:
         if state.layout.fingerprint() != self.layout.fingerprint():
@@ -274,25 +293,31 @@ class ReferenceEngine:
         A session is resumable at any of its checkpoints (prompt end, turn end, periodic)
         whose prefix ``tokens`` repeats, strictly inside ``tokens``.
         """
-        best, best_len = None, 0
+        best, best_len, best_common = None, 0, 0
         for rid, res in self._residents.items():
             if res.cache_salt != cache_salt:
                 continue
             common = _common_prefix(res.tokens, tokens)
-            p = max((q for q in res.checkpoints if best_len < q <= common and q < len(tokens)), default=0)
-            if p > best_len:
-                best, best_len = rid, p
+            p = max((q for q in res.checkpoints if best_len <= q <= common and q < len(tokens)), default=0)
+            if p > best_len or (p == best_len and p and common > best_common):  # a tie goes to the closest
+                best, best_len, best_common = rid, p, common  # session (its own), not another's shared prefix
         return best, best_len
 
     def _adopt_resident(self, req: _Request) -> None:
         best, best_len = self.resident_match(req.token_ids, req.cache_salt)
         if best is None:
             return
-        res = self._residents.pop(best)
-        self.resident_version += 1
-        keep = -(-best_len // self.block_size)  # pages past the resume point go back to the pool
-        self.cache.blocks.free(res.block_table[keep:])
-        req.block_table = res.block_table[:keep]
+        keep = -(-best_len // self.block_size)
+        res = self._residents[best]
+        if 2 * best_len < len(res.tokens) and self.cache.blocks.can_allocate(keep):  # a shared prefix (NOTE 2)
+            req.block_table = self.cache.blocks.allocate(keep)
+            self.cache.mla_all[:, req.block_table] = self.cache.mla_all[:, res.block_table[:keep]]
+            self._residents.move_to_end(best)
+        else:
+            del self._residents[best]
+            self.resident_version += 1
+            self.cache.blocks.free(res.block_table[keep:])  # pages past the resume point go back to the pool
+            req.block_table = res.block_table[:keep]
         conv, rec = res.checkpoints[best_len]
         self._load_slot(req.slot, conv, rec)
         req.num_computed = req.num_cached = best_len
@@ -466,6 +491,9 @@ class ReferenceEngine:
         aligned = self._aligned_point(req)
         if req.num_computed < aligned:  # stop at the prompt's last block boundary (NOTE 5)
             n = min(n, aligned - req.num_computed)
+        nxt = next((p for p in req.checkpoint_at if p > req.num_computed), 0)
+        if nxt:  # and at the next requested checkpoint (NOTE 7)
+            n = min(n, nxt - req.num_computed)
         return max(n, 0)
 
     def _aligned_point(self, req: _Request) -> int:
@@ -500,7 +528,8 @@ class ReferenceEngine:
 
     def _maybe_checkpoint(self, req: _Request) -> None:
         every = self.options.checkpoint_interval
-        if (req.keep_state and every and req.num_computed % every == 0) or req.num_computed == self._aligned_point(req):
+        if ((req.keep_state and every and req.num_computed % every == 0) or req.num_computed == self._aligned_point(req)
+                or req.num_computed in req.checkpoint_at):
             req.checkpoints[req.num_computed] = self._copy_slot(req.slot)
 
     def _finish_reason(self, req: _Request, token: int) -> str | None:

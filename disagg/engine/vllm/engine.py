@@ -163,6 +163,9 @@ class VLLMEngine:
     async def export_state(self, request_id: str, position: int | None = None, first_block: int = 0):
         raise NotImplementedError("the vLLM backend moves state through its KV connector")
 
+    async def export_and_release(self, request_id: str, positions: tuple[int, ...], present: int) -> list:
+        raise NotImplementedError("the vLLM backend moves state through its KV connector")
+
     async def release(self, request_id: str, keep_resident: bool = True) -> None:
         return None  # vLLM frees a finished request's blocks itself (after the connector's saves)
 

@@ -54,10 +54,11 @@ class ConnectorState:
         self.model_id, self.block_size = model_id, block_size
         self.producer_sizes = producer_sizes  # (TP, DCP) of the prefill engines: how hand-offs are stored
 
-    async def lookup(self, tokens: list[int], hasher: BlockHasher) -> ResumePoint | None:
+    async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
         if self.store is None:
             return None
-        point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, len(tokens) - 1)
+        limit = len(tokens) - 1 if limit is None else limit
+        point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, limit)
         return None if point is None else ResumePoint(point.position, point.slowest_tier)
 
     async def load(self, tokens, position, hasher, params, node_id=None) -> Resume:
@@ -69,8 +70,9 @@ class ConnectorState:
                                 producer=handle.replica_id, saved_at=StateHandle.now()).to_params()
         return Resume(kv_params, handle.position, "host")
 
-    async def publish(self, engine, request_id, tokens, hasher, also_at=()) -> int:
-        return 0  # the connector saves (the engine keeps no finished request for export)
+    async def publish(self, engine, request_id, tokens, hasher, also_at=()) -> tuple[int, tuple[int, ...]]:
+        await engine.release(request_id)  # the connector saves (the engine keeps no finished request for export)
+        return 0, ()
 
 
 class VLLMWorker:

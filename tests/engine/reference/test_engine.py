@@ -219,3 +219,74 @@ def test_common_prefix_matches_a_token_by_token_scan():
         k = rng.choice([n, rng.randrange(n + 1)] + [e for e in edges if e <= n])
         b = [int(str(t)) for t in a[:k]] + [rng.randrange(300, 310) for _ in range(rng.randrange(2 * _PREFIX_CHUNK))]
         assert _common_prefix(a, b) == scan(a, b) == _common_prefix(tuple(a), b)
+
+
+def _crowded(model, prompts: list[list[int]]) -> ReferenceEngine:
+    """Prefill ``prompts`` together (keep_state) through a step budget far below their sum."""
+    eng = make_engine(model, max_num_batched_tokens=128, checkpoint_interval=0)
+    for i, p in enumerate(prompts):
+        eng.add_request(EngineRequest(f"p{i}", p, greedy(1), keep_state=True))
+    while eng.has_work():
+        eng.step()
+    return eng
+
+
+def test_aligned_checkpoint_survives_prefills_chunked_by_a_crowded_batch(model):
+    """Six long prompts share every step (128-token budget); each keeps its last-full-block
+    checkpoint (NOTE 5), and a follow-up diverging inside that partial block resumes there,
+    token-exact against an uninterrupted run."""
+    lens = [300, 455, 517, 390, 333, 250]
+    firsts = [prompt(n, seed=10 + i) for i, n in enumerate(lens)]
+    eng = _crowded(model, firsts)
+    assert eng.counters["steps"] >= sum(lens) // 128, "the prefills shared their steps"
+    for i, n in enumerate(lens):
+        assert n // BS * BS in eng.checkpoint_positions(f"p{i}"), f"prompt {n}: no checkpoint at {n // BS * BS}"
+    for i in (1,):  # a follow-up: the predecessor's full blocks, then new tokens inside its partial block
+        aligned = lens[i] // BS * BS
+        follow = firsts[i][:aligned] + prompt(40, seed=90 + i)
+        state = eng.export_state(f"p{i}", aligned)
+        b = make_engine(model, resident_sessions=False)
+        tokens, last, logits = run(b, "b", follow, 6, resume=state)
+        assert last.num_cached_tokens == aligned
+        ref, _, ref_logits = run(make_engine(model, resident_sessions=False), "ref", follow, 6)
+        assert tokens == ref
+        assert_close(logits, ref_logits)
+
+
+def test_requested_checkpoints_are_kept_whatever_the_step(model):
+    """``checkpoint_at`` (NOTE 7): kept in a crowded batch, and a bad position is refused."""
+    lens = [455, 610, 517]
+    eng = make_engine(model, max_num_batched_tokens=128, checkpoint_interval=0)
+    wanted = {0: (192, 320), 1: (64, 448), 2: (256,)}
+    for i, n in enumerate(lens):
+        eng.add_request(EngineRequest(f"p{i}", prompt(n, seed=i), greedy(1), keep_state=True,
+                                      checkpoint_at=wanted[i]))
+    while eng.has_work():
+        eng.step()
+    for i, n in enumerate(lens):
+        assert eng.checkpoint_positions(f"p{i}") == sorted({*wanted[i], n // BS * BS, n})
+    with pytest.raises(ValueError, match="block boundary"):
+        eng.add_request(EngineRequest("bad", prompt(300), greedy(1), keep_state=True, checkpoint_at=(100,)))
+    with pytest.raises(ValueError, match="inside the prompt"):
+        eng.add_request(EngineRequest("bad", prompt(300), greedy(1), keep_state=True, checkpoint_at=(320,)))
+
+
+def test_a_shared_prefix_match_copies_and_leaves_the_resident_to_its_session(model):
+    """NOTE 2: another session resuming at A's shared 128-token prefix copies those pages; A's own
+    next turn still finds A's state (and its prompt-end checkpoint), token-exact."""
+    eng = make_engine(model, checkpoint_interval=0)
+    system = prompt(128, seed=50)
+    a = system + prompt(300, seed=51)
+    eng.add_request(EngineRequest("a2", a, greedy(1), keep_state=True, checkpoint_at=(128,)))
+    while eng.has_work():
+        eng.step()
+    eng.release("a2")
+    other = system + prompt(90, seed=52)
+    _, last_other, _ = run(eng, "o", other, 3)
+    assert last_other.num_cached_tokens == 128 and last_other.cached_source == "device"
+    follow = a + prompt(20, seed=53)
+    tokens, last, logits = run(eng, "a3", follow, 4)
+    assert last.num_cached_tokens == len(a) and last.cached_source == "device"
+    ref, _, ref_logits = run(make_engine(model, resident_sessions=False), "ref", follow, 4)
+    assert tokens == ref
+    assert_close(logits, ref_logits)

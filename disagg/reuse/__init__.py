@@ -1,0 +1,10 @@
+"""State reuse accounting and checkpoint placement, over plain data.
+
+    ledger     what this worker has seen and published (bounded digests): the
+               infinite-cache bound of a prompt and the resume points it had
+    misses     one reason for every prompt token computed below that bound
+    placement  where a keep_state prefill keeps extra KDA checkpoints
+
+The worker (``disagg.worker``) calls these at a few marked points; nothing
+here imports an engine, a store, Ray or HTTP.
+"""

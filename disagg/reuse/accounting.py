@@ -1,0 +1,108 @@
+"""A worker's reuse accounting: ledger + placement + miss classification, glued.
+
+The worker calls it at four marked points (``disagg.worker``, "reuse:"):
+
+    begin     a prompt arrives: its view (bound, points), learned divergence,
+              checkpoint positions for its prefill; the prompt is noted as seen
+              and its checkpoints as pending
+    finish    its prefill reused ``realized`` tokens: the missed tokens by
+              reason (``disagg.reuse.misses``), counted and returned for the
+              request's last chunk (the edge counts them in /metrics)
+    published a publish landed (this worker's, or a prefill replica's by its handle)
+    dropped   a publish will not land
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from disagg.reuse.ledger import ReuseLedger, ReuseView, _Lru
+from disagg.reuse.misses import MissInputs, classify
+from disagg.reuse.placement import CheckpointPlacement
+from kv_transfer.keys import BlockHasher
+
+HeldFn = Callable[[int], Awaitable[bool]]  # position -> is the state there still resumable (store or device)
+
+
+@dataclass(slots=True, repr=False)
+class ReuseTicket:
+    """One request's accounting, from ``begin`` to ``finish``."""
+
+    tokens: list[int]  # the prompt
+    hasher: BlockHasher  # its salted key space
+    view: ReuseView  # what the ledger knew at the lookup
+    pending: tuple[int, ...]  # positions noted pending for this prompt's own publishes
+    hashes: list[bytes] = field(default_factory=list)  # the prompt's block digests (hashed once)
+    misses: dict[str, int] = field(default_factory=dict)  # filled by ``finish``
+    bound: int = 0  # infinite-cache bound counted for this request (filled by ``finish``)
+
+
+class ReuseAccounting:
+    """See the module docstring. ``placement=None``: no extra checkpoints (the engine's own only)."""
+
+    def __init__(self, block_size: int, placement: CheckpointPlacement | None = None,
+                 ledger: ReuseLedger | None = None):
+        self.block_size = block_size
+        self.ledger = ledger or ReuseLedger(block_size)
+        self.placement = placement
+        self._last_len = _Lru(1 << 16)  # session -> its previous prompt's length
+        self.counters: dict[str, int] = {}  # reason -> missed tokens (this worker)
+        self.bound_tokens = 0  # sum of the bounds counted
+
+    def begin(self, tokens: list[int], hasher: BlockHasher, session: str | None, request_id: str,
+              cache_salt: str = "") -> ReuseTicket:
+        owner = session or request_id
+        unsalted = hasher.with_salt("") if cache_salt else None
+        hashes = hasher.block_hashes(tokens)
+        view = self.ledger.view(tokens, hasher, owner, unsalted, hashes)
+        if session is not None:
+            prev = self._last_len.get(session)
+            if prev is not None and self.placement is not None:
+                self.placement.observe(prev, min(view.bound, prev))
+            self._last_len.put(session, len(tokens))
+        self.ledger.note_seen(tokens, hasher, owner, unsalted, hashes)
+        bs = self.block_size
+        own = tuple(sorted({len(tokens), len(tokens) // bs * bs} - {0}))
+        self.ledger.note_points(tokens, hasher, own, "pending", hashes)
+        return ReuseTicket(tokens, hasher, view, own, hashes)
+
+    def checkpoint_at(self, ticket: ReuseTicket, resume: int = 0) -> tuple[int, ...]:
+        """Extra checkpoint positions for the ticket's prefill (engine NOTE 7)."""
+        if self.placement is None:
+            return ()
+        view = ticket.view
+        branch = view.branch if view.branch and view.branch not in view.published else 0
+        points = self.placement.positions(view.num_prompt, resume, branch)
+        self.ledger.note_points(ticket.tokens, ticket.hasher, points, "pending", ticket.hashes)
+        return points
+
+    async def finish(self, ticket: ReuseTicket, realized: int, failure: str = "",
+                     held: HeldFn | None = None) -> dict[str, int]:
+        view = ticket.view
+        published = tuple(p for p, t in view.published.items() if t < view.started)
+        furthest = max((p for p in published if realized < p <= view.bound), default=0)
+        still = True
+        if furthest and held is not None and not failure:
+            try:
+                still = await held(furthest)
+            except Exception:  # noqa: BLE001 - a failing probe only blurs the reason, never the count
+                still = True
+        raced = self.ledger.published_since(ticket.tokens, ticket.hasher, view, ticket.hashes or None)
+        inputs = MissInputs(view.num_prompt, realized, view.bound, view.bound_any_salt, published,
+                            view.pending, raced, still, failure)
+        ticket.misses = classify(inputs)
+        ticket.bound = max(view.bound_any_salt, realized)
+        for reason, n in ticket.misses.items():
+            self.counters[reason] = self.counters.get(reason, 0) + n
+        self.bound_tokens += ticket.bound
+        return ticket.misses
+
+    def published(self, tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[int]) -> None:
+        self.ledger.note_points(tokens, hasher, positions, "published")
+
+    def dropped(self, tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[int]) -> None:
+        self.ledger.note_points(tokens, hasher, positions, "dropped")
+
+    def stats(self) -> dict:
+        return {"miss_tokens": dict(self.counters), "bound_tokens": self.bound_tokens}

@@ -1,0 +1,184 @@
+"""Reuse through the serving path (in process, disaggregated, tiny model): a new session
+resumes at a hot shared prefix, follow-ups resume where they diverge, and each miss reason
+comes from a scenario that causes it, adding up to bound - realized."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from disagg.config import load_config
+from disagg.engine.protocol import SamplingParams
+from disagg.inprocess import InProcessBackend
+from disagg.messages import GenerateParams
+
+BS = 64
+
+
+def ids(n: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(4, 260) for _ in range(n)]
+
+
+def backend(**over) -> InProcessBackend:
+    cfg = {"model": {"name": "tiny"},
+           "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 256, "num_threads": 1},
+           "transfer": {"host": {"capacity_mb": 256, "pin_memory": False}},
+           "router": {"local_prefill_max_tokens": 64}, "deployment": {"mode": "disaggregated"}}
+    for k, v in over.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    return InProcessBackend(load_config(cfg))
+
+
+@pytest.fixture
+def threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+async def send(b: InProcessBackend, rid: str, prompt: list[int], session: str, salt: str = ""):
+    p = GenerateParams(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True), session_id=session,
+                       cache_salt=salt)
+    toks, last = [], None
+    async for c in b.stream(p):
+        toks += c.token_ids
+        last = c
+    await b.decode.drain()
+    await b.prefill.drain()
+    return toks, last
+
+
+def adds_up(last) -> None:
+    assert sum((last.reuse_misses or {}).values()) == last.reuse_bound - last.num_cached_tokens
+
+
+def test_new_session_resumes_at_the_hot_shared_prefix(threads):
+    """s2's first turn stops sharing s1's blocks at the system prompt's end: its prefill keeps a
+    checkpoint there, so s3's first turn resumes at it, token-exact against an unshared run."""
+    b = backend()
+    system = ids(4 * BS, 99)
+    try:
+        async def go():
+            await send(b, "a", system + ids(300, 1), "s1")
+            _, l2 = await send(b, "b", system + ids(280, 2), "s2")
+            assert l2.reuse_misses == {"no_checkpoint": 4 * BS}  # seen, but no resume point there yet
+            t3, l3 = await send(b, "c", system + ids(350, 3), "s3")
+            adds_up(l2)
+            adds_up(l3)
+            return t3, l3
+        t3, l3 = asyncio.run(go())
+        assert l3.num_cached_tokens == 4 * BS and not l3.reuse_misses
+    finally:
+        b.shutdown()
+    ref = backend()
+    try:
+        tref, lref = asyncio.run(send(ref, "r", system + ids(350, 3), "x"))
+    finally:
+        ref.shutdown()
+    assert lref.num_cached_tokens == 0 and t3 == tref
+
+
+@pytest.mark.parametrize("placement", [False, True])
+def test_follow_ups_diverging_before_the_last_block(threads, placement):
+    """Each next prompt drops the previous one's two-block ephemeral tail. Without placement the
+    tokens between the shared prefix and the last checkpoint are ``no_checkpoint`` misses; with it
+    the learned distance puts a checkpoint there from the third turn on."""
+    b = backend(engine={"learned_checkpoints": placement})
+    try:
+        async def go():
+            ctx, out = ids(512, 1), []
+            for turn in range(4):
+                prompt = ctx + ids(150, 100 + turn)  # ephemeral tail: the next turn drops it
+                _, last = await send(b, f"t{turn}", prompt, "s")
+                adds_up(last)
+                out.append(last)
+                ctx = ctx + ids(128, 200 + turn)
+            return out
+        lasts = asyncio.run(go())
+    finally:
+        b.shutdown()
+    later = lasts[2:]
+    if placement:
+        assert all(not x.reuse_misses for x in later), [x.reuse_misses for x in later]
+    else:
+        assert all(set(x.reuse_misses) == {"no_checkpoint"} for x in later)
+
+
+def test_tenant_salt_and_evicted(threads):
+    b = backend(engine={"resident_sessions": False})
+    a = ids(400, 5)
+    try:
+        async def go():
+            await send(b, "a", a, "s", salt="t1")
+            _, other = await send(b, "b", a + ids(30, 6), "s2", salt="t2")
+            assert other.reuse_misses == {"tenant_salt": 384}
+            _drop_all(b.store)  # the host tier loses everything (as an eviction would)
+            _, gone = await send(b, "c", a + ids(30, 7), "s", salt="t1")
+            adds_up(other)
+            adds_up(gone)
+            return gone
+        gone = asyncio.run(go())
+    finally:
+        b.shutdown()
+    assert gone.num_cached_tokens == 0 and gone.reuse_misses.get("evicted", 0) >= 384
+
+
+def _drop_all(store) -> None:
+    tier = store.tiers[0]
+    for key in list(tier._index):
+        tier.delete(key)
+
+
+
+def test_load_deadline(threads):
+    """Every state load of session "late" stalls past the load deadline: the prompt's published
+    prefix is recomputed, and its tokens are ``load_deadline`` misses."""
+    rule = {"fault": "delay", "rate": 1.0, "session_prefix": "late", "delay_s": 5.0}
+    b = backend(transfer={"load_deadline_s": 0.2}, faults={"enabled": True, "rules": [rule]})
+    a = ids(400, 5)
+    try:
+        async def go():
+            await send(b, "a", a, "s")
+            for w in (b.prefill, b.decode):  # the device tier forgets: the next turn needs a load
+                await w.engine.call(w.engine.engine._residents.clear)
+            _, late = await send(b, "b", a + ids(30, 6), "late")
+            adds_up(late)
+            return late
+        late = asyncio.run(go())
+    finally:
+        b.shutdown()
+    assert late.num_cached_tokens == 0 and late.reuse_misses == {"load_deadline": 400}
+
+
+def test_in_flight_and_the_counters(threads):
+    """B shares A's full blocks and arrives while A's prefill (and publish) is still running: its
+    tokens are ``in_flight`` misses. The edge's counters of every request add up."""
+    from disagg.api.metrics import ServingMetrics
+    from disagg.bench.servermetrics import counter_by_label, counter_total, parse_prometheus
+
+    b = backend()
+    a = ids(1500, 7)
+    try:
+        async def go():
+            first = asyncio.create_task(send(b, "a", a, "sa"))
+            while not b.decode.reuse.ledger._blocks:  # A is noted as seen (its lookup began)
+                await asyncio.sleep(0.01)
+            _, lb = await send(b, "b", a[:1472] + ids(40, 8), "sb")
+            _, la = await first
+            return la, lb
+        la, lb = asyncio.run(go())
+    finally:
+        b.shutdown()
+    assert lb.num_cached_tokens == 0 and lb.reuse_misses.get("in_flight", 0) == 1472, lb.reuse_misses
+    metrics = ServingMetrics()
+    for last in (la, lb):
+        metrics.request_finished("completions", last, 3)
+    samples = parse_prometheus(metrics.render()[0].decode())
+    missed = sum(counter_by_label(samples, "disagg_reuse_miss_tokens_total", "reason").values())
+    cached = la.num_cached_tokens + lb.num_cached_tokens
+    assert missed == counter_total(samples, "disagg_reuse_bound_tokens_total") - cached == 1472
