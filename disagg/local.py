@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from disagg.config import AppConfig
+from disagg.config import AppConfig, HTTPConfig, ReplicaConfig
 
 log = logging.getLogger(__name__)
 APP_NAME = "disagg"
@@ -84,19 +84,28 @@ def haproxy_shim() -> str:
     return _shim
 
 
-def _cluster_env() -> dict[str, str]:
+def front_env(http: HTTPConfig) -> dict[str, str]:
+    """The HTTP front's bounds on clients (``deployments.haproxy_front.FrontLimits``) from ``http``."""
+    return {"DISAGG_FRONT_HEADER_TIMEOUT_S": str(max(1, round(http.header_timeout_s))),
+            "DISAGG_FRONT_BODY_TIMEOUT_S": str(max(1, round(http.body_timeout_s))),
+            "DISAGG_FRONT_KEEP_ALIVE_TIMEOUT_S": str(http.keep_alive_timeout_s),
+            "DISAGG_FRONT_MAX_CONNECTIONS_PER_CLIENT": str(http.max_connections_per_client)}
+
+
+def _cluster_env(http: HTTPConfig | None = None) -> dict[str, str]:
     env = {**SERVE_ENV, **CLUSTER_ENV}
     if _haproxy_available():
         env.update(HAPROXY_ENV)
+        env.update(front_env(http or HTTPConfig()))
         env.update({key: str(free_port()) for key in _HAPROXY_PORT_KEYS})
         env["RAY_SERVE_HAPROXY_BINARY_PATH"] = haproxy_shim()
     return env
 
 
-def export_cluster_env() -> None:
+def export_cluster_env(http: HTTPConfig | None = None) -> None:
     """Put the local cluster's settings in ``os.environ`` before ``ray.init`` (every process of the
     cluster inherits them). A variable the caller set wins; the ones set here are renewed per call."""
-    for key, value in _cluster_env().items():
+    for key, value in _cluster_env(http).items():
         if key not in os.environ or key in _exported:
             os.environ[key] = value
             _exported.add(key)
@@ -117,12 +126,12 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
-def _init_ray() -> bool:
+def _init_ray(http: HTTPConfig | None = None) -> bool:
     import ray
 
     if ray.is_initialized():
         return False
-    export_cluster_env()
+    export_cluster_env(http)
     # logical CPUs: the embedded default packs ingress + prefill + decode onto small machines
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, namespace="disagg",
              log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
@@ -138,9 +147,11 @@ def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
     from deployments.app import build_app
     from deployments.node_store import shutdown_node_stores
 
-    started = _init_ray()
+    started = _init_ray(cfg.http)
     try:
-        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        check_placement(cfg, ray.cluster_resources())
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port,
+                                  "keep_alive_timeout_s": cfg.http.keep_alive_timeout_s})
         serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False)
         yield f"http://{cfg.http.host}:{cfg.http.port}"
     finally:
@@ -155,12 +166,61 @@ def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
                 serve.shutdown()
 
 
+class PlacementError(ValueError):
+    """The cluster cannot place the configured replicas (``check_placement``)."""
+
+
+def requested_resources(cfg: AppConfig) -> dict[str, float]:
+    """Ray resources the app's replicas take at their starting count (autoscaled: ``min_replicas``)."""
+    d = cfg.deployment
+    roles = {"ingress": d.ingress, "decode": d.decode}
+    if d.mode == "disaggregated":
+        roles["prefill"] = d.prefill
+    total: dict[str, float] = {}
+    for rc in roles.values():
+        for name, amount in _replica_resources(rc).items():
+            total[name] = total.get(name, 0.0) + amount * _starting_replicas(rc)
+    return {k: v for k, v in total.items() if v > 0}
+
+
+def _starting_replicas(rc: ReplicaConfig) -> int:
+    return rc.min_replicas if rc.min_replicas is not None else rc.num_replicas
+
+
+def _replica_resources(rc: ReplicaConfig) -> dict[str, float]:
+    """One replica's resources: its actor, plus one GPU and one CPU per further TP rank
+    (``deployments.app.deployment_options``' placement bundles)."""
+    extra = rc.tensor_parallel_size - 1 if rc.tensor_parallel_size > 1 and rc.num_gpus else 0
+    return {"CPU": rc.num_cpus + extra, "GPU": rc.num_gpus + extra, **rc.resources}
+
+
+def check_placement(cfg: AppConfig, available: dict[str, float]) -> None:
+    """Raise ``PlacementError`` naming each resource the replicas ask for beyond the cluster's total.
+
+    Serve would otherwise wait, silently and for ever, for resources that will never come. The
+    check is against the cluster's total, so it catches a config that can never fit, not one
+    that waits for another app to finish.
+    """
+    short = [f"{name}: replicas ask for {need:g}, the cluster has {available.get(name, 0.0):g}"
+             for name, need in sorted(requested_resources(cfg).items()) if need > available.get(name, 0.0) + 1e-9]
+    if short:
+        raise PlacementError("the cluster cannot place the configured replicas (" + "; ".join(short) + "); lower "
+                             "deployment.<role>.num_replicas / num_cpus / num_gpus, or add nodes")
+
+
 def serve_forever(cfg: AppConfig) -> None:
-    with local_app(cfg) as url:
-        print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1  (Ctrl-C to stop)",
-              flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            print("shutting down", flush=True)
+    try:
+        with local_app(cfg) as url:
+            _announce_and_wait(cfg, url)
+    except PlacementError as exc:
+        raise SystemExit(f"disagg serve: {exc}") from exc
+
+
+def _announce_and_wait(cfg: AppConfig, url: str) -> None:
+    print(f"disagg serving {cfg.model.openai_name} ({cfg.deployment.mode}) at {url}/v1  (Ctrl-C to stop)",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down", flush=True)
