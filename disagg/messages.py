@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.engine.protocol import SamplingParams
+from disagg.engine.protocol import SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -26,6 +26,7 @@ class PrefillHandle:
     publish_seconds: float = 0.0  # export + put time
     prefill_seconds: float = 0.0  # compute time on the prefill replica
     device_state: Any = None  # a ``device_ipc.SharedState`` when the state stayed on the prefill's GPU
+    first_logprob: TokenLogprob | None = None  # ``first_token``'s, when the request asked for logprobs
 
 
 @dataclass(slots=True, repr=False)
@@ -62,3 +63,4 @@ class StreamChunk:
     transfer_bytes: int = 0  # state bytes loaded for this request
     transfer_seconds: float = 0.0  # time spent loading them
     replica_id: str = ""  # the replica that produced the chunk
+    logprobs: list[TokenLogprob] | None = None  # one per token in ``token_ids``, when the request asked

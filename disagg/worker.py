@@ -265,7 +265,8 @@ class StatefulWorker:
             raise
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
-                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared)
+                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared,
+                             last.logprobs[0] if last.logprobs else None)
 
     # -- generate (runs on a decode worker) -----------------------------------------------------
     async def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None,
@@ -290,7 +291,8 @@ class StatefulWorker:
             self.counters["remote_prefills"] += 1
             cached, source = handle.num_cached_tokens, handle.cached_source
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=cached,
-                                cached_source=source, replica_id=self.replica_id)
+                                cached_source=source, replica_id=self.replica_id,
+                                logprobs=[handle.first_logprob] if handle.first_logprob is not None else None)
             stop = _is_stop(handle.first_token, sampling, self.engine.engine)
             going_on = False
             try:
@@ -328,7 +330,7 @@ class StatefulWorker:
                     chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason,
                                         len(params.prompt_token_ids), cached if handle else out.num_cached_tokens,
                                         source if handle else out.cached_source, out.error, transfer_bytes,
-                                        transfer_s, self.replica_id)
+                                        transfer_s, self.replica_id, out.logprobs)
                     if out.finished:
                         finished = True
                         if out.finish_reason in ("length", "stop"):  # checkpoint the turn end off the response path

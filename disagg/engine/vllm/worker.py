@@ -85,7 +85,8 @@ class VLLMWorker:
             log.warning("prefill of %s left no hand-off (%s); decode will recompute", params.request_id, saved)
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
-                             self.replica_id, self.node_id, 0, 0.0, time.perf_counter() - t0)
+                             self.replica_id, self.node_id, 0, 0.0, time.perf_counter() - t0,
+                             first_logprob=last.logprobs[0] if last.logprobs else None)
 
     def _handoff_params(self, handle: PrefillHandle) -> dict:
         tp, dcp = self.producer_sizes
@@ -104,7 +105,8 @@ class VLLMWorker:
             self.counters["remote_prefills"] += 1
             cached, source = handle.num_cached_tokens, handle.cached_source
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=cached,
-                                cached_source=source, replica_id=self.replica_id)
+                                cached_source=source, replica_id=self.replica_id,
+                                logprobs=[handle.first_logprob] if handle.first_logprob is not None else None)
             eos = self.engine.engine.eos_token_id
             stop = handle.first_token in sampling.stop_token_ids or (not sampling.ignore_eos and handle.first_token == eos)
             if sampling.max_tokens == 1 or stop:
@@ -123,7 +125,8 @@ class VLLMWorker:
             async for out in self.engine.generate(req, kv_params):
                 yield StreamChunk(out.new_token_ids, out.finished, out.finish_reason, len(params.prompt_token_ids),
                                   cached if handle else out.num_cached_tokens,
-                                  source if handle else out.cached_source, out.error, 0, 0.0, self.replica_id)
+                                  source if handle else out.cached_source, out.error, 0, 0.0, self.replica_id,
+                                  out.logprobs)
         finally:
             self.counters["decodes"] += 1
 
