@@ -136,7 +136,8 @@ def test_completion_logprobs_streamed_and_not(url, prompt):
         assert chosen == pytest.approx(max(top.values()))  # greedy: the chosen token is the likeliest
         assert all(v <= 0 for v in top.values())
     assert lp["text_offset"][0] == 0
-    assert all(b - a == len(t) for a, b, t in zip(lp["text_offset"], lp["text_offset"][1:], lp["tokens"][:-1], strict=True))
+    offsets = lp["text_offset"]
+    assert all(b - a == len(t) for a, b, t in zip(offsets[:-1], offsets[1:], lp["tokens"][:-1], strict=True))
     streamed = _stream(url, "/v1/completions", body)
     assert _merge_completion([c["logprobs"] for c in streamed]) == lp
 
