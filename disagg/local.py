@@ -150,6 +150,11 @@ def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
     started = _init_ray(cfg.http)
     try:
         check_placement(cfg, ray.cluster_resources())
+    except PlacementError:  # nothing deployed: leave a cluster we joined (and its apps) as it was
+        if started:
+            ray.shutdown()
+        raise
+    try:
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port,
                                   "keep_alive_timeout_s": cfg.http.keep_alive_timeout_s})
         serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False)
