@@ -184,7 +184,7 @@ class VLLMEngine:
 def _logprobs(comp, new: list[int], num_top: int | None) -> list[TokenLogprob] | None:
     """vLLM's per-token ``{token_id: Logprob(logprob, rank)}`` as ``TokenLogprob``s (it holds the
     sampled token and the ``num_top`` most likely)."""
-    if num_top is None or comp is None or not comp.logprobs:
+    if num_top is None or comp is None or not comp.logprobs or not new:
         return None
     out = []
     for token, entries in zip(new, comp.logprobs[-len(new):], strict=True):
