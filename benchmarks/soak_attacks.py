@@ -18,7 +18,8 @@ soak's end; what it saw is counted in ``AttackTally``:
 
 ``abandoned_still_running`` is measured once the load has stopped: a last round of abandoned
 requests (both endpoints; queued, prefill, decode), then 10 s, then the ingress's running
-generations and the engines' running requests, which must both be 0.
+generations and the engines' running requests (the largest of 8 scrapes: each asks one
+replica per role), which must both be 0; ``idle_after_s`` says when both first read 0.
 """
 
 from __future__ import annotations
@@ -250,6 +251,13 @@ def _running(metrics: str) -> dict:
     return found
 
 
+async def _running_everywhere(client: httpx.AsyncClient, scrapes: int = 8) -> dict:
+    """``_running`` at its largest over several scrapes: each asks one replica per role for its
+    engine's figures, so one scrape can miss a request on another decode replica."""
+    seen = [_running((await client.get("/metrics")).text) for _ in range(scrapes)]
+    return {k: max(s[k] for s in seen) for k in seen[0]}
+
+
 async def final_abandon_check(base: str, key: str, seed: int, tally: AttackTally) -> dict:
     """Abandon a request in each phase on each endpoint with nothing else running, wait 10 s,
     and read what still runs (module docstring)."""
@@ -262,10 +270,10 @@ async def final_abandon_check(base: str, key: str, seed: int, tally: AttackTally
     left = time.monotonic()
     await asyncio.sleep(10.0)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        found = _running((await client.get("/metrics")).text)
+        found = await _running_everywhere(client)
         later = found
         while any(later.values()) and time.monotonic() - left < 120:  # how long until nothing runs
             await asyncio.sleep(1.0)
-            later = _running((await client.get("/metrics")).text)
+            later = await _running_everywhere(client)
     return {"abandoned": len(rounds), "still_running_after_10_s": found,
             "idle_after_s": round(time.monotonic() - left, 1) if not any(later.values()) else None}
