@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -141,6 +142,7 @@ async def _stream(client: httpx.AsyncClient, key: str, body: dict, tally: Tally)
     return res
 
 
+_CODES_503 = ('"overloaded"', '"backend_unavailable"')  # disagg.api.app: the codes of its 503s
 _BAD = {  # kind -> (how to send it, expected status)
     "no_key": 401, "wrong_key": 401, "unknown_model": 404, "malformed_json": 400, "nan_temperature": 400,
     "out_of_vocab": 400, "context_overflow": 400, "negative_max_tokens": 400, "oversize_body": 413,
@@ -318,7 +320,11 @@ async def _load(url: str, args, tally: Tally, samples: list[dict], attacks: soak
         prefix = _ids(random.Random(7), 192)  # shared by every session (the tool + system prompt)
         tasks = [asyncio.create_task(_session_loop(i, client, prefix, stop_at, args.bad_input_rate, tally))
                  for i in range(args.sessions)]
-        attack_tasks = soak_attacks.start(url, KEYS[1], stop_at, args, attacks)
+        receiver, sender = multiprocessing.Pipe(duplex=False)
+        prober = multiprocessing.get_context("spawn").Process(
+            target=soak_attacks.health_probe, args=(url, time.time() + args.minutes * 60, sender), daemon=True)
+        prober.start()
+        attack_tasks = asyncio.create_task(soak_attacks.start(url, KEYS[1], stop_at, args, attacks))
         pending = set(tasks)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=max(1.0, min(30.0, stop_at - time.monotonic())))
@@ -334,8 +340,10 @@ async def _load(url: str, args, tally: Tally, samples: list[dict], attacks: soak
         for t in tasks:
             t.result()  # a bug in the load generator must not pass silently
         seconds = time.monotonic() - t0
-        for t in attack_tasks:
+        for t in await attack_tasks:
             await t
+        attacks.health = await asyncio.to_thread(receiver.recv)
+        prober.join(30)
         final = await soak_attacks.final_abandon_check(url, KEYS[1], args.seed, attacks)
         print(f"[soak] attacks {attacks.summary()} final abandon check {final}", flush=True)
         return {"metrics": await _metrics_text(client), "seconds": seconds, "abandon_check": final}
@@ -403,6 +411,7 @@ def main() -> None:
     ap.add_argument("--verify-sample", type=int, default=40, help="unfaulted requests compared with the reference")
     ap.add_argument("--verify-minutes", type=float, default=5.0)
     ap.add_argument("--out", default="results/soak", help="folder for soak.json and soak.png")
+    ap.add_argument("--attack-delay-s", type=float, default=60.0, help="sessions alone this long first (baseline)")
     ap.add_argument("--slow-bodies", type=int, default=200, help="slow-body connections held open (attack)")
     ap.add_argument("--header-trickles", type=int, default=100, help="header-trickle connections held open (attack)")
     ap.add_argument("--abandon-every-s", type=float, default=10.0, help="a non-streamed request abandoned this often")
@@ -447,9 +456,13 @@ def main() -> None:
         "status_counts": {str(k): v for k, v in sorted(statuses.items())},
         "5xx": sum(v for k, v in statuses.items() if k >= 500) + sum(
             1 for r in results if r.status == 200 and r.error and "server_error" in r.error),
+        # an error event inside a 200 stream carries its status's code: 503s are overloaded or
+        # backend_unavailable (with Retry-After before the stream started), anything else a 500
         "5xx_other_than_503": sum(v for k, v in statuses.items() if k >= 500 and k != 503) + sum(
             1 for r in results if r.status == 200 and r.error and "server_error" in r.error
-            and "overloaded" not in r.error),
+            and not any(code in r.error for code in _CODES_503)),
+        "503_in_stream": sum(1 for r in results if r.status == 200 and r.error
+                             and any(code in r.error for code in _CODES_503)),
         "transport_errors": statuses.get(0, 0), "shed_and_retried": tally.shed,
         "tokens_requested": sum(r.max_tokens for r in results),
         "tokens_lost": sum(r.max_tokens - len(r.tokens) for r in results if not r.served or r.error),

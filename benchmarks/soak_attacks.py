@@ -1,8 +1,10 @@
 """Attacks on the HTTP edge that ``benchmarks/soak.py`` runs beside its load and faults.
 
-Each attack is an asyncio task from its own loopback address (127.0.0.2, so the front's
-per-address connection cap applies to it and not to the sessions on 127.0.0.1) until the
-soak's end; what it saw is counted in ``AttackTally``:
+Each attack is an asyncio task from a loopback address of its own (slow bodies, header trickle
+and abandoned requests from 127.0.0.2, where the front's per-address connection cap bites;
+bursts from 127.0.0.3, so they reach the admission gate; the sessions stay on 127.0.0.1),
+starting ``--attack-delay-s`` into the load and running until the soak's end; what it saw is
+counted in ``AttackTally``:
 
     slow_bodies      connections that send headers and the first 1 kB of a 100 kB body, then one
                      byte every 2-5 s: each must be answered 408 (or closed) by the edge, and is
@@ -14,7 +16,9 @@ soak's end; what it saw is counted in ``AttackTally``:
     overload bursts  every ``burst_every_s``, ``burst_size`` short streamed requests at once, more
                      than the admission gate runs and queues: each is served, or refused 503 with
                      Retry-After; nothing else
-    /health probe    from 127.0.0.1 every 0.5 s, its latency (goal: P99 < 1 s during the attacks)
+    /health probe    from 127.0.0.1 every 0.5 s in a process of its own (the load generator's
+                     busy event loop would add its own delays), the whole run: its latency
+                     before the attacks (sessions only) and during them (goal: P99 < 1 s)
 
 ``abandoned_still_running`` is measured once the load has stopped: a last round of abandoned
 requests (both endpoints; queued, prefill, decode), then 10 s, then the ingress's running
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 import httpx
 
 ATTACKER = "127.0.0.2"
+BURSTER = "127.0.0.3"
 MODEL = "disagg-tiny"
 
 
@@ -52,12 +57,10 @@ class AttackTally:
     burst_served: int = 0
     burst_shed: int = 0  # 503 with Retry-After
     burst_other: list[str] = field(default_factory=list)  # anything else (goal: none)
-    health_s: list[float] = field(default_factory=list)  # /health latencies (a failure counts as 30 s)
-    health_failures: list[str] = field(default_factory=list)  # when (s into the run) and why
+    health: list[tuple[float, float, str | None]] = field(default_factory=list)  # (epoch, seconds, failure)
+    attacks_from: float = 0.0  # epoch the attacks started
 
     def summary(self) -> dict:
-        hs = sorted(self.health_s)
-        p = (lambda q: round(hs[min(len(hs) - 1, int(q * len(hs)))], 3) if hs else None)
         return {"slow_body_connections": self.slow_body_conns, "slow_body_answered_408": self.slow_body_408,
                 "slow_body_closed_without_reply": self.slow_body_closed,
                 "slow_body_seconds_max": round(max(self.slow_body_seconds, default=0), 1),
@@ -67,8 +70,18 @@ class AttackTally:
                 "abandoned_requests": self.abandoned, "burst_requests": self.burst_requests,
                 "burst_served": self.burst_served, "burst_shed_503_retry_after": self.burst_shed,
                 "burst_other": self.burst_other[:10], "burst_other_count": len(self.burst_other),
-                "health_probes": len(hs), "health_failures": self.health_failures[:20],
-                "health_p50_s": p(0.5), "health_p99_s": p(0.99), "health_max_s": hs[-1] if hs else None}
+                "health_before_attacks": _percentiles([h for h in self.health if h[0] < self.attacks_from]),
+                "health_during_attacks": _percentiles([h for h in self.health if h[0] >= self.attacks_from])}
+
+
+def _percentiles(probes: list[tuple[float, float, str | None]]) -> dict:
+    """P50/P99/max of /health latencies; a failed probe counts as 30 s."""
+    hs = sorted(30.0 if why else s for _, s, why in probes)
+    if not hs:
+        return {"probes": 0}
+    p = (lambda q: round(hs[min(len(hs) - 1, int(q * len(hs)))], 3))
+    return {"probes": len(hs), "p50_s": p(0.5), "p99_s": p(0.99), "max_s": round(hs[-1], 3),
+            "failures": [why for _, _, why in probes if why][:10]}
 
 
 async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -185,7 +198,7 @@ async def _abandoner(base: str, key: str, stop_at: float, every_s: float, tally:
 
 async def _bursts(base: str, key: str, stop_at: float, every_s: float, size: int, tally: AttackTally) -> None:
     limits = httpx.Limits(max_connections=size + 8, max_keepalive_connections=0)
-    transport = httpx.AsyncHTTPTransport(local_address=ATTACKER, limits=limits)
+    transport = httpx.AsyncHTTPTransport(local_address=BURSTER, limits=limits)
     async with httpx.AsyncClient(base_url=base, transport=transport, timeout=120) as client:
         while time.monotonic() + every_s < stop_at:
             await asyncio.sleep(every_s)
@@ -210,24 +223,29 @@ async def _bursts(base: str, key: str, stop_at: float, every_s: float, size: int
             await asyncio.gather(*(one(i) for i in range(size)))
 
 
-async def _health(base: str, stop_at: float, tally: AttackTally) -> None:
-    start = time.monotonic()
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        while time.monotonic() < stop_at:
-            t0 = time.monotonic()
+def health_probe(base: str, stop_epoch: float, out) -> None:
+    """Probe ``/health`` every 0.5 s until ``stop_epoch``; sends (epoch, seconds, failure) tuples
+    to the pipe ``out`` at the end. Runs in a process of its own (module docstring)."""
+    probes = []
+    with httpx.Client(base_url=base, timeout=30) as client:
+        while time.time() < stop_epoch:
+            t0, m0 = time.time(), time.monotonic()
             try:
-                r = await client.get("/health")
+                r = client.get("/health")
                 why = None if r.status_code == 200 else f"status {r.status_code} {r.text[:80]}"
             except httpx.HTTPError as exc:
                 why = f"{type(exc).__name__}: {exc}"[:120]
-            tally.health_s.append(time.monotonic() - t0 if why is None else 30.0)
-            if why is not None:
-                tally.health_failures.append(f"{t0 - start:.0f} s: {why}")
-            await asyncio.sleep(0.5)
+            probes.append((t0, time.monotonic() - m0, why))
+            time.sleep(0.5)
+    out.send(probes)
+    out.close()
 
 
-def start(base: str, key: str, stop_at: float, args, tally: AttackTally) -> list[asyncio.Task]:
-    """The attack tasks, running until ``stop_at`` (their last connections end within a minute)."""
+async def start(base: str, key: str, stop_at: float, args, tally: AttackTally) -> list[asyncio.Task]:
+    """The attack tasks, from ``args.attack_delay_s`` until ``stop_at`` (their last connections
+    end within a minute)."""
+    await asyncio.sleep(args.attack_delay_s)
+    tally.attacks_from = time.time()
     port = int(base.rsplit(":", 1)[1])
     rng = random.Random(args.seed + 99)
     tasks = [asyncio.create_task(_slow_body(port, key, stop_at, tally, random.Random(rng.random())))
@@ -237,7 +255,6 @@ def start(base: str, key: str, stop_at: float, args, tally: AttackTally) -> list
         tasks.append(asyncio.create_task(_abandoner(base, key, stop_at, args.abandon_every_s, tally, rng)))
     if args.burst_size > 0:
         tasks.append(asyncio.create_task(_bursts(base, key, stop_at, args.burst_every_s, args.burst_size, tally)))
-    tasks.append(asyncio.create_task(_health(base, stop_at, tally)))
     return tasks
 
 
