@@ -12,12 +12,21 @@ Pointed at this program (through a two-line shell shim, below), Serve starts:
 
 It also bounds slow and greedy clients at the front (``front_limits``), whatever Serve rendered:
 
-    defaults             timeout http-request <header_timeout>   request line + headers -> 408
+    defaults             option http-buffer-request              hold a body up to the buffer here
+                         timeout http-request <header_timeout>   request line + headers (and that
+                                                                 much body) -> 408
                          timeout client <body_timeout>           a client silent this long mid-request
                          timeout http-keep-alive <keep_alive>    idle keep-alive connections
                          no ``option splice-request`` (see below)
     frontend http_front  stick-table on the source address, conn_cur stored;
                          a connection beyond max_connections_per_client is refused
+
+``option http-buffer-request`` keeps slow bodies at the front: HAProxy forwards a request only
+once its body is complete or fills the buffer (``tune.bufsize``, 16 kB as Serve renders it),
+all within ``timeout http-request``. Without it a slow body reached the ingress at once and held
+one of its Serve ongoing requests until the app's body deadline: a few hundred of them filled
+the ingress, and /health and every completion queued behind them. A body larger than the
+buffer still streams to the app, whose own deadline bounds it.
 
 Serve renders ``option splice-request``: a request body that arrives after its headers is then
 forwarded by kernel splice, and HAProxy no longer notices the client closing: the ingress never
@@ -89,14 +98,14 @@ class FrontLimits:
 
 FRONT_ENV = {name: f"DISAGG_FRONT_{name.upper()}" for name in
              ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "max_connections_per_client")}
-_TIMEOUT = re.compile(r"^\s*(timeout\s+(client|http-request|http-keep-alive)\s|option\s+splice-request\b)")
+_TIMEOUT = re.compile(r"^\s*(timeout\s+(client|http-request|http-keep-alive)\s|option\s+(splice-request|http-buffer-request)\b)")
 
 
 def front_limits(cfg: str, limits: FrontLimits) -> str:
     """``cfg`` with the front's timeouts set in ``defaults`` (Serve's own ones for these three
     dropped everywhere, so none overrides them), without ``option splice-request`` (module
     docstring) and with a per-address connection cap on the HTTP frontend. Idempotent."""
-    timeouts = [f"    timeout http-request {limits.header_timeout_s}s\n",
+    timeouts = ["    option http-buffer-request\n", f"    timeout http-request {limits.header_timeout_s}s\n",
                 f"    timeout client {limits.body_timeout_s}s\n",
                 f"    timeout http-keep-alive {limits.keep_alive_timeout_s}s\n"]
     cap = limits.max_connections_per_client

@@ -132,6 +132,7 @@ def test_front_limits_set_the_timeouts_once_and_drop_serves():
     assert timeouts == ["timeout http-request 7s", "timeout client 21s", "timeout http-keep-alive 3s",
                         "timeout connect 5s", "timeout server 30s"]  # Serve's 3600 s and 90 s are gone
     assert "option splice-request" not in out and "option splice-response" in out
+    assert out.count("option http-buffer-request") == 1
     front = out[out.index("frontend http_frontend"):out.index("backend app")]
     assert "tcp-request connection reject if { sc0_conn_cur gt 9 }" in front
     assert "stick-table type ip" in front and "track-sc0 src" in front
