@@ -1,8 +1,15 @@
 """Bounded soak: concurrent synthetic agentic sessions against the whole Ray Serve app on this
-machine, with faults injected at a set rate and bad inputs mixed in; an accounting at the end.
+machine, with faults injected at a set rate, bad inputs mixed in and the HTTP edge under attack;
+an accounting at the end.
 
     python benchmarks/soak.py [--minutes 10] [--sessions 32] [--transfer-fault-rate 0.03]
                               [--kill-rate 0.01] [--bad-input-rate 0.05] [--out docs/reliability]
+                              [--slow-bodies 200] [--header-trickles 100] [--abandon-every-s 10]
+                              [--burst-every-s 60] [--burst-size 200]
+
+The attacks (benchmarks/soak_attacks.py, from 127.0.0.2): slow request bodies, header trickle,
+abandoned non-streamed requests, overload bursts, and a /health probe from 127.0.0.1. The gate
+runs 48 generations and queues 48, so a burst is partly shed (503 + Retry-After).
 
 The app: the embedded default (deployments/configs/local-cpu.yaml: the reference model on CPU)
 with 2 decode and 1 prefill replicas, two API keys (sessions alternate between them), a 64 MiB
@@ -25,6 +32,8 @@ Reported (printed, and written to OUT/soak.json with OUT/soak.png):
   request that met a fault and a random sample of the rest: mismatches (goal 0);
 - faults injected by kind (the ledger the replicas append to, which outlives killed replicas),
   and survived: the request that met the fault was served in full (and matched, where compared);
+- the attacks' accounting (soak_attacks.AttackTally), 5xx other than 503 (goal 0), abandoned
+  requests still running 10 s after their clients left (goal 0), /health P99 (goal < 1 s);
 - resident memory of the cluster's processes (RSS and PSS, which counts shared pages once) at the
   start and end and every 30 s; host-tier accounting from the node store at the end.
 """
@@ -34,8 +43,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
+import re
 import tempfile
 import time
 from collections import Counter
@@ -45,11 +56,16 @@ from pathlib import Path
 import httpx
 import torch
 
-from disagg.config import load_config
+from disagg.config import ingress_max_ongoing, load_config
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.faults import read_ledger
 from disagg.local import free_port, local_app, wait_healthy
+
+try:
+    import soak_attacks  # run as a script: benchmarks/ is on sys.path
+except ImportError:  # imported as benchmarks.soak
+    from benchmarks import soak_attacks
 
 MODEL = "disagg-tiny"
 KEYS = ["soak-key-a", "soak-key-b"]
@@ -126,6 +142,7 @@ async def _stream(client: httpx.AsyncClient, key: str, body: dict, tally: Tally)
     return res
 
 
+_CODES_503 = ('"overloaded"', '"backend_unavailable"')  # disagg.api.app: the codes of its 503s
 _BAD = {  # kind -> (how to send it, expected status)
     "no_key": 401, "wrong_key": 401, "unknown_model": 404, "malformed_json": 400, "nan_temperature": 400,
     "out_of_vocab": 400, "context_overflow": 400, "negative_max_tokens": 400, "oversize_body": 413,
@@ -278,6 +295,8 @@ def _config(args, ledger: str):
     cfg = load_config("deployments/configs/local-cpu.yaml")
     cfg.http.port = free_port()
     cfg.http.api_keys = list(KEYS)
+    cfg.http.max_inflight, cfg.http.max_queued = 48, 48  # a burst of 200 is partly shed
+    cfg.deployment.ingress.max_ongoing_requests = ingress_max_ongoing(cfg.http)  # config NOTE 1
     cfg.deployment.decode.num_replicas, cfg.deployment.decode.num_cpus = 2, 0.5
     cfg.deployment.prefill.num_replicas, cfg.deployment.prefill.num_cpus = 1, 0.5
     cfg.router.local_prefill_max_tokens = 128
@@ -292,7 +311,7 @@ def _config(args, ledger: str):
     return cfg
 
 
-async def _load(url: str, args, tally: Tally, samples: list[dict]) -> dict:
+async def _load(url: str, args, tally: Tally, samples: list[dict], attacks: soak_attacks.AttackTally) -> dict:
     limits = httpx.Limits(max_connections=2 * args.sessions + 8, max_keepalive_connections=2 * args.sessions)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0), limits=limits) as client:
         t0 = time.monotonic()
@@ -301,6 +320,11 @@ async def _load(url: str, args, tally: Tally, samples: list[dict]) -> dict:
         prefix = _ids(random.Random(7), 192)  # shared by every session (the tool + system prompt)
         tasks = [asyncio.create_task(_session_loop(i, client, prefix, stop_at, args.bad_input_rate, tally))
                  for i in range(args.sessions)]
+        receiver, sender = multiprocessing.Pipe(duplex=False)
+        prober = multiprocessing.get_context("spawn").Process(
+            target=soak_attacks.health_probe, args=(url, time.time() + args.minutes * 60, sender), daemon=True)
+        prober.start()
+        attack_tasks = asyncio.create_task(soak_attacks.start(url, KEYS[1], stop_at, args, attacks))
         pending = set(tasks)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=max(1.0, min(30.0, stop_at - time.monotonic())))
@@ -315,7 +339,14 @@ async def _load(url: str, args, tally: Tally, samples: list[dict]) -> dict:
                   f"RSS {mem['rss_mib']:.0f} MiB PSS {mem['pss_mib']:.0f} MiB", flush=True)
         for t in tasks:
             t.result()  # a bug in the load generator must not pass silently
-        return {"metrics": await _metrics_text(client), "seconds": time.monotonic() - t0}
+        seconds = time.monotonic() - t0
+        for t in await attack_tasks:
+            await t
+        attacks.health = await asyncio.to_thread(receiver.recv)
+        prober.join(30)
+        final = await soak_attacks.final_abandon_check(url, KEYS[1], args.seed, attacks)
+        print(f"[soak] attacks {attacks.summary()} final abandon check {final}", flush=True)
+        return {"metrics": await _metrics_text(client), "seconds": seconds, "abandon_check": final}
 
 
 def _verify(cfg, tally: Tally, faulted: set[str], args) -> dict:
@@ -380,19 +411,25 @@ def main() -> None:
     ap.add_argument("--verify-sample", type=int, default=40, help="unfaulted requests compared with the reference")
     ap.add_argument("--verify-minutes", type=float, default=5.0)
     ap.add_argument("--out", default="results/soak", help="folder for soak.json and soak.png")
+    ap.add_argument("--attack-delay-s", type=float, default=60.0, help="sessions alone this long first (baseline)")
+    ap.add_argument("--slow-bodies", type=int, default=200, help="slow-body connections held open (attack)")
+    ap.add_argument("--header-trickles", type=int, default=100, help="header-trickle connections held open (attack)")
+    ap.add_argument("--abandon-every-s", type=float, default=10.0, help="a non-streamed request abandoned this often")
+    ap.add_argument("--burst-every-s", type=float, default=60.0)
+    ap.add_argument("--burst-size", type=int, default=200, help="streamed requests at once per overload burst")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.ledger = os.path.join(tempfile.mkdtemp(prefix="disagg-soak-"), "faults.jsonl")
     cfg = _config(args, args.ledger)
-    tally, samples = Tally(), []
+    tally, samples, attacks = Tally(), [], soak_attacks.AttackTally()
     print(f"soak: {args.sessions} sessions for {args.minutes:g} min; faults {[r.fault for r in cfg.faults.rules]}; "
           f"ledger {args.ledger}", flush=True)
     with local_app(cfg) as url:
         wait_healthy(url)
         start_mem = cluster_memory()
         samples.append({"t_s": 0.0, "served": 0, "faults": 0, **start_mem})
-        run = asyncio.run(_load(url, args, tally, samples))
+        run = asyncio.run(_load(url, args, tally, samples, attacks))
         time.sleep(2.0)  # background turn-end publishes land
         end_mem = cluster_memory()
         host = host_tier_stats()
@@ -419,6 +456,13 @@ def main() -> None:
         "status_counts": {str(k): v for k, v in sorted(statuses.items())},
         "5xx": sum(v for k, v in statuses.items() if k >= 500) + sum(
             1 for r in results if r.status == 200 and r.error and "server_error" in r.error),
+        # an error event inside a 200 stream carries its status's code: 503s are overloaded or
+        # backend_unavailable (with Retry-After before the stream started), anything else a 500
+        "5xx_other_than_503": sum(v for k, v in statuses.items() if k >= 500 and k != 503) + sum(
+            1 for r in results if r.status == 200 and r.error and "server_error" in r.error
+            and not any(code in r.error for code in _CODES_503)),
+        "503_in_stream": sum(1 for r in results if r.status == 200 and r.error
+                             and any(code in r.error for code in _CODES_503)),
         "transport_errors": statuses.get(0, 0), "shed_and_retried": tally.shed,
         "tokens_requested": sum(r.max_tokens for r in results),
         "tokens_lost": sum(r.max_tokens - len(r.tokens) for r in results if not r.served or r.error),
@@ -427,6 +471,9 @@ def main() -> None:
         "faults_survived": dict(survived), "faults_unmatched_to_a_request": dict(unmatched),
         "recoveries": dict(Counter(e["recovery"] for e in ledger if "recovery" in e)),
         "resumed_streams_at_ingress": _metric(run["metrics"], "disagg_resumed_streams"),
+        "attacks": attacks.summary(), "abandoned_final_check": run["abandon_check"],
+        "edge_rejections": {m[1]: float(m[2]) for m in re.finditer(
+            r'disagg_http_rejections_total\{reason="(\w+)"\} (\S+)', run["metrics"])},
         "verified_against_reference": check,
         "bad_inputs_tried": dict(tally.bad), "bad_inputs_refused_as_expected": dict(tally.bad_ok),
         "bad_input_surprises": tally.bad_wrong[:10],

@@ -262,16 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # the command's own usage, not the top-level one
         _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
-    from disagg.local import ClusterStartError
+    from disagg.local import ClusterStartError, PlacementError
 
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ClusterStartError) as exc:
+    except (UsageError, ClusterStartError, PlacementError) as exc:
         if getattr(args, "debug", False):
             traceback.print_exc()
         for line in str(exc).splitlines():
             print(f"error: {line}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
+        return 1 if isinstance(exc, ClusterStartError) else 2
 
 
 if __name__ == "__main__":

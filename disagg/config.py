@@ -154,7 +154,8 @@ class DeploymentConfig(_Strict):
     mode: Literal["disaggregated", "aggregated"] = "disaggregated"
     prefill: ReplicaConfig = Field(default_factory=ReplicaConfig)
     decode: ReplicaConfig = Field(default_factory=ReplicaConfig)
-    ingress: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5, max_ongoing_requests=1024))
+    # the ingress's max_ongoing_requests is derived from the HTTP admission gate (AppConfig NOTE 1)
+    ingress: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5))
     graceful_shutdown_timeout_s: float = 20.0
     health_check_period_s: float = 10.0
     max_stream_resumes: int = Field(default=2, ge=0)  # a decode replica lost mid-stream: continue elsewhere
@@ -166,6 +167,12 @@ class HTTPConfig(_Strict):
     api_keys: list[str] = Field(default_factory=list)  # empty = no auth
     api_keys_file: str | None = None  # file with more keys, one a line (e.g. a mounted Kubernetes Secret)
     max_body_bytes: int = 4 << 20
+    # slow clients (NOTE 1 of disagg.api.limits; the front's side: deployments.haproxy_front)
+    header_timeout_s: float = Field(default=10.0, gt=0.0)  # request line + headers must arrive in this -> 408
+    body_timeout_s: float = Field(default=30.0, gt=0.0)  # the whole body must arrive in this -> 408
+    keep_alive_timeout_s: int = Field(default=5, ge=1)  # an idle keep-alive connection is closed after this
+    max_connections_per_client: int = Field(default=256, ge=0)  # open connections per client address (0 = no cap)
+    openapi: bool = False  # serve /openapi.json (behind the API key when keys are set); never /docs
     # limits (see disagg/api/limits.py); per key = per API key, or one shared key without auth
     max_concurrent_per_key: int = Field(default=0, ge=0)  # generations in flight per key (0 = no limit) -> 429
     rate_limit_per_key: float = Field(default=0.0, ge=0.0)  # requests/s per key, token bucket (0 = off) -> 429
@@ -219,7 +226,21 @@ class FaultConfig(_Strict):
     ledger_path: str | None = None  # JSON lines, one per injected fault (outlives killed replicas)
 
 
+INGRESS_HEADROOM = 64  # ingress requests beyond the gate's: /health, /metrics, /v1/models, bodies being read
+
+
 class AppConfig(_Strict):
+    """The whole application.
+
+    NOTES
+    1. Limits agree: an ingress replica takes at most ``max_ongoing_requests`` requests from Serve,
+       and its admission gate (``disagg.api.limits.AdmissionGate``) runs ``http.max_inflight`` and
+       queues ``http.max_queued`` generations. Below their sum the excess would wait in Serve's
+       queue, out of sight of the gate and never shed; so the ingress's limit is derived as
+       ``max_inflight + max_queued + INGRESS_HEADROOM`` unless set, and a set value below that
+       is refused.
+    """
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
@@ -227,6 +248,25 @@ class AppConfig(_Strict):
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     http: HTTPConfig = Field(default_factory=HTTPConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)  # fault injection (tests, soak); off by default
+
+    @model_validator(mode="after")
+    def _limits_agree(self) -> AppConfig:
+        need = ingress_max_ongoing(self.http)
+        ingress = self.deployment.ingress
+        if "max_ongoing_requests" not in ingress.model_fields_set:
+            ingress.max_ongoing_requests = need
+        elif ingress.max_ongoing_requests < need:
+            raise ValueError(
+                f"deployment.ingress.max_ongoing_requests {ingress.max_ongoing_requests} is below "
+                f"http.max_inflight + http.max_queued + {INGRESS_HEADROOM} = {need}: requests would queue in "
+                "Serve, out of sight of the admission gate, instead of being shed with 503; raise it or leave "
+                "it unset (derived)")
+        return self
+
+
+def ingress_max_ongoing(http: HTTPConfig) -> int:
+    """The requests an ingress replica must accept for its admission gate to see all overload (NOTE 1)."""
+    return http.max_inflight + http.max_queued + INGRESS_HEADROOM
 
 
 def load_config(source: str | Path | dict | None) -> AppConfig:

@@ -266,7 +266,8 @@ class RequestFlow:
             await self.reuse_finish(ticket, reported[0], handle.resume_failure, params)  # reuse: misses
             self.reuse.published(tokens, hasher, handle.checkpoints)  # reuse: the prefill's publishes
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=reported[0],
-                                cached_source=reported[1], replica_id=self.replica_id)
+                                cached_source=reported[1], replica_id=self.replica_id,
+                                logprobs=[handle.first_logprob] if handle.first_logprob is not None else None)
             going_on = False
             try:
                 stop = _is_stop(handle.first_token, sampling, self.engine.eos_token_id)
@@ -333,7 +334,7 @@ class RequestFlow:
                         session = session_key(params.cache_salt, params.session_id) or None
                         self.spawn(self.publish_turn_end(rid, hasher), session)  # off the response path
                     chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason, n_prompt, cached, source,
-                                        out.error, plan.nbytes, plan.seconds, self.replica_id)
+                                        out.error, plan.nbytes, plan.seconds, self.replica_id, logprobs=out.logprobs)
                     if out.finished:
                         chunk.reuse_misses, chunk.reuse_bound = ticket.misses, ticket.bound
                     yield chunk

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 
 from deployments.env import SERVE_ENV  # the launcher sets what the deployments run with
-from disagg.config import AppConfig
+from disagg.config import AppConfig, HTTPConfig, ReplicaConfig
 from disagg.engine.reference.config import PRESETS
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,21 @@ def haproxy_shim() -> str:
     return _shim
 
 
-def _cluster_env() -> dict[str, str]:
+def front_env(http: HTTPConfig) -> dict[str, str]:
+    """The HTTP front's bounds on clients (``deployments.haproxy_front.FrontLimits``) from ``http``."""
+    return {"DISAGG_FRONT_HEADER_TIMEOUT_S": str(max(1, round(http.header_timeout_s))),
+            "DISAGG_FRONT_BODY_TIMEOUT_S": str(max(1, round(http.body_timeout_s))),
+            "DISAGG_FRONT_KEEP_ALIVE_TIMEOUT_S": str(http.keep_alive_timeout_s),
+            "DISAGG_FRONT_MAX_CONNECTIONS_PER_CLIENT": str(http.max_connections_per_client)}
+
+
+def _cluster_env(http: HTTPConfig | None = None) -> dict[str, str]:
     from deployments.haproxy_front import PID_FILE_ENV
 
     env = {**SERVE_ENV, **CLUSTER_ENV}
     if _haproxy_available():
         env.update(HAPROXY_ENV)
+        env.update(front_env(http or HTTPConfig()))
         env.update({key: str(free_port()) for key in _HAPROXY_PORT_KEYS})
         env["RAY_SERVE_HAPROXY_BINARY_PATH"] = shim = haproxy_shim()
         env[PID_FILE_ENV] = os.path.join(os.path.dirname(shim), "pids")
@@ -110,10 +119,10 @@ def stop_haproxy(timeout_s: float = 3.0) -> list[int]:
     return alive
 
 
-def export_cluster_env() -> None:
+def export_cluster_env(http: HTTPConfig | None = None) -> None:
     """Put the local cluster's settings in ``os.environ`` before ``ray.init`` (every process of the
     cluster inherits them). A variable the caller set wins; the ones set here are renewed per call."""
-    for key, value in _cluster_env().items():
+    for key, value in _cluster_env(http).items():
         if key not in os.environ or key in _exported:
             os.environ[key] = value
             _exported.add(key)
@@ -144,12 +153,12 @@ def local_num_cpus() -> int:
     return max(4, os.cpu_count() or 1)
 
 
-def _init_ray() -> bool:
+def _init_ray(http: HTTPConfig | None = None) -> bool:
     import ray
 
     if ray.is_initialized():
         return False
-    export_cluster_env()
+    export_cluster_env(http)
     try:
         ray.init(num_cpus=local_num_cpus(), include_dashboard=False, namespace="disagg",
                  log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
@@ -173,9 +182,16 @@ def local_app(cfg: AppConfig, name: str = APP_NAME) -> Iterator[str]:
     from deployments.app import build_app
     from deployments.node_store import shutdown_node_stores
 
-    started = _init_ray()
+    started = _init_ray(cfg.http)
     try:
-        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        check_placement(cfg, ray.cluster_resources())
+    except PlacementError:  # nothing deployed: leave a cluster we joined (and its apps) as it was
+        if started:
+            ray.shutdown()
+        raise
+    try:
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port,
+                                  "keep_alive_timeout_s": cfg.http.keep_alive_timeout_s})
         serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False)
         yield f"http://{cfg.http.host}:{cfg.http.port}"
     finally:
@@ -279,3 +295,45 @@ def _console_loop(out: logging.Logger, stats_period_s: float) -> None:
             if window or busy:
                 out.info(format_stats(window, now - window_t0, reply["stats"]))
             window, window_t0 = [], now
+
+
+class PlacementError(ValueError):
+    """The cluster cannot place the configured replicas (``check_placement``)."""
+
+
+def requested_resources(cfg: AppConfig) -> dict[str, float]:
+    """Ray resources the app's replicas take at their starting count (autoscaled: ``min_replicas``)."""
+    d = cfg.deployment
+    roles = {"ingress": d.ingress, "decode": d.decode}
+    if d.mode == "disaggregated":
+        roles["prefill"] = d.prefill
+    total: dict[str, float] = {}
+    for rc in roles.values():
+        for name, amount in _replica_resources(rc).items():
+            total[name] = total.get(name, 0.0) + amount * _starting_replicas(rc)
+    return {k: v for k, v in total.items() if v > 0}
+
+
+def _starting_replicas(rc: ReplicaConfig) -> int:
+    return rc.min_replicas if rc.min_replicas is not None else rc.num_replicas
+
+
+def _replica_resources(rc: ReplicaConfig) -> dict[str, float]:
+    """One replica's resources: its actor, plus one GPU and one CPU per further TP rank
+    (``deployments.app.deployment_options``' placement bundles)."""
+    extra = rc.tensor_parallel_size - 1 if rc.tensor_parallel_size > 1 and rc.num_gpus else 0
+    return {"CPU": rc.num_cpus + extra, "GPU": rc.num_gpus + extra, **rc.resources}
+
+
+def check_placement(cfg: AppConfig, available: dict[str, float]) -> None:
+    """Raise ``PlacementError`` naming each resource the replicas ask for beyond the cluster's total.
+
+    Serve would otherwise wait, silently and for ever, for resources that will never come. The
+    check is against the cluster's total, so it catches a config that can never fit, not one
+    that waits for another app to finish.
+    """
+    short = [f"{name}: replicas ask for {need:g}, the cluster has {available.get(name, 0.0):g}"
+             for name, need in sorted(requested_resources(cfg).items()) if need > available.get(name, 0.0) + 1e-9]
+    if short:
+        raise PlacementError("the cluster cannot place the configured replicas (" + "; ".join(short) + "); lower "
+                             "deployment.<role>.num_replicas / num_cpus / num_gpus, or add nodes")

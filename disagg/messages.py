@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.engine.protocol import SamplingParams
+from disagg.engine.protocol import SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -28,6 +28,7 @@ class PrefillHandle:
     device_state: Any = None  # a ``device_ipc.SharedState`` when the state stayed on the prefill's GPU
     checkpoints: tuple[int, ...] = ()  # positions whose state the prefill published (decode's reuse ledger)
     resume_failure: str = ""  # "load_deadline" | "load_failed": what the prefill's own state lookup hit
+    first_logprob: TokenLogprob | None = None  # ``first_token``'s, when the request asked for logprobs
 
 
 @dataclass(slots=True, repr=False)
@@ -67,3 +68,4 @@ class StreamChunk:
     replica_id: str = ""  # the replica that produced the chunk
     reuse_misses: dict[str, int] | None = None  # last chunk: prompt tokens missed by reason (disagg.reuse.misses)
     reuse_bound: int = 0  # last chunk: prompt tokens an infinite cache would have reused (the server's view)
+    logprobs: list[TokenLogprob] | None = None  # one per token in ``token_ids``, when the request asked

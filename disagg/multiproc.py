@@ -199,6 +199,7 @@ async def _serve_worker(cfg: AppConfig, spec: WorkerSpec, host_socket: str | Non
             writer.close()
 
     server = await asyncio.start_unix_server(handle, spec.socket)
+    os.chmod(spec.socket, 0o600)  # in a 0700 directory already; owner-only whatever the umask
     ready.send("ok")
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, _wait_closed, control)  # the front closed the pipe: exit

@@ -293,7 +293,8 @@ class StatefulWorker:
             raise
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
-                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared, stored, plan.failure)
+                             self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared, stored, plan.failure,
+                             first_logprob=last.logprobs[0] if last.logprobs else None)
 
     async def _injected_prefill_kill(self, rid: str, params: GenerateParams) -> None:
         """Die mid-request: the prompt is computed, its state not yet published.

@@ -45,15 +45,22 @@ from disagg.api.limits import (
     tenant_salt,
     unless_disconnected,
 )
+from disagg.api.logprobs import chat_logprobs, completion_logprobs
 from disagg.api.metrics import ServingMetrics
-from disagg.api.schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from disagg.api.schemas import (
+    UNSERVED_WHY,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    unserved,
+)
 from disagg.config import HTTPConfig
 from disagg.engine.protocol import SamplingParams
 from disagg.messages import GenerateParams, StreamChunk
 
 log = logging.getLogger(__name__)
 _ERRORS = {400: "bad parameters or context length", 401: "missing or invalid API key", 404: "unknown model",
-           413: "request body too large", 429: "per-key rate or concurrency limit (see Retry-After)",
+           408: "the request body did not arrive in time", 413: "request body too large", 429: "per-key rate or concurrency limit (see Retry-After)",
            503: "overloaded or no replica available (see Retry-After)"}
 
 
@@ -70,7 +77,10 @@ class GenerationBackend(Protocol):
 def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metrics: ServingMetrics | None = None) -> FastAPI:
     http = (http or HTTPConfig()).with_file_keys()  # keys from a mounted Secret join the inline ones
     metrics = metrics or ServingMetrics()
-    app = FastAPI(title="disagg", version="0.1.0")
+    # No /docs or /redoc (their pages load assets from a CDN); /openapi.json only where
+    # configured, behind the key like /v1/* (limits.PROTECTED_PATHS).
+    app = FastAPI(title="disagg", version="0.1.0", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if http.openapi else None)
     app.state.metrics = metrics
 
     @app.exception_handler(APIError)
@@ -98,7 +108,7 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
     app.add_middleware(EdgeMiddleware, max_body_bytes=http.max_body_bytes, keys=KeyTable(http.api_keys),
                        limiter=KeyLimiter(http.rate_limit_per_key, http.rate_burst_per_key,
                                           http.max_concurrent_per_key),
-                       gate=gate, on_reject=metrics.rejected)
+                       gate=gate, on_reject=metrics.rejected, body_timeout_s=http.body_timeout_s)
     app.openapi = lambda: _openapi(app, bool(http.api_keys))
 
     @app.get("/health")
@@ -153,17 +163,25 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else (
                 body.prompt[0] if isinstance(body.prompt[0], str) else tok.decode(ids))
-        return await _serve(body, ids, "text_completion", request, echo)
+        return await _serve(body, ids, "text_completion", request, echo, body.logprobs)
 
     @app.post("/v1/chat/completions", responses=_error_responses())
     async def chat(body: ChatCompletionRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         text = backend.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await _serve(body, _encode(backend.tokenizer, text, "messages"), "chat.completion", request)
+        return await _serve(body, _encode(backend.tokenizer, text, "messages"), "chat.completion", request,
+                            num_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
-    async def _serve(body, ids: list[int], kind: str, request: Request, echo: str = ""):
+    async def _serve(body, ids: list[int], kind: str, request: Request, echo: str = "",
+                     num_logprobs: int | None = None):
         _check_model(body.model)
+        refused = unserved(body)
+        if refused is not None:
+            raise APIError(400, f"{refused} is not supported: {UNSERVED_WHY.get(refused, 'this server does not serve it')}",
+                           param=refused, code="unsupported_parameter")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if not ids:
@@ -180,7 +198,7 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         try:
             sampling = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                       seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                      ignore_eos=body.ignore_eos)
+                                      ignore_eos=body.ignore_eos, logprobs=num_logprobs)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         params = GenerateParams(
@@ -251,8 +269,11 @@ class _Run:
         self.stops, self.kind, self.model = stops, kind, model
         self.return_token_ids, self.echo = return_token_ids, echo
         self._sent_ids = 0
+        self._sent_logprobs = 0  # entries of ``logprobs`` already in an event
+        self._text_offset = len(echo)  # where the next reported token's text starts (completions' text_offset)
         self.created = int(time.time())
         self.ids: list[int] = []
+        self.logprobs = [] if params.sampling.logprobs is not None else None  # one per id, when asked
         self.text = ""
         self.finish_reason: str | None = None
         self.last: StreamChunk | None = None
@@ -284,6 +305,8 @@ class _Run:
                     else:
                         self.metrics.itl.observe((now - t_prev) / len(chunk.token_ids))
                     t_prev = now
+                    if self.logprobs is not None:
+                        self.logprobs.extend(chunk.logprobs or ())
                     new = text.push(chunk.token_ids)  # "" while a UTF-8 sequence is incomplete (detok NOTE 1)
                 if chunk.finished:
                     new += text.flush()
@@ -324,10 +347,26 @@ class _Run:
             choice = {"index": 0, **body, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.logprobs is not None:
+            choice["logprobs"] = self._logprobs_since(self._sent_logprobs if delta else 0)
         if self.return_token_ids:
             choice["token_ids"] = self.ids[self._sent_ids:] if delta else list(self.ids)
             self._sent_ids = len(self.ids)
         return choice
+
+    def _logprobs_since(self, start: int) -> dict | None:
+        """The logprobs of the tokens from ``start`` on, in this endpoint's shape."""
+        end = min(len(self.ids), len(self.logprobs))
+        ids, entries = self.ids[start:end], self.logprobs[start:end]
+        self._sent_logprobs = end
+        tok = self.backend.tokenizer
+        if self.kind == "chat.completion":
+            return chat_logprobs(tok, ids, entries)
+        if start == 0:
+            self._text_offset = len(self.echo)
+        shaped = completion_logprobs(tok, ids, entries, self._text_offset)
+        self._text_offset += sum(len(t) for t in shaped["tokens"])
+        return shaped
 
     async def whole(self) -> dict:
         async for _ in self._pieces():

@@ -1,9 +1,11 @@
 """Admission at the HTTP edge: API keys, per-key limits, bounded queueing with load shedding.
 
-    request (/v1/*)
+    request (/v1/*, and /openapi.json where served)
       -> Content-Length over max_body_bytes ...................... 413
+      -> more than one Authorization header ...................... 400
       -> API key (constant-time, see KeyTable) ................... 401
       -> body read, at most max_body_bytes + 1 bytes ............. 413
+         within body_timeout_s of the request's arrival .......... 408 (connection closed)
       generation endpoints only:
       -> the key's token bucket (rate_limit_per_key) ............. 429 + Retry-After
       -> the key's requests in flight (max_concurrent_per_key) ... 429 + Retry-After
@@ -32,6 +34,12 @@ NOTES
    nothing partial is served, and its queue place and in-flight count go back at once (counted
    as the rejection ``client_gone``). Checks apply to the route path, without the mount's
    ``root_path``.
+5. A slow body holds a connection and, under Serve, one of the ingress's ongoing requests: the
+   whole body must arrive within ``body_timeout_s`` of the request reaching the app (however
+   it trickles in), or the request is answered 408 and its connection closed. Headers are the
+   HTTP server's to bound (the front's ``timeout http-request``, ``deployments.haproxy_front``).
+6. Credentials are unambiguous: a request with two ``Authorization`` headers is refused (400),
+   whichever of them would match, instead of one silently winning.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from disagg.api.errors import APIError
 
 ANONYMOUS = "anonymous"  # the shared key when no API keys are configured
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+PROTECTED_PATHS = ("/openapi.json",)  # outside /v1/ but behind the key all the same
 _SALT_CONTEXT = b"disagg-cache-salt"
 
 
@@ -244,9 +253,10 @@ class EdgeMiddleware:
     """
 
     def __init__(self, app, max_body_bytes: int, keys: KeyTable, limiter: KeyLimiter, gate: AdmissionGate,
-                 on_reject=None):
+                 on_reject=None, body_timeout_s: float = 30.0):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.keys = keys
         self.limiter = limiter
         self.gate = gate
@@ -254,13 +264,19 @@ class EdgeMiddleware:
 
     async def __call__(self, scope, receive, send):
         path = _route_path(scope) if scope["type"] == "http" else ""
-        if scope["type"] != "http" or not path.startswith("/v1/"):
+        if scope["type"] != "http" or not (path.startswith("/v1/") or path in PROTECTED_PATHS):
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        raw = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ())]
+        headers = dict(raw)
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             await self._refuse(scope, receive, send, self._too_large(), "body_too_large")
+            return
+        if sum(k == "authorization" for k, _ in raw) > 1:  # NOTE 6
+            err = APIError(400, "more than one Authorization header; send exactly one",
+                           type="invalid_request_error", code="duplicate_credentials")
+            await self._refuse(scope, receive, send, err, "duplicate_credentials")
             return
         api_key = None
         if self.keys:
@@ -273,7 +289,13 @@ class EdgeMiddleware:
         scope.setdefault("state", {})["api_key"] = api_key
         wire = receive  # after the body, its next message can only be a disconnect
         if scope["method"] == "POST":
-            body = await self._read_body(receive)
+            try:
+                body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
+            except asyncio.TimeoutError:  # NOTE 5
+                err = APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                               code="request_timeout", headers={"Connection": "close"})
+                await self._refuse(scope, receive, send, err, "body_timeout")
+                return
             if body is _GONE:  # the client left before its body arrived: nothing to serve
                 self.on_reject("client_gone")
                 return

@@ -1,13 +1,28 @@
-"""OpenAI-compatible request and response bodies (the subset disagg serves).
+"""OpenAI-compatible request and response bodies.
+
+Every OpenAI parameter is either served or refused with a 400 naming it
+(``UNSERVED``: a parameter is refused only when it asks for something other than
+its no-op value, so clients that send the defaults keep working). Served:
+``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
+``stream_options``, ``logprobs`` (completions: the number of alternatives, 0-5;
+chat: a flag with ``top_logprobs`` 0-20), ``echo``, ``user``, and ``n``/
+``best_of`` equal to 1. Refused: ``n``/``best_of`` > 1, ``logit_bias``, non-zero
+``presence_penalty``/``frequency_penalty``, ``suffix``, ``response_format``
+other than text (nothing enforces a JSON grammar), ``tools``/``functions`` and
+their choices, ``audio``, ``modalities`` other than text, ``prediction``,
+``reasoning_effort``, ``web_search_options``.
+
+Free-text fields that are not the prompt are short (``MAX_FIELD_CHARS``); the
+prompt and messages are bounded by the body size and the context length.
 
 Extensions beyond OpenAI's fields, all optional: ``ignore_eos``,
 ``session_id`` (routing affinity), ``cache_salt`` (tenant isolation of cached
-state), ``stop_token_ids``.
+state), ``stop_token_ids``, ``return_token_ids``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -20,6 +35,10 @@ def _whole_number(v):
 
 
 JSONInt = Annotated[int, BeforeValidator(_whole_number)]  # a JSON integer: 7 or 7.0 (JSON Schema's view)
+MAX_FIELD_CHARS = 256  # model, user, session_id, cache_salt, each stop string
+MAX_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
+ShortText = Annotated[str, Field(max_length=MAX_FIELD_CHARS)]
 
 
 def _drop_nulls(data):
@@ -39,21 +58,25 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = _STRICT
 
-    model: str
+    model: ShortText
     max_tokens: JSONInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
-    n: JSONInt | None = Field(default=1, ge=1, le=1)
+    n: JSONInt | None = Field(default=1, ge=1, le=128)  # only 1 is served (UNSERVED)
     seed: JSONInt | None = Field(default=None, ge=0, le=2**62)
-    stop: str | list[str] | None = None
+    stop: ShortText | list[ShortText] | None = None
     stop_token_ids: list[JSONInt] | None = Field(default=None, max_length=256)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
     return_token_ids: bool | None = False  # add the generated token ids to each choice
-    user: str | None = None
-    session_id: str | None = Field(default=None, max_length=256)
-    cache_salt: str | None = Field(default=None, max_length=256)
+    user: ShortText | None = None
+    session_id: ShortText | None = None
+    cache_salt: ShortText | None = None
+    # OpenAI parameters refused unless at their no-op value (UNSERVED)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
 
     _nulls_are_defaults = model_validator(mode="before")(_drop_nulls)
 
@@ -69,6 +92,9 @@ class CompletionRequest(_Common):
     prompt: str | list[JSONInt] | list[str]
     max_tokens: JSONInt | None = Field(default=16, ge=1)
     echo: bool | None = False  # the prompt's text before the completion's (token_ids stay the completion's)
+    logprobs: JSONInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token; 0 = the token's own
+    best_of: JSONInt | None = Field(default=1, ge=1, le=128)  # only 1 is served (UNSERVED)
+    suffix: str | None = None  # refused (UNSERVED)
 
     @field_validator("prompt")
     @classmethod
@@ -109,9 +135,68 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JSONInt | None = Field(default=None, ge=1)
+    logprobs: bool | None = False  # the sampled tokens' log probabilities
+    top_logprobs: JSONInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives (needs logprobs)
+    response_format: ResponseFormat | None = None  # only {"type": "text"} is served (UNSERVED)
+    # refused when present (UNSERVED)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+
+def _refused_if_set(value) -> bool:
+    return value is not None
+
+
+# parameter -> "is this value one we do not serve?" (checked in this order; the first hit is the 400)
+UNSERVED: dict[str, Any] = {
+    "n": lambda v: v != 1,
+    "best_of": lambda v: v != 1,
+    "suffix": lambda v: bool(v),
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v != 0,
+    "frequency_penalty": lambda v: v != 0,
+    "response_format": lambda v: v is not None and v.type != "text",
+    "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "parallel_tool_calls": _refused_if_set,
+    "functions": lambda v: bool(v),
+    "function_call": lambda v: v not in (None, "none"),
+    "audio": _refused_if_set,
+    "modalities": lambda v: v is not None and list(v) != ["text"],
+    "prediction": _refused_if_set,
+    "reasoning_effort": _refused_if_set,
+    "web_search_options": _refused_if_set,
+}
+UNSERVED_WHY = {
+    "n": "only n=1 is served (send n requests, each with its own seed)",
+    "best_of": "only best_of=1 is served",
+    "response_format": "only {\"type\": \"text\"} is served: nothing enforces a JSON grammar",
+}
+
+
+def unserved(body: BaseModel) -> str | None:
+    """The first parameter of ``body`` asking for something not served, or None."""
+    for name, refused in UNSERVED.items():
+        if name in type(body).model_fields and refused(getattr(body, name)):
+            return name
+    return None
 
 
 class PromptTokensDetails(BaseModel):

@@ -35,6 +35,7 @@ class SamplingParams:
     seed: int | None = None  # per-request seed; sampling is reproducible given it
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end the request
     ignore_eos: bool = False  # keep going past the model's eos id
+    logprobs: int | None = None  # report each sampled token's log probability and this many alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -44,6 +45,20 @@ class SamplingParams:
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+
+MAX_LOGPROBS = 20  # alternatives per token an engine reports at most
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's log probability under the model (before temperature and top-p, as vLLM's
+    default reports it) and the most likely tokens at its position."""
+
+    logprob: float  # log p(sampled token)
+    top: list[tuple[int, float]]  # (token id, log p), most likely first; ``SamplingParams.logprobs`` of them
 
 
 @dataclass(slots=True, repr=False)
@@ -79,6 +94,7 @@ class TokenOutput:
     num_cached_tokens: int = 0  # prompt tokens whose state was reused, not computed
     cached_source: str = "computed"  # "device" | "host" | "disk" | "peer" | "computed"
     error: str | None = None  # message when finish_reason == "error"
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 class Engine(Protocol):

@@ -99,6 +99,17 @@ class _Loc:
     algo: int = checksum.CRC32  # the CRC's algorithm (disk_format.MAGICS)
 
 
+def _private_directory(directory: str) -> None:
+    """Create ``directory`` 0700, or make an existing one of this user's 0700 (DiskTier NOTE 7)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.stat(directory)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"disk tier directory {directory!r} belongs to uid {st.st_uid}, not this user "
+                              f"({os.getuid()}): choose a directory of your own")
+    if st.st_mode & 0o777 != 0o700:
+        os.chmod(directory, 0o700)
+
+
 class DiskTier:
     """Segment-file tier with a background writer.
 
@@ -114,6 +125,9 @@ class DiskTier:
        Segments are collected in any order, so a collected segment's tombstones
        are written again while an older segment (which may hold the deleted
        record) remains.
+    7. Tenants' state is the owner's alone: the directory is 0700 and owned by this user (one
+       owned by another user is refused: it could have been planted), segment files are 0600,
+       recovered ones included.
     """
 
     def __init__(self, directory: str, capacity_bytes: int, *, segment_bytes: int = 256 << 20,
@@ -138,7 +152,7 @@ class DiskTier:
             ("num_puts", "num_written", "num_not_admitted", "num_backpressure", "num_hits", "num_misses",
              "num_evicted", "num_compacted_segments", "num_dropped_segments", "corrupt_records_skipped",
              "corrupt_files_skipped", "num_corrupt_reads", "num_read_errors", "num_write_errors", "bytes_written"), 0)
-        os.makedirs(directory, exist_ok=True)
+        _private_directory(directory)
         self._recover()
         self._active = self._new_segment()
         self._writer = threading.Thread(target=self._write_loop, name=f"{name}-writer", daemon=True)
@@ -349,7 +363,8 @@ class DiskTier:
     def _new_segment(self) -> _Segment:
         seg_id = max(self._segments, default=0) + 1
         path = os.path.join(self.directory, f"{seg_id:010d}.seg.tmp")
-        seg = _Segment(seg_id, path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
+        seg = _Segment(seg_id, path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+        os.fchmod(seg.fd, 0o600)  # a file left by an older run keeps its mode through O_CREAT (NOTE 7)
         self._segments[seg_id] = seg
         return seg
 
@@ -387,6 +402,7 @@ class DiskTier:
 
     def _load_segment(self, seg_id: int, path: str, torn: bool) -> None:
         fd = os.open(path, os.O_RDWR)
+        os.fchmod(fd, 0o600)  # written by an older version with 0644 (NOTE 7)
         size = os.fstat(fd).st_size
         if size == 0:  # an active segment that never got a record
             os.close(fd)

@@ -128,6 +128,7 @@ class HostTierServer:
         self.socket_path = socket_path or tier.arena.path + ".sock"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o600)  # the owner's processes only, whatever the umask
         self._sock.listen(64)
         self._closed = False
         self._conns: set[socket.socket] = set()

@@ -115,3 +115,52 @@ def test_the_cluster_shim_file_is_the_shim():
     path = ROOT / "deployments" / "cluster" / "haproxy-front"
     assert path.read_text() == haproxy_front.SHIM.format(python="python3")
     assert os.access(path, os.X_OK)
+
+
+# -- the front's bounds on clients (FrontLimits / front_limits) -----------------------------------
+SERVE_LIKE = CFG.replace("    timeout client 30s\n", "    timeout client 3600s\n    option splice-request\n"
+                         "    option splice-response\n").replace(
+    "\nbackend default_backend\n", "\nbackend app\n    timeout http-keep-alive 90s\n    server r1 127.0.0.1:1\n"
+    "backend default_backend\n")
+
+
+def test_front_limits_set_the_timeouts_once_and_drop_serves():
+    limits = haproxy_front.FrontLimits(header_timeout_s=7, body_timeout_s=21, keep_alive_timeout_s=3,
+                                       max_connections_per_client=9)
+    out = haproxy_front.front_limits(SERVE_LIKE, limits)
+    timeouts = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("timeout ")]
+    assert timeouts == ["timeout http-request 7s", "timeout client 21s", "timeout http-keep-alive 3s",
+                        "timeout connect 5s", "timeout server 30s"]  # Serve's 3600 s and 90 s are gone
+    assert "option splice-request" not in out and "option splice-response" in out
+    assert out.count("option http-buffer-request") == 1
+    front = out[out.index("frontend http_frontend"):out.index("backend app")]
+    assert "tcp-request connection reject if { sc0_conn_cur gt 9 }" in front
+    assert "stick-table type ip" in front and "track-sc0 src" in front
+    assert haproxy_front.front_limits(out, limits) == out  # Serve rewrites and reloads: apply twice, same file
+
+
+def test_no_connection_cap_when_it_is_zero():
+    out = haproxy_front.front_limits(SERVE_LIKE, haproxy_front.FrontLimits(max_connections_per_client=0))
+    assert "sc0_conn_cur" not in out and "stick-table" not in out
+
+
+def test_front_limits_come_from_the_environment_that_local_exports():
+    from disagg.config import HTTPConfig
+    from disagg.local import front_env
+
+    http = HTTPConfig(header_timeout_s=4, body_timeout_s=12.4, keep_alive_timeout_s=2, max_connections_per_client=7)
+    assert haproxy_front.FrontLimits.from_env(front_env(http)) == haproxy_front.FrontLimits(4, 12, 2, 7)
+    assert haproxy_front.FrontLimits.from_env({}) == haproxy_front.FrontLimits()
+    defaults = HTTPConfig()  # one default, two places: the app's config and the front's fallback
+    assert haproxy_front.FrontLimits.from_env(front_env(defaults)) == haproxy_front.FrontLimits()
+    with pytest.raises(ValueError):
+        haproxy_front.FrontLimits(header_timeout_s=0)
+
+
+def test_the_limited_config_is_valid_haproxy(tmp_path):
+    binary = _haproxy()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_front.front_limits(SERVE_LIKE.replace("/tmp/x/admin.sock", str(tmp_path / "a.sock")),
+                                              haproxy_front.FrontLimits()))
+    r = subprocess.run([binary, "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr + r.stdout

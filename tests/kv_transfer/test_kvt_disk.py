@@ -184,3 +184,46 @@ def test_crc32_records_of_older_files_read_beside_crc32c_ones(tmp_path, monkeypa
     assert again.stats()["num_objects"] == 24 and again.stats()["corrupt_records_skipped"] == 0
     assert all(again.get_bytes(f"{k}{i}") == payload(f"{k}{i}", 30_000) for k in ("old", "new") for i in range(12))
     again.close()
+
+
+# -- permissions: tenants' state is the owner's alone (DiskTier NOTE 7) ----------------------------
+def _mode(path) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+def test_segments_and_directory_are_owner_only(tmp_path):
+    d = tmp_path / "tier"
+    tier = DiskTier(str(d), 1 << 22)
+    try:
+        tier.put_bytes("k", b"x" * 1000)
+        tier.flush()
+        assert _mode(d) == 0o700
+        files = list(d.iterdir())
+        assert files and all(_mode(f) == 0o600 for f in files), [(f.name, oct(_mode(f))) for f in files]
+    finally:
+        tier.close()
+
+
+def test_an_older_runs_open_directory_and_files_are_closed_up(tmp_path):
+    d = tmp_path / "tier"
+    tier = DiskTier(str(d), 1 << 22)
+    tier.put_bytes("k", b"x" * 1000)
+    tier.flush()
+    tier.close()
+    d.chmod(0o755)
+    for f in d.iterdir():
+        f.chmod(0o644)  # as an older version left them
+    again = DiskTier(str(d), 1 << 22)
+    try:
+        assert again.get_bytes("k") == b"x" * 1000
+        assert _mode(d) == 0o700 and all(_mode(f) == 0o600 for f in d.iterdir())
+    finally:
+        again.close()
+
+
+def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    d = tmp_path / "planted"
+    d.mkdir(mode=0o777)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(d).st_uid + 1)  # as if someone else had made it
+    with pytest.raises(PermissionError, match="belongs to uid"):
+        DiskTier(str(d), 1 << 22)

@@ -137,3 +137,17 @@ def test_a_failing_write_behind_does_not_leak_the_reservation() -> None:
         finally:
             client.close()
             server.close()
+
+
+def test_the_socket_and_the_arena_are_owner_only() -> None:
+    old = os.umask(0o000)  # a permissive umask must not open them up
+    try:
+        with HostTier(512 * KiB, slab_bytes=64 * KiB) as tier:
+            server = HostTierServer(tier)
+            try:
+                assert os.stat(server.socket_path).st_mode & 0o777 == 0o600
+                assert os.stat(tier.arena.path).st_mode & 0o777 == 0o600
+            finally:
+                server.close()
+    finally:
+        os.umask(old)

@@ -45,7 +45,7 @@ def fuzz_url():
                                   "num_threads": 1},
                        "transfer": {"host": {"capacity_mb": 32, "pin_memory": False}},
                        "deployment": {"mode": "disaggregated"}, "router": {"local_prefill_max_tokens": 32},
-                       "http": {"api_keys": ["fuzz-key"], "max_body_bytes": 1 << 16}})
+                       "http": {"api_keys": ["fuzz-key"], "max_body_bytes": 1 << 16, "openapi": True}})
     backend = InProcessBackend(cfg)
     with serve_asgi(create_app(backend, cfg.http)) as url:
         yield url
@@ -55,7 +55,7 @@ def fuzz_url():
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_url):
-    return schemathesis.openapi.from_url(fuzz_url + "/openapi.json")
+    return schemathesis.openapi.from_url(fuzz_url + "/openapi.json", headers=AUTH)  # behind the key
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")

@@ -67,7 +67,7 @@ import torch
 from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
 from disagg.engine.reference.cache_view import SeqInput
 from disagg.engine.reference.paged_cache import PagedSeqCache, PagedStateCache, size_cache
-from disagg.engine.reference.sampling import sample
+from disagg.engine.reference.sampling import sample, token_logprob
 from kv_transfer.device import alloc_staging, gather_blocks, scatter_blocks
 from kv_transfer.objects import KDACheckpoint, MLABlock, ResumeState
 
@@ -475,7 +475,10 @@ class ReferenceEngine:
             token = sample(lg[-1], req.sampling, req.first_output_index + req.num_output)
             req.token_ids.append(token)
             reason = self._finish_reason(req, token)
-            outputs.append(self._output(req, [token], reason))
+            out = self._output(req, [token], reason)
+            if req.sampling.logprobs is not None:  # from the logits the token was sampled from
+                out.logprobs = [token_logprob(lg[-1], token, req.sampling.logprobs)]
+            outputs.append(out)
             if reason is not None:
                 self._finish(req)
         return outputs

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from disagg.engine.protocol import SamplingParams
+from disagg.engine.protocol import SamplingParams, TokenLogprob
+
+
+def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    """``token``'s log probability under ``logits`` [vocab] and the ``num_top`` most likely tokens'."""
+    logp = torch.log_softmax(logits.float(), dim=-1).clamp(min=-9999.0)  # JSON has no -inf (vLLM's floor)
+    top = torch.topk(logp, min(num_top, logp.shape[-1])) if num_top else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else []
+    return TokenLogprob(float(logp[token].item()), pairs)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:

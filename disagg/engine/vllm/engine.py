@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from disagg.config import AppConfig
-from disagg.engine.protocol import EngineRequest, TokenOutput
+from disagg.engine.protocol import EngineRequest, TokenLogprob, TokenOutput
 from disagg.engine.vllm.options import build_engine_args, model_id, options
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "abort", "error": "error"}
@@ -111,7 +111,7 @@ class VLLMEngine:
         extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
         return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                               stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                              output_kind=RequestOutputKind.DELTA, extra_args=extra)
+                              logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA, extra_args=extra)
 
     async def generate(self, request: EngineRequest, kv_transfer_params: dict | None = None,
                        on_finish: Callable[[dict | None], None] | None = None) -> AsyncIterator[TokenOutput]:
@@ -149,7 +149,8 @@ class VLLMEngine:
                     if on_finish is not None:
                         on_finish(out.kv_transfer_params)
                 yield TokenOutput(request.request_id, new, out.finished, reason, n_prompt, cached,
-                                  "host" if cached else "computed")
+                                  "host" if cached else "computed",
+                                  logprobs=_logprobs(comp, new, request.sampling.logprobs))
                 if out.finished:
                     return
         finally:
@@ -203,3 +204,15 @@ class VLLMEngine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+
+def _logprobs(comp, new: list[int], num_top: int | None) -> list[TokenLogprob] | None:
+    """vLLM's per-token ``{token_id: Logprob(logprob, rank)}`` as ``TokenLogprob``s (it holds the
+    sampled token and the ``num_top`` most likely)."""
+    if num_top is None or comp is None or not comp.logprobs or not new:
+        return None
+    out = []
+    for token, entries in zip(new, comp.logprobs[-len(new):], strict=True):
+        ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank is not None))
+        out.append(TokenLogprob(entries[token].logprob, [(tid, lp) for _, tid, lp in ranked[:num_top]]))
+    return out

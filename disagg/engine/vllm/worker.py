@@ -117,7 +117,8 @@ class VLLMWorker:
             log.warning("prefill of %s left no hand-off (%s); decode will recompute", params.request_id, saved)
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
-                             self.replica_id, self.node_id, 0, 0.0, time.perf_counter() - t0)
+                             self.replica_id, self.node_id, 0, 0.0, time.perf_counter() - t0,
+                             first_logprob=last.logprobs[0] if last.logprobs else None)
 
     async def drain(self) -> None:
         await self.flow.drain()  # nothing in the background: saves run inside vLLM, drained before it frees blocks

@@ -290,3 +290,42 @@ def test_a_shared_prefix_match_copies_and_leaves_the_resident_to_its_session(mod
     ref, _, ref_logits = run(make_engine(model, resident_sessions=False), "ref", follow, 4)
     assert tokens == ref
     assert_close(logits, ref_logits)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_sampling_logits_distribution(model, temperature):
+    """Each token's entry is log_softmax of the very logits it was sampled from (before
+    temperature), the alternatives most likely first; asking for them changes no token."""
+    p = prompt(70)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=temperature, seed=3)
+    plain, _ = make_engine(model).generate(EngineRequest("a", p, sp))
+    engine = make_engine(model)
+    rid = "b"
+    engine.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=4, ignore_eos=True, temperature=temperature,
+                                                            seed=3, logprobs=3)))
+    tokens = []
+    while engine.has_work():
+        for out in engine.step():
+            assert len(out.logprobs) == len(out.new_token_ids) == 1
+            entry, token = out.logprobs[0], out.new_token_ids[0]
+            logp = torch.log_softmax(engine.last_logits[rid].float(), -1)
+            assert entry.logprob == pytest.approx(logp[token].item(), abs=1e-6)
+            want = torch.topk(logp, 3)
+            assert [t for t, _ in entry.top] == want.indices.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(want.values.tolist(), abs=1e-6)
+            if temperature == 0.0:
+                assert entry.top[0][0] == token
+            tokens.append(token)
+    assert tokens == plain
+
+
+def test_no_logprobs_unless_asked(model):
+    engine = make_engine(model)
+    engine.add_request(EngineRequest("a", prompt(10), greedy(2)))
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert outs and all(o.logprobs is None for o in outs)
+
+
+def test_logprobs_beyond_the_engines_limit_are_refused():
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
