@@ -7,7 +7,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from disagg.bench.cli import main
@@ -109,15 +108,14 @@ def test_duration_bound_and_open_loop(server_factory) -> None:
     spread = [dataclasses.replace(r, timestamp=r.timestamp * 10) for r in records]  # 0-2.3 s
     out = asyncio.run(_replay(server.url, spread, open_cfg))
     assert len(out.results) == 12 and all(r.lane == -1 for r in out.results)
-    late_ms = []  # send time - timestamp / speedup
-    for r in out.results:
-        rec = next(x for x in spread if x.session_id == r.session_id and x.turn == r.turn)
-        late_ms.append((r.send_ns - out.started_ns) / 1e6 - rec.timestamp / 2.0)
-    # On time but for scheduling delays: a busy 2-core host delayed sends by up to ~130 ms
-    # (median 80), so the bounds are 200 ms (median) and 400 ms (all but the worst). No
-    # speedup would put the median send 575 ms late, sending all at once 575 ms early.
-    off = sorted(map(abs, late_ms))
-    assert abs(float(np.median(late_ms))) < 200 and off[-2] < 400, late_ms
+    due = {(x.session_id, x.turn): x.timestamp / 2.0 for x in spread}  # ms, at speedup 2
+    sent_ms = [(r.send_ns - out.started_ns) / 1e6 for r in out.results]
+    late_ms = [t - due[(r.session_id, r.turn)] for t, r in zip(sent_ms, out.results, strict=True)]
+    # Never early (sending all at once would be up to 1150 ms early). Late only by what the
+    # machine does: on a busy 2-core host sends came up to 460 ms late (a median of 174), so
+    # lateness is not bounded one by one; the last send, due at 1150 ms, must come well before
+    # the 2300 ms that ignoring the speedup would give.
+    assert min(late_ms) > -5 and max(sent_ms) < 1950, late_ms
 
 
 def test_bench_writes_summary_jsonl_and_plots(server_factory, tmp_path: Path) -> None:
