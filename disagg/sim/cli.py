@@ -10,7 +10,8 @@
     disagg sim calibrate --from-bench results/c1 --base cpu-tiny --local-prefill-max-tokens 256 -o fitted.json
     disagg sim calibrate --from-engine-bench engine_fla.json --transfer transfer.json -o h200.json
 
-Workloads: ``--trace`` (a ``disagg trace`` JSONL), ``--agentic N`` (the
+Workloads: ``--trace`` (a ``disagg trace`` JSONL or a Mooncake-style one,
+told apart by its first line or named by ``--format``), ``--agentic N`` (the
 benchmark's AgentX-style generator, ``disagg.bench.synth``) or the
 simulator's own short sessions (``--sessions``/``--turns``). ``--policy all``
 runs our router and every baseline on the same workload, one row each.
@@ -37,6 +38,7 @@ from disagg.sim.workload import (
 )
 
 POLICIES = ["state_aware", *BASELINES]
+DEFAULT_BLOCK_SIZE = 256
 COLUMNS = [
     ("hit_vs_theory", "hit/theory", "{:.3f}"),
     ("hit_rate", "hit", "{:.3f}"),
@@ -68,14 +70,18 @@ def _strs(text: str) -> list[str]:
 # ---- shared options ----------------------------------------------------------------------
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--trace", help="trace JSONL (disagg trace format / mooncake_trace)")
+    g.add_argument("--trace", help="trace JSONL: the disagg trace format or a Mooncake-style trace (see --format)")
+    g.add_argument("--format", dest="trace_format", default="auto", choices=["auto", "disagg", "mooncake"],
+                   help="--trace: its format (auto: from the first line); Mooncake lines get sessions by "
+                        "hash prefix, as `disagg trace import-mooncake` does")
     g.add_argument("--agentic", type=int, metavar="N", help="N sessions of the AgentX-style synthetic generator")
     g.add_argument("--scale", type=float, default=1.0, help="--agentic: multiplies token lengths")
     g.add_argument("--turn-scale", type=float, default=1.0, help="--agentic: multiplies turns per session")
     g.add_argument("--max-input", type=int, help="--agentic: prompt cap (tokens)")
     g.add_argument("--sessions", type=int, default=96, help="simulator sessions (no --trace / --agentic)")
     g.add_argument("--turns", type=int, default=12)
-    g.add_argument("--block-size", type=int, default=256, help="tokens per hash block")
+    g.add_argument("--block-size", type=int,
+                   help="tokens per hash block (default 256; a Mooncake trace's default is 512)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -118,10 +124,25 @@ def _add_replay_args(p: argparse.ArgumentParser, conc_default: str) -> None:
 
 
 def load_workload(args: argparse.Namespace) -> list[SimRequest]:
+    """The requests the flags name; sets ``args.block_size`` when it was left to its default.
+
+    Raises:
+        TraceError: a bad trace (the message names the file, line and field).
+        OSError: an unreadable trace.
+    """
     if args.trace:
+        from disagg.bench.mooncake import MOONCAKE_BLOCK_SIZE, import_mooncake, trace_format
         from disagg.bench.trace import load_trace
 
-        return from_trace_records(load_trace(args.trace, default_block_size=args.block_size), args.block_size)
+        fmt = trace_format(args.trace) if args.trace_format == "auto" else args.trace_format
+        if fmt == "mooncake":
+            args.block_size = args.block_size or MOONCAKE_BLOCK_SIZE
+            recs = import_mooncake(args.trace, block_size=args.block_size)
+        else:
+            args.block_size = args.block_size or DEFAULT_BLOCK_SIZE
+            recs = load_trace(args.trace, default_block_size=args.block_size)
+        return from_trace_records(recs, args.block_size)
+    args.block_size = args.block_size or DEFAULT_BLOCK_SIZE
     if args.agentic:
         from disagg.bench.synth import synthesize
 
@@ -178,13 +199,26 @@ def _price(args: argparse.Namespace) -> float | None:
     return gpu_hour_price(args.gpu_cost)
 
 
+def _load_or_fail(args: argparse.Namespace) -> list[SimRequest] | None:
+    """``load_workload``, or None after a one-line error on stderr."""
+    from disagg.bench.trace import TraceError
+
+    try:
+        return load_workload(args)
+    except (TraceError, OSError) as exc:
+        print(f"disagg sim: {exc}", file=sys.stderr)
+        return None
+
+
 # ---- commands ------------------------------------------------------------------------------
 def _run(args: argparse.Namespace) -> int:
     from disagg.bench.metrics import format_summary
     from disagg.sim.shard import simulate
 
     t0 = time.perf_counter()
-    requests = load_workload(args)
+    requests = _load_or_fail(args)
+    if requests is None:
+        return 2
     shared = shared_ids(requests) if args.recycle else frozenset()
     cluster, cost = build_cluster(args, args.workers, args.prefill, args.decode)
     replay = build_replay(args, int(args.concurrency))
@@ -213,7 +247,9 @@ def _run(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from disagg.sim.sweep import format_rows, grid, run_sweep
 
-    requests = load_workload(args)
+    requests = _load_or_fail(args)
+    if requests is None:
+        return 2
     shared = shared_ids(requests) if args.recycle else frozenset()
     hosts = _ints(args.host_blocks) if args.host_blocks else None
     base, cost = build_cluster(args, 1, host_blocks=hosts[0] if hosts else None)
