@@ -95,6 +95,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=16, help="periodic checkpoints every N blocks (0 = off)")
     g.add_argument("--checkpoint-prompt-end", action="store_true", help="checkpoints at prompt ends (engine style)")
     g.add_argument("--no-last-full-block", action="store_true", help="no checkpoint at the last full block")
+    g.add_argument("--retention", default="lru", choices=["lru", "session"],
+                   help="tier eviction order: plain LRU, or session-aware (ended sessions' and superseded "
+                        "checkpoints go first; disagg.sim.retention)")
     g.add_argument("--stats-period", type=float, default=0.0, help="seconds between worker stats (0 = live)")
     g.add_argument("--node-compute-slots", type=float,
                    help="engines a node runs at full speed at once (default: the profile's; 0 = no sharing)")
@@ -178,6 +181,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_every_blocks=args.checkpoint_every,
                             checkpoint_last_full_block=not args.no_last_full_block,
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
+                            retention=args.retention,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None
                             else float((prof.limits if prof else {}).get("node_compute_slots", 0.0)))
     return cluster, cost
