@@ -26,6 +26,7 @@ from disagg.router.filters.role import RoleFilter
 from disagg.router.picker import MaxScorePicker
 from disagg.router.profile import SchedulingProfile
 from disagg.router.scorers.affinity import AffinityScorer
+from disagg.router.scorers.decode import DecodeScorer
 from disagg.router.scorers.load import LoadScorer
 from disagg.router.scorers.prefix import PrefixScorer
 from disagg.router.scorers.wait import WaitScorer
@@ -40,6 +41,7 @@ SCORERS: dict[str, Callable[..., Any]] = {
     "load": LoadScorer,
     "affinity": AffinityScorer,
     "wait": WaitScorer,
+    "decode": DecodeScorer,
 }
 PICKERS: dict[str, Callable[..., Any]] = {"max_score": MaxScorePicker}
 PLUGINS: dict[str, dict[str, Callable[..., Any]]] = {
