@@ -44,6 +44,9 @@ from disagg.router.registry import build_profiles
 from disagg.router.types import RouteDecision, RouteRequest, WorkerState
 
 _ID_NODE = attrgetter("worker_id", "node_id")
+# Local prefill on a decode worker stalls its whole batch for the prefill's steps: only suffixes
+# this short are cheaper there than through a prefill worker (the router suite's P/D cells).
+DEFAULT_DECIDER: dict[str, Any] = {"local_prefill_max_tokens": 256}
 _AGGREGATED = {"both"}
 
 
@@ -51,7 +54,7 @@ _AGGREGATED = {"both"}
 class RouterConfig:
     profiles: dict[str, Any] = field(default_factory=dict)  # overrides of DEFAULT_PROFILES
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)  # shared plugin params
-    decider: dict[str, Any] = field(default_factory=dict)  # DeciderConfig fields
+    decider: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_DECIDER))  # DeciderConfig fields
     common_fraction: float = 0.5  # share of workers that makes a block "common"
     common_min_workers: int = 2  # ... but never fewer workers than this
     prediction_tau_s: float = 5.0  # decay of in-flight predictions
