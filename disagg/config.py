@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # The P/D placement rule's defaults (disagg.router.decider): the one place they are set. The
 # serving path (disagg.flow), the router and the simulator all build their decider from these.
-LOCAL_PREFILL_MAX_TOKENS = 512  # an uncached suffix up to this is prefilled on the decode replica
+# Local prefill on a decode replica stalls its whole batch for the prefill's steps: only suffixes
+# this short are cheaper there than through a prefill replica (the router suite's P/D cells, docs/router.md).
+LOCAL_PREFILL_MAX_TOKENS = 256  # an uncached suffix up to this is prefilled on the decode replica
 PREFILL_BUSY_TOKENS = 65536.0  # the least-loaded prefill replica's queued tokens that count as busy
 BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, suffixes up to this prefill locally
 

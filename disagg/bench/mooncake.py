@@ -35,6 +35,31 @@ from disagg.bench.trace import (
 
 MOONCAKE_BLOCK_SIZE = 512
 SessionMode = Literal["each", "prefix"]
+TraceFormat = Literal["disagg", "mooncake"]
+
+
+def trace_format(path: str | Path) -> TraceFormat:
+    """Which format a JSONL trace is in, from its first object.
+
+    ``disagg`` lines carry ``session_id`` and ``turn``; Mooncake lines carry
+    ``input_length`` and ``hash_ids`` without them.
+
+    Raises:
+        TraceError: an empty file, a bad first line, or neither format.
+    """
+    src = str(path)
+    for lineno, obj in iter_json_objects(path):
+        if "session_id" in obj and "turn" in obj:
+            return "disagg"
+        if "input_length" in obj and "hash_ids" in obj:
+            return "mooncake"
+        raise TraceError(
+            "neither a disagg trace line (session_id, turn, ...) nor a Mooncake line"
+            " (timestamp, input_length, output_length, hash_ids)",
+            line=lineno,
+            source=src,
+        )
+    raise TraceError("trace is empty", source=src)
 
 
 def _field_int(obj: dict[str, Any], key: str, lineno: int, src: str, minimum: int = 0) -> int:

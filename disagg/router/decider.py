@@ -17,7 +17,7 @@ pool's effective loads by the Serve adapter) and in the simulator (through
 
 Config example (YAML, the router policy's ``decider`` key)::
 
-    decider: {local_prefill_max_tokens: 512, prefill_busy_tokens: 65536,
+    decider: {local_prefill_max_tokens: 256, prefill_busy_tokens: 65536,
               busy_local_max_tokens: 8192}
 """
 

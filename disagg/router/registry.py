@@ -26,6 +26,7 @@ from disagg.router.filters.role import RoleFilter
 from disagg.router.picker import MaxScorePicker
 from disagg.router.profile import SchedulingProfile
 from disagg.router.scorers.affinity import AffinityScorer
+from disagg.router.scorers.decode import DecodeScorer
 from disagg.router.scorers.load import LoadScorer
 from disagg.router.scorers.prefix import PrefixScorer
 from disagg.router.scorers.wait import WaitScorer
@@ -40,6 +41,7 @@ SCORERS: dict[str, Callable[..., Any]] = {
     "load": LoadScorer,
     "affinity": AffinityScorer,
     "wait": WaitScorer,
+    "decode": DecodeScorer,
 }
 PICKERS: dict[str, Callable[..., Any]] = {"max_score": MaxScorePicker}
 PLUGINS: dict[str, dict[str, Callable[..., Any]]] = {
@@ -56,10 +58,19 @@ BALANCE_LOAD: dict[str, Any] = {
     "params": {"prefill_weight": 0.0, "decode_weight": 0.25, "cache_weight": 0.0, "session_weight": 0.0,
                "queue_avg_weight": 1.0},
 }
+# Aggregated placement also prices the decode time a placement costs (decode, in seconds, see
+# disagg.router.scorers.decode); a node mate reads a session's state from the shared host tier
+# (the prefix scorer already charges the read's time), so its host credit is close to a device
+# hit's and affinity only breaks ties: a session moves within its node when decode time says so.
+AGGREGATED_PREFIX: dict[str, Any] = {
+    "weight": 2.0,
+    "params": {"tier_weights": {"device": 1.0, "host": 0.95, "disk": 0.5, "remote": 0.4}},
+}
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "both": {
         "filters": ["healthy", "role", "load_guard"],
-        "scorers": {"prefix": 2.0, "wait": 1.5, "load": BALANCE_LOAD, "affinity": 0.5},
+        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD, "decode": 3.0,
+                    "affinity": 0.1},
     },
     "prefill": {
         "filters": ["healthy", {"role": {"phase": "prefill"}}, "load_guard"],
@@ -71,6 +82,7 @@ DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
             "prefix": 1.0,
             "load": {"weight": 1.0, "params": {"prefill_weight": 0.3, "decode_weight": 1.0}},
             "affinity": 0.5,
+            "decode": 1.0,
         },
     },
 }

@@ -57,7 +57,7 @@ _AGGREGATED = {"both"}
 class RouterConfig:
     profiles: dict[str, Any] = field(default_factory=dict)  # overrides of DEFAULT_PROFILES
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)  # shared plugin params
-    decider: dict[str, Any] = field(default_factory=dict)  # DeciderConfig fields
+    decider: dict[str, Any] = field(default_factory=dict)  # DeciderConfig fields (defaults: disagg.config)
     common_fraction: float = 0.5  # share of workers that makes a block "common"
     common_min_workers: int = 2  # ... but never fewer workers than this
     prediction_tau_s: float = 5.0  # decay of in-flight predictions

@@ -11,7 +11,8 @@ Bulk operations (``present``, ``touch_many``) run as C loops over the keys
 
 NOTES
 1. ``used`` == sum of sizes of resident objects <= capacity after every put.
-2. Eviction order is least-recently used first; ``touch`` refreshes.
+2. Eviction order is least-recently used first; ``touch`` refreshes;
+   ``demote`` puts keys at the eviction end (``disagg.sim.retention``).
 3. An object larger than the tier is refused (put returns None, no event).
 """
 
@@ -55,6 +56,20 @@ class LRUTier:
     def touch_many(self, keys: Iterable[Hashable]) -> None:
         """Refresh keys known to be resident, in order (the last one becomes the newest)."""
         deque(map(self._items.move_to_end, keys), maxlen=0)
+
+    def touch_present(self, keys: Iterable[Hashable]) -> None:
+        """Refresh those of ``keys`` that are resident, in order."""
+        items = self._items
+        for key in keys:
+            if key in items:
+                items.move_to_end(key)
+
+    def demote(self, keys: Iterable[Hashable]) -> None:
+        """Resident ``keys`` become the next to be evicted; the last key given goes first (NOTE 2)."""
+        items = self._items
+        for key in keys:
+            if key in items:
+                items.move_to_end(key, last=False)
 
     def put(self, key: Hashable, size: int = 1) -> list[Hashable] | None:
         """Insert (or refresh) ``key``; returns the keys evicted to make room, None if refused."""

@@ -10,7 +10,8 @@
     disagg sim calibrate --from-bench results/c1 --base cpu-tiny --local-prefill-max-tokens 256 -o fitted.json
     disagg sim calibrate --from-engine-bench engine_fla.json --transfer transfer.json -o h200.json
 
-Workloads: ``--trace`` (a ``disagg trace`` JSONL), ``--agentic N`` (the
+Workloads: ``--trace`` (a ``disagg trace`` JSONL or a Mooncake-style one,
+told apart by its first line or named by ``--format``), ``--agentic N`` (the
 benchmark's AgentX-style generator, ``disagg.bench.synth``) or the
 simulator's own short sessions (``--sessions``/``--turns``). ``--policy all``
 runs our router and every baseline on the same workload, one row each.
@@ -37,6 +38,7 @@ from disagg.sim.workload import (
 )
 
 POLICIES = ["state_aware", *BASELINES]
+DEFAULT_BLOCK_SIZE = 256
 COLUMNS = [
     ("hit_vs_theory", "hit/theory", "{:.3f}"),
     ("hit_rate", "hit", "{:.3f}"),
@@ -68,14 +70,18 @@ def _strs(text: str) -> list[str]:
 # ---- shared options ----------------------------------------------------------------------
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--trace", help="trace JSONL (disagg trace format / mooncake_trace)")
+    g.add_argument("--trace", help="trace JSONL: the disagg trace format or a Mooncake-style trace (see --format)")
+    g.add_argument("--format", dest="trace_format", default="auto", choices=["auto", "disagg", "mooncake"],
+                   help="--trace: its format (auto: from the first line); Mooncake lines get sessions by "
+                        "hash prefix, as `disagg trace import-mooncake` does")
     g.add_argument("--agentic", type=int, metavar="N", help="N sessions of the AgentX-style synthetic generator")
     g.add_argument("--scale", type=float, default=1.0, help="--agentic: multiplies token lengths")
     g.add_argument("--turn-scale", type=float, default=1.0, help="--agentic: multiplies turns per session")
     g.add_argument("--max-input", type=int, help="--agentic: prompt cap (tokens)")
     g.add_argument("--sessions", type=int, default=96, help="simulator sessions (no --trace / --agentic)")
     g.add_argument("--turns", type=int, default=12, help="simulator sessions: turns each")
-    g.add_argument("--block-size", type=int, default=256, help="tokens per hash block")
+    g.add_argument("--block-size", type=int,
+                   help="tokens per hash block (default 256; a Mooncake trace's default is 512)")
     g.add_argument("--seed", type=int, default=0, help="workload seed")
 
 
@@ -89,6 +95,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=16, help="periodic checkpoints every N blocks (0 = off)")
     g.add_argument("--checkpoint-prompt-end", action="store_true", help="checkpoints at prompt ends (engine style)")
     g.add_argument("--no-last-full-block", action="store_true", help="no checkpoint at the last full block")
+    g.add_argument("--retention", default="lru", choices=["lru", "session"],
+                   help="tier eviction order: plain LRU, or session-aware (ended sessions' and superseded "
+                        "checkpoints go first; disagg.sim.retention)")
     g.add_argument("--stats-period", type=float, default=0.0, help="seconds between worker stats (0 = live)")
     g.add_argument("--node-compute-slots", type=float,
                    help="engines a node runs at full speed at once (default: the profile's; 0 = no sharing)")
@@ -119,10 +128,25 @@ def _add_replay_args(p: argparse.ArgumentParser, conc_default: str) -> None:
 
 
 def load_workload(args: argparse.Namespace) -> list[SimRequest]:
+    """The requests the flags name; sets ``args.block_size`` when it was left to its default.
+
+    Raises:
+        TraceError: a bad trace (the message names the file, line and field).
+        OSError: an unreadable trace.
+    """
     if args.trace:
+        from disagg.bench.mooncake import MOONCAKE_BLOCK_SIZE, import_mooncake, trace_format
         from disagg.bench.trace import load_trace
 
-        return from_trace_records(load_trace(args.trace, default_block_size=args.block_size), args.block_size)
+        fmt = trace_format(args.trace) if args.trace_format == "auto" else args.trace_format
+        if fmt == "mooncake":
+            args.block_size = args.block_size or MOONCAKE_BLOCK_SIZE
+            recs = import_mooncake(args.trace, block_size=args.block_size)
+        else:
+            args.block_size = args.block_size or DEFAULT_BLOCK_SIZE
+            recs = load_trace(args.trace, default_block_size=args.block_size)
+        return from_trace_records(recs, args.block_size)
+    args.block_size = args.block_size or DEFAULT_BLOCK_SIZE
     if args.agentic:
         from disagg.bench.synth import synthesize
 
@@ -158,6 +182,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_every_blocks=args.checkpoint_every,
                             checkpoint_last_full_block=not args.no_last_full_block,
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
+                            retention=args.retention,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None
                             else float((prof.limits if prof else {}).get("node_compute_slots", 0.0)))
     return cluster, cost
@@ -179,13 +204,26 @@ def _price(args: argparse.Namespace) -> float | None:
     return gpu_hour_price(args.gpu_cost)
 
 
+def _load_or_fail(args: argparse.Namespace) -> list[SimRequest] | None:
+    """``load_workload``, or None after a one-line error on stderr."""
+    from disagg.bench.trace import TraceError
+
+    try:
+        return load_workload(args)
+    except (TraceError, OSError) as exc:
+        print(f"disagg sim: {exc}", file=sys.stderr)
+        return None
+
+
 # ---- commands ------------------------------------------------------------------------------
 def _run(args: argparse.Namespace) -> int:
     from disagg.bench.metrics import format_summary
     from disagg.sim.shard import simulate
 
     t0 = time.perf_counter()
-    requests = load_workload(args)
+    requests = _load_or_fail(args)
+    if requests is None:
+        return 2
     shared = shared_ids(requests) if args.recycle else frozenset()
     cluster, cost = build_cluster(args, args.workers, args.prefill, args.decode)
     replay = build_replay(args, int(args.concurrency))
@@ -214,7 +252,9 @@ def _run(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from disagg.sim.sweep import format_rows, grid, run_sweep
 
-    requests = load_workload(args)
+    requests = _load_or_fail(args)
+    if requests is None:
+        return 2
     shared = shared_ids(requests) if args.recycle else frozenset()
     hosts = _ints(args.host_blocks) if args.host_blocks else None
     base, cost = build_cluster(args, 1, host_blocks=hosts[0] if hosts else None)

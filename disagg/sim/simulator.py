@@ -54,6 +54,7 @@ from disagg.sim.cache import LRUTier
 from disagg.sim.cost_model import CostModel
 from disagg.sim.driver import Driver, ReplayConfig
 from disagg.sim.metrics import RequestRecord, bench_summary, summarize
+from disagg.sim.retention import RETENTION_POLICIES, SessionRetention
 from disagg.sim.state import TIER_NAMES, CheckpointPolicy, PromptState, StateModel
 from disagg.sim.worker import SimJob, SimWorker
 from disagg.sim.workload import DigestCache, SimRequest, tail_digest
@@ -77,6 +78,7 @@ class ClusterConfig:
     stats_period_s: float = 0.0  # router sees stats this stale (0 = live)
     macro_steps: int = 64  # decode steps per event at most
     node_compute_slots: float = 0.0  # engines a node runs at full speed at once (0: no sharing; CPU nodes)
+    retention: str = "lru"  # tier eviction order: "lru" or "session" (disagg.sim.retention)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -89,6 +91,8 @@ class ClusterConfig:
             raise ValueError("tier sizes and stats_period_s must be >= 0, macro_steps >= 1")
         if self.node_compute_slots < 0:
             raise ValueError("node_compute_slots must be >= 0")
+        if self.retention not in RETENTION_POLICIES:
+            raise ValueError(f"retention must be one of {RETENTION_POLICIES}")
 
     def roles(self) -> list[str]:
         if self.num_prefill:
@@ -176,6 +180,7 @@ class Simulator:
         self._ends: dict[tuple[str, int], deque[int]] = {}  # (session, salt) -> recent unaligned prompt ends
         self._rid = 0
         self._snapshot: list[WorkerState] | None = None
+        self.retention = SessionRetention(c.retention)
         self._build_cluster()
         self.driver = Driver(self, requests, self.replay)
 
@@ -196,6 +201,8 @@ class Simulator:
             dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid))
             self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, c.macro_steps, self.block_size)
         self._live = [w.state for w in self.workers.values()]
+        self._tiers = [w.device for w in self.workers.values()] + [
+            t for t in (*self.host.values(), *self.disk.values()) if t is not None]
         self._node_workers: dict[str, list[SimWorker]] = {}
         for w in self.workers.values():
             self._node_workers.setdefault(w.node_id, []).append(w)
@@ -271,6 +278,7 @@ class Simulator:
             self._theory[0] += sum(flags)
             self._theory[1] += len(flags)
         self._seen.update(digests[lead:])
+        self.retention.on_prompt(skey, digests, nfull, lead, self._tiers)
         probes = []
         ends = self._ends.get(skey)
         if ends:
@@ -298,6 +306,7 @@ class Simulator:
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
         job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id])
+        self.retention.on_store((job.record.session_id, job.record.salt), job.ckpts, self._tiers)
         if self.cluster.checkpoint_prompt_end:
             end = self.state.prompt_end_key(ps)
             if end is not None:
@@ -334,7 +343,8 @@ class Simulator:
         self.driver.on_finished(now, rec.lane)
 
     def session_done(self, session_id: str, salt: int) -> None:
-        """A closed-loop session ended: drop its cached digests."""
+        """A closed-loop session ended: drop its cached digests (and demote its state, with retention)."""
+        self.retention.on_session_end((session_id, salt), self._tiers)
         self.digests.forget(session_id, salt)
         self._ends.pop((session_id, salt), None)
 

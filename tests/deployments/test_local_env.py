@@ -117,12 +117,18 @@ def test_a_cluster_too_small_is_refused_naming_each_short_resource():
     local.check_placement(cfg, {"CPU": 9.5, "GPU": 1.0})  # exactly enough: placed
 
 
-def test_serve_forever_exits_with_the_message_instead_of_waiting(monkeypatch):
+def test_serve_exits_2_with_the_message_instead_of_waiting(monkeypatch, capsys):
+    """``disagg serve`` against a cluster that cannot place the replicas: one ``error:`` line
+    naming the short resource, exit status 2, no wait and no traceback."""
+    from disagg import cli
+
     @contextlib.contextmanager
     def refuse(cfg, name=local.APP_NAME):
         raise local.PlacementError("the cluster cannot place the configured replicas (CPU: ...)")
         yield
 
     monkeypatch.setattr(local, "local_app", refuse)
-    with pytest.raises(SystemExit, match="disagg serve: the cluster cannot place"):
-        local.serve_forever(_cfg())
+    monkeypatch.setattr(local, "_trap_stop_signals", lambda: None)  # keep pytest's own handlers
+    assert cli.main(["serve", "--port", str(local.free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "error: the cluster cannot place the configured replicas" in err and "Traceback" not in err

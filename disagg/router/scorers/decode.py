@@ -1,0 +1,87 @@
+"""Decode scorer: prefer workers where the request's decode, and the decodes it joins, run fastest.
+
+For candidate w (B_w running decodes with D_w context tokens, effective loads;
+n_w = prompt - resumable(w) tokens r would prefill there; o = r's expected
+output, its hint or ``default_output_tokens``)::
+
+    step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
+    own_w   = o * step_w                                                r's decode time
+    harm_w  = B_w * n_w / prefill_tokens_per_s                          decode time r's prefill steals
+                                                                        from the batch on w (phases
+                                                                        "both": it prefills there)
+    cost_w  = own_w + harm_w
+    scale   = o * min_v step_v + max(prompt - common, 0) / prefill_tokens_per_s   r's own service time
+    score_w = max(1 - (cost_w - min_v cost_v) / scale, 0)               in [0, 1]; 1 for the cheapest
+
+Decode-side load enters placement the way queued prefill does through the
+wait scorer: as seconds the user feels (here, inter-token latency: a long
+batch, long contexts, and prefill chunks interleaved with the decodes),
+measured against the request's own service time. Next to the prefix scorer
+(which credits a worker's cached state net of its transfer time), a session
+leaves the worker holding its state when the decode time it would save there
+outweighs the cache credit it gives up; its node mates read the state from
+the shared host tier, so a move within the node costs little.
+
+Config example (YAML)::
+
+    decode: {decode_base_s: 0.008, decode_per_seq_s: 1.0e-4, decode_per_ctx_token_s: 2.0e-9,
+             prefill_tokens_per_s: 25000, default_output_tokens: 256}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg.router.context import LOAD_ROW, RoutingContext
+from disagg.router.scorers.base import ArrayScorer
+from disagg.router.types import WorkerState
+
+_B = LOAD_ROW["decode_requests"]
+_D = LOAD_ROW["decode_tokens"]
+
+
+@dataclass(slots=True)
+class DecodeScorerConfig:
+    decode_base_s: float = 0.008  # fixed cost of a decode step
+    decode_per_seq_s: float = 1e-4  # per sequence in the batch
+    decode_per_ctx_token_s: float = 2e-9  # per context token in the batch
+    prefill_tokens_per_s: float = 25000.0  # prefill rate of one worker
+    default_output_tokens: float = 256.0  # o when the request gives no hint
+
+    def __post_init__(self) -> None:
+        if min(self.decode_base_s, self.decode_per_seq_s, self.decode_per_ctx_token_s) < 0:
+            raise ValueError("decode costs must be >= 0")
+        if self.prefill_tokens_per_s <= 0 or self.default_output_tokens <= 0:
+            raise ValueError("prefill_tokens_per_s and default_output_tokens must be positive")
+
+
+class DecodeScorer(ArrayScorer):
+    name = "decode"
+
+    def __init__(self, config: DecodeScorerConfig | None = None, **params: object):
+        self.config = config or DecodeScorerConfig(**params)  # type: ignore[arg-type]
+
+    def costs(self, ctx: RoutingContext, workers: list[WorkerState]) -> tuple[np.ndarray, float]:
+        """(cost_w in seconds per candidate, the request's own service time ``scale``)."""
+        cfg = self.config
+        req = ctx.request
+        v = ctx.view(workers)
+        b = v.loads[_B]
+        out = float(req.output_len_hint or cfg.default_output_tokens)
+        step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + cfg.decode_per_ctx_token_s * (
+            v.loads[_D] + req.prompt_len)
+        cost = out * step
+        if ctx.phase == "both":
+            uncached = np.maximum(req.prompt_len - v.resumable, 0.0)
+            cost = cost + b * uncached / cfg.prefill_tokens_per_s
+        own = max(req.prompt_len - ctx.common_tokens(), 0) / cfg.prefill_tokens_per_s
+        scale = out * float(np.minimum.reduce(step)) + own
+        return cost, scale
+
+    def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
+        cost, scale = self.costs(ctx, workers)
+        if scale <= 0:
+            return np.ones(len(cost))
+        return np.maximum(1.0 - (cost - float(np.minimum.reduce(cost))) / scale, 0.0)

@@ -1,0 +1,63 @@
+"""Decode scorer: hand-computed costs and scores, phases, range, registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.router.context import EffectiveLoad, RoutingContext
+from disagg.router.index import MatchResult, PrefixMatch
+from disagg.router.registry import SCORERS, build_profile
+from disagg.router.scorers.decode import DecodeScorer
+from disagg.router.types import RouteRequest, WorkerState
+
+W3 = [WorkerState("a"), WorkerState("b"), WorkerState("c")]
+# round numbers: step = 0.01 + 0.001 (B + 1) + 1e-6 (D + prompt); prefill 1000 tok/s
+CFG = dict(decode_base_s=0.01, decode_per_seq_s=0.001, decode_per_ctx_token_s=1e-6,
+           prefill_tokens_per_s=1000.0, default_output_tokens=100.0)
+
+
+def _ctx(loads, matches=None, phase="both", prompt_len=1000, hint=0):
+    r = RouteRequest("r", "s", [], prompt_len, 4, output_len_hint=hint)
+    return RoutingContext(r, MatchResult(matches or {}, 0), dict(zip("abc", loads, strict=True)), phase)
+
+
+def test_costs_by_hand():
+    # a: idle; b: 2 decodes over 2000 tokens, nothing cached; c: the same, 900 of the 1000 tokens cached
+    loads = [EffectiveLoad(), EffectiveLoad(decode_tokens=2000, decode_requests=2),
+             EffectiveLoad(decode_tokens=2000, decode_requests=2)]
+    ctx = _ctx(loads, {"c": PrefixMatch(900, "device", 225)})
+    cost, scale = DecodeScorer(**CFG).costs(ctx, W3)
+    step_a = 0.01 + 0.001 * 1 + 1e-6 * 1000  # 0.012
+    step_bc = 0.01 + 0.001 * 3 + 1e-6 * 3000  # 0.016
+    assert cost.tolist() == pytest.approx([100 * step_a, 100 * step_bc + 2 * 1000 / 1000,
+                                           100 * step_bc + 2 * 100 / 1000])
+    assert scale == pytest.approx(100 * step_a + 1000 / 1000)
+    score = DecodeScorer(**CFG).score(ctx, W3)
+    assert score["a"] == 1.0
+    assert score["b"] == 0.0  # 1 - (3.6 - 1.2) / 2.2 < 0: clipped
+    assert score["c"] == pytest.approx(1 - (1.8 - 1.2) / 2.2)
+    assert score["b"] < score["c"] < score["a"]
+
+
+def test_decode_phase_charges_no_prefill_harm_and_uses_the_hint():
+    loads = [EffectiveLoad(decode_requests=4), EffectiveLoad(), EffectiveLoad()]
+    cost, _ = DecodeScorer(**CFG).costs(_ctx(loads, phase="decode", hint=10), W3)
+    assert cost.tolist() == pytest.approx([10 * (0.015 + 0.001), 10 * 0.012, 10 * 0.012])
+
+
+@pytest.mark.parametrize("phase", ["both", "prefill", "decode"])
+def test_scores_stay_in_range_and_best_is_one(phase):
+    loads = [EffectiveLoad(decode_tokens=1e7, decode_requests=200), EffectiveLoad(decode_requests=1),
+             EffectiveLoad(decode_tokens=5e4, decode_requests=3)]
+    s = DecodeScorer(**CFG).score(_ctx(loads, phase=phase), W3)
+    assert all(0.0 <= v <= 1.0 for v in s.values())
+    assert s["b"] == 1.0 and s["a"] == 0.0
+
+
+def test_registered_and_configurable():
+    assert SCORERS["decode"] is DecodeScorer
+    prof = build_profile("x", {"scorers": {"decode": {"weight": 2.0, "params": {"prefill_tokens_per_s": 5000}}}})
+    scorer, weight = prof.scorers[0]
+    assert weight == 2.0 and scorer.config.prefill_tokens_per_s == 5000
+    with pytest.raises(ValueError):
+        DecodeScorer(prefill_tokens_per_s=0)

@@ -1,0 +1,49 @@
+"""Capacity bound: Belady's choices, resume points, and the infinite-cache limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.sim.bound import belady_hits
+from disagg.sim.workload import SimRequest
+
+BS = 4
+
+
+def _p(session: str, ids: list[int], extra: int = 1) -> SimRequest:
+    return SimRequest(session, 0, 0.0, 0.0, len(ids) * BS + extra, 1, ids, BS)
+
+
+def test_belady_keeps_what_comes_back_where_lru_would_not():
+    # capacity 2: LRU would drop a for c; Belady bypasses c (never used again)
+    prompts = [_p("s1", [1, 2]), _p("s2", [3]), _p("s1", [1, 2])]
+    assert belady_hits(prompts, [0, 0, 0], 2, 0) == [0, 0, 2 * BS]
+
+
+def test_evicts_the_block_used_furthest_in_the_future():
+    # capacity 2 after [1, 2]: block 3 is used next-soonest, so 2 (used last) is evicted for it
+    prompts = [_p("a", [1, 2]), _p("b", [3]), _p("c", [3]), _p("d", [1]), _p("e", [2])]
+    assert belady_hits(prompts, [0] * 5, 2, 1) == [0, 0, BS, BS, 0]  # every block a resume point
+
+
+def test_resume_points_are_checkpoint_multiples_or_earlier_last_full_blocks():
+    # the second prompt diverges after 3 blocks; block 3 was not a last full block: back to 2
+    first, second = _p("s", [1, 2, 3, 9]), _p("s", [1, 2, 3, 4])
+    assert belady_hits([first, second], [0, 0], 100, 2) == [0, 2 * BS]
+    # the first prompt's last full block is a resume point
+    first = _p("s", [1, 2, 3])
+    assert belady_hits([first, second], [0, 0], 100, 2) == [0, 3 * BS]
+    # no periodic checkpoints and no earlier last full block at the divergence: nothing
+    assert belady_hits([_p("s", [1, 2, 3, 9]), second], [0, 0], 100, 0) == [0, 0]
+
+
+def test_capped_at_prompt_minus_one_and_salted_apart():
+    exact = SimRequest("s", 1, 0.0, 0.0, 2 * BS, 1, [1, 2], BS)  # aligned: at most 2 * BS - 1
+    assert belady_hits([_p("s", [1, 2]), exact], [0, 0], 10, 0) == [0, 2 * BS - 1]
+    assert belady_hits([_p("s", [1, 2]), _p("s", [1, 2])], [0, 1], 10, 0) == [0, 0]  # another salt
+
+
+def test_zero_capacity_and_bad_input():
+    assert belady_hits([_p("s", [1]), _p("s", [1])], [0, 0], 0, 1) == [0, 0]
+    with pytest.raises(ValueError):
+        belady_hits([], [], -1, 0)

@@ -1,0 +1,73 @@
+"""`disagg sim run --trace` reads both trace formats and fails bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disagg.bench.mooncake import trace_format
+from disagg.bench.trace import TraceError
+from disagg.sim.cli import main as sim_main
+
+# two sessions sharing a 2-block prefix; the second turn of each extends its first (64-token blocks)
+MOONCAKE = [
+    {"timestamp": 0, "input_length": 200, "output_length": 8, "hash_ids": [0, 1, 2, 3]},
+    {"timestamp": 10, "input_length": 230, "output_length": 8, "hash_ids": [0, 1, 7, 8]},
+    {"timestamp": 900, "input_length": 300, "output_length": 8, "hash_ids": [0, 1, 2, 3, 4]},
+    {"timestamp": 950, "input_length": 290, "output_length": 8, "hash_ids": [0, 1, 7, 8, 9]},
+]
+
+
+def _write(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _run(trace: str, *extra: str) -> int:
+    return sim_main(["sim", "run", "--trace", trace, "--workers", "2", "--concurrency", "2", "--json", *extra])
+
+
+def test_a_mooncake_trace_is_detected_and_replayed(tmp_path, capsys):
+    trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
+    assert trace_format(trace) == "mooncake"
+    assert _run(trace, "--block-size", "64") == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["requests"] == 4
+    assert row["hit_rate"] > 0  # the second turns resumed their sessions' first turns
+
+
+def test_format_can_be_named(tmp_path, capsys):
+    trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
+    assert _run(trace, "--block-size", "64", "--format", "mooncake") == 0
+    assert _run(trace, "--block-size", "64", "--format", "disagg") == 2  # not what it says: one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("disagg sim: ") and "session_id" in err[-1]
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_the_disagg_format_is_detected(tmp_path):
+    row = {"session_id": "s0", "turn": 0, "timestamp": 0, "delay": 0, "input_length": 100,
+           "output_length": 4, "hash_ids": [1, 2], "block_size": 64}
+    trace = _write(tmp_path / "d.jsonl", [row])
+    assert trace_format(trace) == "disagg"
+    assert _run(trace, "--block-size", "64") == 0
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([], "trace is empty"),
+    ([{"prompt": "hi"}], "neither a disagg trace line"),
+])
+def test_unknown_or_empty_traces_fail_in_one_line(tmp_path, capsys, rows, message):
+    trace = _write(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(TraceError, match=message):
+        trace_format(trace)
+    assert _run(trace) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_a_missing_file_fails_in_one_line(tmp_path, capsys):
+    assert _run(str(tmp_path / "nope.jsonl")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("disagg sim: ")
