@@ -78,7 +78,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from disagg.preflight import check_device, check_model, load_config_for_cli
+    from disagg.preflight import load_config_for_cli
 
     cfg = load_config_for_cli(args.config)
     if args.host:
@@ -91,15 +91,22 @@ def _load(args):
         from disagg.preflight import UsageError
 
         raise UsageError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
-    if args.model_arg or args.model:
-        cfg.model.name = args.model_arg or args.model
-    if args.device:
-        cfg.model.device = args.device
-    if args.dtype:
-        cfg.model.dtype = args.dtype
+    _override_model(cfg, args.model_arg or args.model, args.device, args.dtype)
+    return cfg
+
+
+def _override_model(cfg, name: str | None, device: str | None, dtype: str | None) -> None:
+    """Apply the command line's model, device and dtype to ``cfg``, then check they can run here."""
+    from disagg.preflight import check_device, check_model
+
+    if name:
+        cfg.model.name = name
+    if device:
+        cfg.model.device = device
+    if dtype:
+        cfg.model.dtype = dtype
     check_model(cfg)
     check_device(cfg)
-    return cfg
 
 
 def _check_local(cfg) -> None:
@@ -143,17 +150,10 @@ def cmd_demo(args) -> int:
 def cmd_generate(args) -> int:
     from disagg.engine.factory import build_reference_engine, build_tokenizer
     from disagg.engine.protocol import EngineRequest, SamplingParams
-    from disagg.preflight import check_device, check_model, load_config_for_cli
+    from disagg.preflight import load_config_for_cli
 
     cfg = load_config_for_cli(args.config)
-    if args.model:
-        cfg.model.name = args.model
-    if args.device:
-        cfg.model.device = args.device
-    if args.dtype:
-        cfg.model.dtype = args.dtype
-    check_model(cfg)
-    check_device(cfg)
+    _override_model(cfg, args.model, args.device, args.dtype)
     engine = build_reference_engine(cfg)
     tok = build_tokenizer(cfg)
     if args.token_ids:

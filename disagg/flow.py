@@ -405,6 +405,16 @@ class RequestFlow:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
+async def store_lookup(store, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
+    """A ``kv_transfer`` store's resumable prefix of ``tokens`` up to ``limit`` (default: the last
+    token's position), off the event loop; None without a store (``FlowState.lookup`` of both workers)."""
+    if store is None:
+        return None
+    limit = len(tokens) - 1 if limit is None else limit
+    point = await asyncio.to_thread(store.resumable_length, tokens, hasher, limit)
+    return None if point is None else ResumePoint(point.position, point.slowest_tier)
+
+
 def earlier_checkpoints(positions: list[int], end: int) -> tuple[int, ...]:
     """Checkpoint positions before ``end``, longest first (later publishes share its blocks)."""
     return tuple(sorted((p for p in positions if p < end), reverse=True))

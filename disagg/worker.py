@@ -48,6 +48,7 @@ from disagg.flow import (
     ResumePoint,
     _quietly,
     earlier_checkpoints,
+    store_lookup,
 )
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.reuse.accounting import ReuseAccounting
@@ -95,11 +96,7 @@ class TierState:
             fn(self.store)
 
     async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
-        if self.store is None:
-            return None
-        limit = len(tokens) - 1 if limit is None else limit
-        point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, limit)
-        return None if point is None else ResumePoint(point.position, point.slowest_tier)
+        return await store_lookup(self.store, tokens, hasher, limit)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
                    node_id: str | None = None) -> Resume | None:

@@ -29,7 +29,6 @@ NOTES
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,7 +36,7 @@ from dataclasses import replace
 
 from disagg.config import LOCAL_PREFILL_MAX_TOKENS
 from disagg.engine.protocol import EngineRequest
-from disagg.flow import LoadsFn, PrefillFn, RequestFlow, Resume, ResumePoint
+from disagg.flow import LoadsFn, PrefillFn, RequestFlow, Resume, ResumePoint, store_lookup
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.router.decider import DeciderConfig, PDDecider
 from kv_transfer.keys import BlockHasher, KeyExtras
@@ -55,11 +54,7 @@ class ConnectorState:
         self.producer_sizes = producer_sizes  # (TP, DCP) of the prefill engines: how hand-offs are stored
 
     async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
-        if self.store is None:
-            return None
-        limit = len(tokens) - 1 if limit is None else limit
-        point = await asyncio.to_thread(self.store.resumable_length, tokens, hasher, limit)
-        return None if point is None else ResumePoint(point.position, point.slowest_tier)
+        return await store_lookup(self.store, tokens, hasher, limit)
 
     async def load(self, tokens, position, hasher, params, node_id=None) -> Resume:
         return Resume(None, position, "host")  # the connector loads it (NOTE 2)
