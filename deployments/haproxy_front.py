@@ -186,9 +186,13 @@ def rewrite(path: str, limits: FrontLimits | None = None) -> None:
 def record_pid(path: str | None) -> None:
     """Append this process's pid (HAProxy's, after the exec) to ``path``: whoever started the
     cluster stops what is left of HAProxy there at shutdown (``disagg.local``)."""
-    if path:
+    if not path:
+        return
+    try:
         with open(path, "a") as f:
             f.write(f"{os.getpid()}\n")
+    except OSError as exc:  # HAProxy still starts: an unrecorded one is only left for Serve to stop
+        print(f"haproxy_front: pid not recorded in {path}: {exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

