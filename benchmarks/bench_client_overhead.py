@@ -51,8 +51,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.bench.client import OpenAIClient, RequestResult
-from disagg.bench.testserver import TestServerConfig, TestServerProcess
+from disagg.tools.bench.client import OpenAIClient, RequestResult
+from disagg.tools.bench.testserver import TestServerConfig, TestServerProcess
 
 
 @dataclass(slots=True)
@@ -293,8 +293,8 @@ def parse_cost(rounds: int = 10, responses: int = 300) -> None:
     """
     import socket
 
-    from disagg.bench import rawhttp, sse
-    from disagg.bench.client import _RawExchange
+    from disagg.tools.bench import rawhttp, sse
+    from disagg.tools.bench.client import _RawExchange
 
     head = b'{"id":"r","object":"text_completion","model":"test"'
     token = b"data: " + head + b',"choices":[{"index":0,"text":" x","finish_reason":null}]}\n\n'

@@ -8,7 +8,7 @@ reference model on CPU, one prefill + one decode replica sharing the node's
 host tier) at ``/`` and the same config in aggregated mode (one decode replica
 that prefills everything itself) at ``/agg`` on the same local Ray cluster,
 then replays one CPU-sized synthetic agentic trace against both with the
-``disagg.bench`` harness: a closed-loop sweep over the concurrencies, each
+``disagg.tools.bench`` harness: a closed-loop sweep over the concurrencies, each
 sweep point bounded by a request count. The two stacks are measured one after
 the other in the same process, so their ratios share the machine's state.
 
@@ -37,13 +37,13 @@ from pathlib import Path
 
 import httpx
 
-from disagg.bench.plots import plot_compare, plot_latency_cdfs, plot_pareto
-from disagg.bench.report import latency_lists, load_sweep, sweep_points
-from disagg.bench.sweep import BenchParams, run_bench_sync, write_plots
-from disagg.bench.synth import SynthConfig, synthesize
-from disagg.bench.trace import TraceRecord, save_trace
 from disagg.config import AppConfig, load_config
-from disagg.local import free_port, local_app, wait_healthy
+from disagg.launch.local import free_port, local_app, wait_healthy
+from disagg.tools.bench.plots import plot_compare, plot_latency_cdfs, plot_pareto
+from disagg.tools.bench.report import latency_lists, load_sweep, sweep_points
+from disagg.tools.bench.sweep import BenchParams, run_bench_sync, write_plots
+from disagg.tools.bench.synth import SynthConfig, synthesize
+from disagg.tools.bench.trace import TraceRecord, save_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "deployments" / "configs" / "local-cpu.yaml"

@@ -1,6 +1,6 @@
 """Greedy outputs of an agentic replay through the in-process workers, checked against fresh runs.
 
-A small synthetic agentic trace (``disagg.bench.synth``: shared prefix, growing
+A small synthetic agentic trace (``disagg.tools.bench.synth``: shared prefix, growing
 sessions, tool results) is replayed turn by turn through ``InProcessBackend``
 (tiny reference model on CPU, disaggregated, a low local-prefill threshold so
 both local and remote prefills, state loads and device-resident resumes run).
@@ -26,14 +26,14 @@ import time
 
 import torch
 
-from disagg.bench.synth import synthesize
-from disagg.bench.tokens import TokenFactory
 from disagg.config import load_config
 from disagg.engine.factory import engine_limits
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.engine.reference.engine import ReferenceEngine
-from disagg.inprocess import InProcessBackend
+from disagg.launch.inprocess import InProcessBackend
 from disagg.messages import GenerateParams
+from disagg.tools.bench.synth import synthesize
+from disagg.tools.bench.tokens import TokenFactory
 
 
 def main(argv: list[str] | None = None) -> int:

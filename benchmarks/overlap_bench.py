@@ -67,7 +67,7 @@ from disagg.engine.reference.config import load_preset
 from disagg.engine.reference.engine import EngineOptions, ReferenceEngine
 from disagg.engine.reference.model import K3ForCausalLM
 from disagg.messages import GenerateParams
-from disagg.worker import StatefulWorker
+from disagg.workers.tiered import StatefulWorker
 from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
 

@@ -3,7 +3,7 @@
 The benchmark's trace (``router_bench.sim_workload``) gives each worker 4
 closed-loop lanes (the load) and 6 sessions of 12 turns (the length). This
 study keeps the lanes and multiplies the sessions, so only the run's duration
-grows, and prints max/mean q (``disagg.sim.metrics``) per policy, seed and
+grows, and prints max/mean q (``disagg.tools.sim.metrics``) per policy, seed and
 length, with hit/theory and P90 TTFT. Besides the benchmark's policies:
 
 - ``state_aware_sessions``: our router with the first-turn guard of earlier
@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from router_bench import POLICIES, sim_workload  # noqa: E402
 
 from disagg.router.baselines.common import NoFeedback, decision  # noqa: E402
-from disagg.sim.cost_model import CostModel  # noqa: E402
-from disagg.sim.simulator import Simulator  # noqa: E402
+from disagg.tools.sim.cost_model import CostModel  # noqa: E402
+from disagg.tools.sim.simulator import Simulator  # noqa: E402
 
 SYSTEM_TOKENS = 8192  # router_bench.sim_workload's shared prefix
 

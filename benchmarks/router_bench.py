@@ -4,7 +4,7 @@ For 4, 16 and 64 aggregated workers (8 per node, shared host tier per node),
 synthetic agentic sessions (shared system prompt, growing context, ~96%
 consecutive-turn reuse) are replayed closed-loop with every policy. Printed
 per policy: hit rate as a fraction of the infinite-cache theoretical reuse,
-max/mean time-averaged queued prefill (see ``disagg.sim.metrics``), P90 TTFT,
+max/mean time-averaged queued prefill (see ``disagg.tools.sim.metrics``), P90 TTFT,
 P90 ITL. Then decision latency of ``StateAwareRouter.route`` with 64 workers
 and ~1M indexed blocks (wall and thread-CPU time of each call, p50 / p90 / p99
 over 2000 calls; the walk's share; what the slowest 1% of calls spent their
@@ -69,8 +69,8 @@ import numpy as np
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
-from disagg.sim.simulator import ClusterConfig, Simulator
-from disagg.sim.workload import SynthConfig, chain_digests, synth_sessions
+from disagg.tools.sim.simulator import ClusterConfig, Simulator
+from disagg.tools.sim.workload import SynthConfig, chain_digests, synth_sessions
 
 POLICIES = ["state_aware", "round_robin", "power_of_two", "prefix_affinity", "dynamo_cost"]
 METRICS = [("hit_vs_theory", "hit/theory"), ("max_mean_queue", "max/mean q"), ("ttft_p90", "P90 TTFT s")]
@@ -439,7 +439,7 @@ def ray_replay(args: argparse.Namespace) -> dict[str, dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e_pareto: the trace and its helpers
     from e2e_pareto import cpu_trace
 
-    from disagg.bench.trace import save_trace
+    from disagg.tools.bench.trace import save_trace
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -473,9 +473,9 @@ def _replay_policy(args: argparse.Namespace, k: int, policy: str, records, trace
     """One policy's replay on a fresh local cluster (bench results under ``out``)."""
     from e2e_pareto import CONFIG, FIRST_TOKEN_ID, VOCAB_SIZE, engine_replicas, warm_up
 
-    from disagg.bench.sweep import BenchParams, run_bench_sync
     from disagg.config import load_config
-    from disagg.local import APP_NAME, free_port, local_app, wait_healthy
+    from disagg.launch.local import APP_NAME, free_port, local_app, wait_healthy
+    from disagg.tools.bench.sweep import BenchParams, run_bench_sync
 
     cfg = load_config(CONFIG)
     cfg.http.port = free_port()

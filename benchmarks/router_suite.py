@@ -1,13 +1,13 @@
 """Router suite: every policy on every member of the trace family, at 16 and 64 workers, aggregated and P/D.
 
-For each member of ``disagg.bench.family.SUITE`` (named, seeded agentic
+For each member of ``disagg.tools.bench.family.SUITE`` (named, seeded agentic
 shapes), each worker count and each cluster shape (``agg``: every worker
 prefills and decodes; ``pd``: a quarter prefill, the rest decode), the
 member's trace (``--sessions-per-worker`` top-level sessions per worker)
 is replayed closed-loop (``--lanes-per-worker`` lanes per worker) in the
 simulator with our router and every baseline. Printed per cell and policy:
 hit against the infinite-cache theoretical hit and against the capacity
-bound (``disagg.sim.bound``: Belady on the run's future with the cluster's
+bound (``disagg.tools.sim.bound``: Belady on the run's future with the cluster's
 pooled capacities, computed on the state-aware run's arrival order), TTFT
 P50 / P90, P90 interactivity (1 / P90 ITL), tokens/s/GPU; then per cell the
 state-aware router against the best baseline of each metric, and whether it
@@ -48,13 +48,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from disagg.bench.family import SUITE, member_trace
 from disagg.router.baselines import BASELINES
-from disagg.sim.bound import belady_hits
-from disagg.sim.cost_model import CostModel
-from disagg.sim.driver import ReplayConfig
-from disagg.sim.simulator import ClusterConfig, Simulator
-from disagg.sim.workload import SimRequest, from_trace_records
+from disagg.tools.bench.family import SUITE, member_trace
+from disagg.tools.sim.bound import belady_hits
+from disagg.tools.sim.cost_model import CostModel
+from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.simulator import ClusterConfig, Simulator
+from disagg.tools.sim.workload import SimRequest, from_trace_records
 
 POLICIES = ["state_aware", *BASELINES]
 BLOCK_SIZE = 64
@@ -82,7 +82,7 @@ class Scale:
     turns: float  # turn counts
     sessions_per_worker: float  # top-level sessions per worker
     lanes_per_worker: float  # closed-loop lanes per worker
-    retention: str  # tier eviction order (disagg.sim.retention)
+    retention: str  # tier eviction order (disagg.tools.sim.retention)
     router_config: str = ""  # state_aware's RouterConfig as JSON ("" = defaults)
 
     def key(self) -> str:

@@ -6,7 +6,7 @@
 1. Overhead: TTFT and per-token latency of the same prompts streamed through
    HTTP -> ingress -> decode replica (aggregated app, so no prefill hop) against
    calling the same engine directly in this process (same torch thread count, and
-   the replicas at this process's scheduler priority: see ``disagg.local``). The
+   the replicas at this process's scheduler priority: see ``disagg.launch.local``). The
    two alternate prompt by prompt (which goes first alternates too), each starts
    on an idle system (a short pause lets the previous HTTP request's background
    turn-end publish finish), the HTTP client keeps its connection alive like an
@@ -41,7 +41,7 @@ from disagg.config import load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
-from disagg.local import APP_NAME, free_port, local_app, wait_healthy
+from disagg.launch.local import APP_NAME, free_port, local_app, wait_healthy
 
 MODEL = "disagg-tiny"
 SETTLE_S = 0.1  # pause before each measured request: the previous one's turn-end publish lands first

@@ -6,7 +6,7 @@
 Cluster: 64 nodes of 8 GPUs, one TP8 engine replica per node (the
 ``mi355x-k3`` profile: Kimi K3 shapes on MI355X figures, see its notes),
 ``--pd`` prefill : decode engines, each node's host tier shared by its GPUs.
-Workload: the AgentX-style generator (``disagg.bench.synth``), replayed
+Workload: the AgentX-style generator (``disagg.tools.bench.synth``), replayed
 closed loop as ``disagg bench`` does (think time capped at 30 s and scaled
 by 0.2, each lane starting mid-session, a warm-up period excluded, a fixed
 measured window of simulated time, sessions recycled with new salts).
@@ -30,15 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from disagg.bench.pareto import front_at
-from disagg.bench.plots import plot_pareto
-from disagg.bench.synth import synthesize
-from disagg.sim.driver import ReplayConfig
-from disagg.sim.profile import load_profile
-from disagg.sim.shard import simulate
-from disagg.sim.simulator import ClusterConfig
-from disagg.sim.sweep import parse_pd
-from disagg.sim.workload import from_trace_records, shared_ids
+from disagg.tools.bench.pareto import front_at
+from disagg.tools.bench.plots import plot_pareto
+from disagg.tools.bench.synth import synthesize
+from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.profile import load_profile
+from disagg.tools.sim.shard import simulate
+from disagg.tools.sim.simulator import ClusterConfig
+from disagg.tools.sim.sweep import parse_pd
+from disagg.tools.sim.workload import from_trace_records, shared_ids
 
 POLICIES = ["state_aware", "round_robin", "power_of_two", "prefix_affinity", "dynamo_cost"]
 

@@ -6,8 +6,8 @@
 Cluster: ``--gpus / --gpus-per-worker`` engine replicas (default 125 TP8
 replicas of the ``mi355x-k3`` profile, one per node), split into
 ``--domains`` router slices simulated in ``--jobs`` processes (see
-``disagg.sim.shard``). Workload: ``--sessions`` sessions of the AgentX-style
-generator (``disagg.bench.synth``) with ``--turn-scale`` of its turns per
+``disagg.tools.sim.shard``). Workload: ``--sessions`` sessions of the AgentX-style
+generator (``disagg.tools.bench.synth``) with ``--turn-scale`` of its turns per
 session, 1,024-token blocks, replayed closed loop by ``--concurrency`` lanes.
 
 Printed: wall time of each phase (synthesis, simulation), requests and
@@ -28,12 +28,12 @@ import resource
 import sys
 import time
 
-from disagg.bench.synth import synthesize
-from disagg.sim.driver import ReplayConfig
-from disagg.sim.profile import load_profile
-from disagg.sim.shard import simulate
-from disagg.sim.simulator import ClusterConfig
-from disagg.sim.workload import from_trace_records
+from disagg.tools.bench.synth import synthesize
+from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.profile import load_profile
+from disagg.tools.sim.shard import simulate
+from disagg.tools.sim.simulator import ClusterConfig
+from disagg.tools.sim.workload import from_trace_records
 
 
 def python_loop_s(n: int = 10_000_000) -> float:

@@ -60,17 +60,17 @@ from pathlib import Path
 import numpy as np
 from e2e_pareto import CONFIG, FIRST_TOKEN_ID, VOCAB_SIZE, cpu_trace, engine_replicas, warm_up
 
-from disagg.bench.report import load_requests, load_sweep
-from disagg.bench.sweep import BenchParams, run_bench_sync
-from disagg.bench.tokens import shared_hash_ids
-from disagg.bench.trace import save_trace
 from disagg.config import load_config
-from disagg.local import free_port, local_app, wait_healthy
-from disagg.sim.calibrate import from_bench_runs, time_engine
-from disagg.sim.driver import ReplayConfig
-from disagg.sim.profile import EngineProfile, load_profile
-from disagg.sim.simulator import ClusterConfig, Simulator
-from disagg.sim.workload import from_trace_records
+from disagg.launch.local import free_port, local_app, wait_healthy
+from disagg.tools.bench.report import load_requests, load_sweep
+from disagg.tools.bench.sweep import BenchParams, run_bench_sync
+from disagg.tools.bench.tokens import shared_hash_ids
+from disagg.tools.bench.trace import save_trace
+from disagg.tools.sim.calibrate import from_bench_runs, time_engine
+from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.profile import EngineProfile, load_profile
+from disagg.tools.sim.simulator import ClusterConfig, Simulator
+from disagg.tools.sim.workload import from_trace_records
 
 METRICS = [("TTFT mean ms", lambda s: s["ttft_ms"]["mean"]), ("TTFT P50 ms", lambda s: s["ttft_ms"]["p50"]),
            ("TTFT P90 ms", lambda s: s["ttft_ms"]["p90"]), ("ITL P90 ms", lambda s: s["itl_ms"]["p90"]),
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="engine profile to start from (default: time the engine now)")
     ap.add_argument("--engine-timing", choices=["ray", "here"], default="ray",
                     help="time the engine in a Ray worker of the serving cluster, or in this process")
-    ap.add_argument("--save-profile", help="also write the engine timing here (e.g. disagg/sim/profiles/cpu-tiny.json)")
+    ap.add_argument("--save-profile", help="also write the engine timing here (e.g. disagg/tools/sim/profiles/cpu-tiny.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bootstrap", type=int, default=4000, help="resamples for the 90%% intervals (0: none)")
     ap.add_argument("--quiet", action="store_true")

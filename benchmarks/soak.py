@@ -60,7 +60,7 @@ from disagg.config import ingress_max_ongoing, load_config
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.faults import read_ledger
-from disagg.local import free_port, local_app, wait_healthy
+from disagg.launch.local import free_port, local_app, wait_healthy
 
 try:
     import soak_attacks  # run as a script: benchmarks/ is on sys.path

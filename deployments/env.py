@@ -1,7 +1,7 @@
 """The environment every replica of the Serve application runs with (no Ray import here).
 
 ``deployments.app`` puts it in each deployment's ``runtime_env``; the launchers
-(``disagg serve`` through ``disagg.local``, the cluster YAMLs, the Helm chart)
+(``disagg serve`` through ``disagg.launch.local``, the cluster YAMLs, the Helm chart)
 set the same variables for the whole cluster.
 """
 

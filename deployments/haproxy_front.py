@@ -33,7 +33,7 @@ forwarded by kernel splice, and HAProxy no longer notices the client closing: th
 sees a disconnect, and a non-streamed request whose client left ran to ``max_tokens`` (a
 streamed one failed at its next write). Request bodies are small; they go through the buffer.
 
-The values come from ``DISAGG_FRONT_*`` (``FRONT_ENV``), which ``disagg.local`` exports from the
+The values come from ``DISAGG_FRONT_*`` (``FRONT_ENV``), which ``disagg.launch.local`` exports from the
 config's ``http:`` section; unset, they are ``HTTPConfig``'s defaults. ``timeout client`` does not
 strike while a response is awaited or streamed (HAProxy stops the client's read timeout once the
 request is in); a body that trickles in faster than it is reached by the app's own deadline
@@ -44,7 +44,7 @@ bundles (what Serve itself would use), else ``haproxy`` on ``PATH``.
 The other listeners stay as Serve renders them: the HTTP front on
 ``http_options.host`` and the Prometheus exporter on its metrics port.
 
-Where the shim comes from: ``disagg.local`` writes one per run (``disagg
+Where the shim comes from: ``disagg.launch.local`` writes one per run (``disagg
 serve``, tests, benchmarks); the ``ray up`` configs use
 ``deployments/cluster/haproxy-front``; the Helm chart mounts the same script
 from a ConfigMap.
@@ -60,7 +60,7 @@ import sys
 from dataclasses import dataclass
 
 SHIM = '#!/bin/sh\n# Serve starts HAProxy through this (deployments/haproxy_front.py)\nexec {python} -m deployments.haproxy_front "$@"\n'
-PID_FILE_ENV = "DISAGG_HAPROXY_PID_FILE"  # where main() records HAProxy's pid (set by disagg.local)
+PID_FILE_ENV = "DISAGG_HAPROXY_PID_FILE"  # where main() records HAProxy's pid (set by disagg.launch.local)
 _SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|userlist|peers|resolvers|program|cache)\b")
 _BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|::|\[::\])?:(\d+)\b")
 
@@ -185,7 +185,7 @@ def rewrite(path: str, limits: FrontLimits | None = None) -> None:
 
 def record_pid(path: str | None) -> None:
     """Append this process's pid (HAProxy's, after the exec) to ``path``: whoever started the
-    cluster stops what is left of HAProxy there at shutdown (``disagg.local``)."""
+    cluster stops what is left of HAProxy there at shutdown (``disagg.launch.local``)."""
     if not path:
         return
     try:

@@ -5,7 +5,7 @@ The ingress tokenizes, validates and hands each request to a decode replica
 A client that disconnects cancels the replica-side generator, which aborts the
 request in the engine and frees its state. A decode replica lost mid-stream is
 replaced: the stream continues on another replica from the tokens already sent
-(``disagg.worker.continue_params``), at most ``deployment.max_stream_resumes`` times.
+(``disagg.workers.tiered.continue_params``), at most ``deployment.max_stream_resumes`` times.
 The ingress keeps its recent requests' first-token stamps (``timings``, see
 ``deployments.timings``) and a record of each finished request (logged at info
 level, and read by ``disagg serve`` through ``console``, see ``disagg.console``).
@@ -32,7 +32,7 @@ from disagg.config import AppConfig, load_config
 from disagg.console import RequestLog, RequestRecord, format_request
 from disagg.engine.factory import build_tokenizer, engine_limits
 from disagg.messages import GenerateParams, StreamChunk
-from disagg.worker import continue_params
+from disagg.workers.tiered import continue_params
 
 log = logging.getLogger("ray.serve")
 

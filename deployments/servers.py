@@ -30,7 +30,7 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.faults import FaultInjector, exit_process
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
-from disagg.worker import StatefulWorker
+from disagg.workers.tiered import StatefulWorker
 from kv_transfer.keys import BlockHasher
 
 log = logging.getLogger("ray.serve")
@@ -73,7 +73,7 @@ class _ServerBase:
         self.node_id = ray.get_runtime_context().get_node_id()
         if self.config.engine.backend == "vllm":  # vLLM + the K3 state connector (docs/vllm.md)
             from deployments.node_store import node_store_actor
-            from disagg.engine.vllm import build_vllm_worker
+            from disagg.workers.vllm import build_vllm_worker
 
             sock = ray.get(node_store_actor(self.config, self.node_id).address.remote())
             self.engine, self.store, self.worker = build_vllm_worker(self.config, self.role, sock,

@@ -31,7 +31,7 @@ Where they plug in: the decode-side flow (``disagg.flow``) runs over interfaces,
 wrap those, not the flow: ``FaultyState`` wraps its ``FlowState`` (a fault decided per state
 load), ``guard_decode`` wraps a decode stream (kill after N streamed tokens) and
 ``guard_prefill_fn`` wraps the remote-prefill call (records retries). Only the prefill kill sits
-in the reference prefill (``disagg.worker``): it falls between compute and publish.
+in the reference prefill (``disagg.workers.tiered``): it falls between compute and publish.
 
 NOTES
 1. Each event is decided once, on the replica serving it: ``rate`` draws come from a generator
@@ -163,7 +163,7 @@ class FaultInjector:
     def _killed_before(self, params: GenerateParams) -> bool:
         if not self.enabled or not self.config.ledger_path:
             return False
-        root = params.request_id.split("~")[0]  # a continuation is "<id>~<n>" (disagg.worker.continue_params)
+        root = params.request_id.split("~")[0]  # a continuation is "<id>~<n>" (disagg.workers.tiered.continue_params)
         return any(e.get("fault", "").startswith("kill") and (e.get("request_id") or "").split("~")[0] == root
                    for e in read_ledger(self.config.ledger_path))
 

@@ -1,7 +1,7 @@
 """The decode-side request flow, written once over two small interfaces.
 
-Both workers (``disagg.worker.StatefulWorker`` over the reference engine,
-``disagg.engine.vllm.worker.VLLMWorker`` over vLLM) are adapters of the two
+Both workers (``disagg.workers.tiered.StatefulWorker`` over the reference engine,
+``disagg.workers.vllm.VLLMWorker`` over vLLM) are adapters of the two
 interfaces below and run this flow; neither has a decode flow of its own.
 
     RequestFlow.generate(params, prefill_fn)
@@ -18,8 +18,8 @@ interfaces below and run this flow; neither has a decode flow of its own.
 
 ``FlowEngine`` is what the flow needs of an engine (``disagg.engine.async_engine.AsyncEngine``
 and ``disagg.engine.vllm.engine.VLLMEngine`` implement it); ``FlowState`` is what it needs of
-the node's state tiers (``disagg.worker.TierState`` over a ``kv_transfer`` store,
-``disagg.engine.vllm.worker.ConnectorState`` where vLLM's connector moves the bytes).
+the node's state tiers (``disagg.workers.tiered.TierState`` over a ``kv_transfer`` store,
+``disagg.workers.vllm.ConnectorState`` where vLLM's connector moves the bytes).
 Fault injection wraps these (``disagg.faults.FaultyState``, ``FaultInjector.guard_decode``).
 
 NOTES

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from disagg.local import free_port
+from disagg.launch.local import free_port
 
 
 @contextlib.contextmanager
@@ -38,7 +38,7 @@ def tiny_aggregated_backend() -> Iterator:
     import torch
 
     from disagg.config import load_config
-    from disagg.inprocess import InProcessBackend
+    from disagg.launch.inprocess import InProcessBackend
 
     threads = torch.get_num_threads()
     cfg = load_config({"model": {"name": "tiny"},

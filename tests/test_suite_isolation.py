@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def test_library_caches_go_to_the_temp_dir_not_home() -> None:
-    """matplotlib (imported by disagg.bench.plots) would cache fonts under ~/.cache; a child
+    """matplotlib (imported by disagg.tools.bench.plots) would cache fonts under ~/.cache; a child
     process, as the CLI tests start, inherits the same redirection."""
     code = "import matplotlib; print(matplotlib.get_cachedir()); print(matplotlib.get_configdir())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -5,21 +5,21 @@ Reads every module of the packages below with ``ast`` (nothing is imported or ru
 import it makes (module level, inside functions, under ``TYPE_CHECKING``: each is a dependency a
 reader has to follow), and fails on
 
-    1. an import of a module in a layer above the importer's (the table ``LAYERS``), and
-    2. an import cycle: a strongly connected set of two or more modules.
+    1. an import of a module in a layer above the importer's (the table ``LAYERS``),
+    2. an import cycle: a strongly connected set of two or more modules, and
+    3. a package cycle: the same, with every module taken as its package at depth 2 and at
+       depth 3 (``disagg.engine``, ``disagg.flow``; ``disagg.engine.vllm``, ``disagg.tools.sim``):
+       two packages whose modules import each other, even without a module cycle.
 
 The layers, lowest first (an import may point down or sideways within a layer, never up)::
 
-    0 transfer    kv_transfer                       state transfer, usable without Ray or HTTP
-    1 core        disagg (all but what follows)     api, engine, router, flow, worker, config, ...
-    2 tools       disagg.bench, disagg.sim,         offline tools over the core
-                  disagg.plan
-    2 serving     deployments                       the Ray Serve application
-    3 launchers   disagg.cli, local, deploy, demo,  what starts the system or a tool
-                  inprocess, multiproc
+    0 transfer    kv_transfer                     state transfer, usable without Ray or HTTP
+    1 core        disagg (all but what follows)   api, engine, router, reuse, flow, workers, config, ...
+    2 tools       disagg.tools                    offline tools over the core: bench, sim, plan
+    2 serving     deployments                     the Ray Serve application
+    3 launchers   disagg.launch, disagg.__main__  what starts the system or a tool
 
-Tools and serving are peers: neither imports the other. The launchers still live inside
-``disagg/`` (their move to a package of their own is pending); their rank says where they stand.
+Tools and serving are peers: neither imports the other.
 
 Usage: ``python tools/check_imports.py [ROOT]`` (exit 1 and one line per violation when any).
 """
@@ -37,16 +37,10 @@ PACKAGES = ("kv_transfer", "disagg", "deployments")  # the code whose imports ar
 LAYERS: tuple[tuple[str, str, int], ...] = (
     ("kv_transfer", "transfer", 0),
     ("disagg", "core", 1),
-    ("disagg.bench", "tools", 2),
-    ("disagg.sim", "tools", 2),
-    ("disagg.plan", "tools", 2),
+    ("disagg.tools", "tools", 2),
     ("deployments", "serving", 2),
-    ("disagg.cli", "launchers", 3),
-    ("disagg.local", "launchers", 3),
-    ("disagg.deploy", "launchers", 3),
-    ("disagg.demo", "launchers", 3),
-    ("disagg.inprocess", "launchers", 3),
-    ("disagg.multiproc", "launchers", 3),
+    ("disagg.launch", "launchers", 3),
+    ("disagg.__main__", "launchers", 3),
 )
 
 
@@ -169,9 +163,21 @@ def check(root: Path) -> list[str]:
     for e in upward(edges):
         lines.append(f"upward import: {mods[e.importer].relative_to(root)}:{e.line} {e.importer} "
                      f"({layer_of(e.importer)[0]}) -> {e.target} ({layer_of(e.target)[0]})")
-    for comp in cycles(edges):
+    module_cycles = cycles(edges)
+    for comp in module_cycles:
         lines.append("import cycle: " + " <-> ".join(comp))
+    for depth in PACKAGE_DEPTHS:
+        for comp in cycles([Import(_package(e.importer, depth), _package(e.target, depth), e.line) for e in edges]):
+            if comp not in module_cycles:  # modules no deeper than ``depth`` are their own package
+                lines.append(f"package cycle (depth {depth}): " + " <-> ".join(comp))
     return lines
+
+
+PACKAGE_DEPTHS = (2, 3)
+
+
+def _package(module: str, depth: int) -> str:
+    return ".".join(module.split(".")[:depth])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,12 +30,12 @@ import httpx
 import uvicorn
 
 from disagg.api.app import create_app
-from disagg.bench.sweep import BenchParams, run_bench_sync
-from disagg.bench.synth import synthesize
-from disagg.bench.trace import save_trace
 from disagg.config import AppConfig
 from disagg.engine.factory import engine_limits
-from disagg.inprocess import InProcessBackend
+from disagg.launch.inprocess import InProcessBackend
+from disagg.tools.bench.sweep import BenchParams, run_bench_sync
+from disagg.tools.bench.synth import synthesize
+from disagg.tools.bench.trace import save_trace
 
 STACKS = ("disaggregated_host_tier", "aggregated_no_host_tier")
 

@@ -245,7 +245,7 @@ def _front(args, layout: str, port: int, ready) -> None:
     import uvicorn
 
     from disagg.api.app import create_app
-    from disagg.multiproc import ProcessBackend
+    from disagg.launch.multiproc import ProcessBackend
 
     layout, _, variant = layout.partition(":")
     cfg = _cfg(args, chunk=args.agg_chunk if layout == "1x_aggregated_host" else None, learned=variant != "before")
@@ -268,10 +268,10 @@ def _front(args, layout: str, port: int, ready) -> None:
 def run_e2e(args, out: Path) -> list[dict]:
     import httpx
 
-    from disagg.bench.sweep import BenchParams, run_bench_sync
-    from disagg.bench.synth import synthesize
-    from disagg.bench.trace import save_trace
     from disagg.engine.factory import engine_limits
+    from disagg.tools.bench.sweep import BenchParams, run_bench_sync
+    from disagg.tools.bench.synth import synthesize
+    from disagg.tools.bench.trace import save_trace
 
     records = synthesize(args.sessions, 0, block_size=BLOCK, scale=args.scale, turn_scale=0.25,
                          max_input=args.max_input, subagents=False)

@@ -5,6 +5,6 @@
     misses     one reason for every prompt token computed below that bound
     placement  where a keep_state prefill keeps extra KDA checkpoints
 
-The worker (``disagg.worker``) calls these at a few marked points; nothing
+The worker (``disagg.workers.tiered``) calls these at a few marked points; nothing
 here imports an engine, a store, Ray or HTTP.
 """

@@ -1,6 +1,6 @@
 """A worker's reuse accounting: ledger + placement + miss classification, glued.
 
-The worker calls it at four marked points (``disagg.worker``, "reuse:"):
+The worker calls it at four marked points (``disagg.workers.tiered``, "reuse:"):
 
     begin     a prompt arrives: its view (bound, points), learned divergence,
               checkpoint positions for its prefill; the prompt is noted as seen

@@ -20,7 +20,7 @@ import uvicorn
 
 from disagg.api.app import create_app
 from disagg.config import HTTPConfig
-from disagg.local import free_port
+from disagg.launch.local import free_port
 from disagg.messages import StreamChunk
 from tests.api.test_stream_text import OFFSET
 from tests.helpers import serve_asgi

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from disagg.config import load_config
-from disagg.inprocess import InProcessBackend
+from disagg.launch.inprocess import InProcessBackend
 from tests.helpers import serve_asgi
 
 MODEL = "disagg-tiny"

@@ -130,7 +130,7 @@ def test_a_stop_token_as_the_only_token_finishes_with_stop_after_a_remote_prefil
     """max_tokens=1 and the first token is a stop token: "stop", as the engine itself answers,
     also when the first token comes from the prefill worker (a prompt above the local limit)."""
     from disagg.config import load_config
-    from disagg.inprocess import InProcessBackend
+    from disagg.launch.inprocess import InProcessBackend
 
     cfg = load_config({"model": {"name": "tiny"},
                        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1},

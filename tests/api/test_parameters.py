@@ -23,7 +23,7 @@ PROMPT_IDS = list(range(10, 110))  # 100 tokens: above the local prefill limit
 def url():
     import torch
 
-    from disagg.inprocess import InProcessBackend
+    from disagg.launch.inprocess import InProcessBackend
 
     threads = torch.get_num_threads()
     cfg = load_config({"model": {"name": "tiny"},

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from disagg.bench.testserver import TestServer, TestServerConfig
+from disagg.tools.bench.testserver import TestServer, TestServerConfig
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from disagg.bench.client import OpenAIClient, RequestResult
-from disagg.bench.metrics import summarize
-from disagg.bench.testserver import TestServerConfig, TestServerProcess
+from disagg.tools.bench.client import OpenAIClient, RequestResult
+from disagg.tools.bench.metrics import summarize
+from disagg.tools.bench.testserver import TestServerConfig, TestServerProcess
 
 
 def _run(coro):

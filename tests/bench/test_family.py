@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.bench.family import SUITE, FamilyMember, member_trace
-from disagg.bench.stats import compute_stats
-from disagg.bench.trace import group_sessions
+from disagg.tools.bench.family import SUITE, FamilyMember, member_trace
+from disagg.tools.bench.stats import compute_stats
+from disagg.tools.bench.trace import group_sessions
 
 
 def test_suite_has_at_least_six_named_members() -> None:

@@ -6,17 +6,17 @@ import math
 
 import pytest
 
-from disagg.bench.client import RequestResult
-from disagg.bench.cost import gpu_hour_price, tokens_per_dollar, usd_per_million_tokens
-from disagg.bench.metrics import SLO, percentile, summarize
-from disagg.bench.pareto import (
+from disagg.tools.bench.client import RequestResult
+from disagg.tools.bench.cost import gpu_hour_price, tokens_per_dollar, usd_per_million_tokens
+from disagg.tools.bench.metrics import SLO, percentile, summarize
+from disagg.tools.bench.pareto import (
     compare_fronts,
     front_at,
     monotone_interpolate,
     pareto_front,
     steffen_slopes,
 )
-from disagg.bench.servermetrics import cache_delta, parse_prometheus
+from disagg.tools.bench.servermetrics import cache_delta, parse_prometheus
 
 MS = 1_000_000
 

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.preflight import (
+from disagg.config import HTTPConfig
+from disagg.launch.local import free_port
+from disagg.tools.bench.preflight import (
     FALLBACK_VOCAB_SIZE,
     PreflightError,
     ServerInfo,
     probe,
     token_params,
 )
-from disagg.bench.trace import DEFAULT_BLOCK_SIZE
-from disagg.config import HTTPConfig
-from disagg.local import free_port
+from disagg.tools.bench.trace import DEFAULT_BLOCK_SIZE
 from tests.helpers import serve_asgi, tiny_aggregated_backend
 
 ROOT = Path(__file__).parents[2]
@@ -45,8 +45,8 @@ def server(backend):
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory) -> str:
-    from disagg.bench.synth import synthesize
-    from disagg.bench.trace import save_trace
+    from disagg.tools.bench.synth import synthesize
+    from disagg.tools.bench.trace import save_trace
 
     path = tmp_path_factory.mktemp("trace") / "t.jsonl"
     records = synthesize(2, 0, block_size=64, scale=0.01, max_input=600)
@@ -81,7 +81,7 @@ def test_a_server_that_wants_a_key_says_how_to_give_one(backend):
 def test_no_server_fails_in_one_line_with_exit_2(trace):
     url = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.run(
-        [sys.executable, "-m", "disagg.cli", "bench", "--url", url, "--trace", trace],
+        [sys.executable, "-m", "disagg.launch.cli", "bench", "--url", url, "--trace", trace],
         capture_output=True,
         text=True,
         timeout=120,
@@ -135,7 +135,7 @@ def test_a_first_token_id_outside_the_vocabulary_is_refused():
 
 
 def bench(server: str, trace: str, out: Path, *extra: str) -> int:
-    from disagg.bench.cli import main
+    from disagg.tools.bench.cli import main
 
     return main(
         [

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from disagg.bench import rawhttp
-from disagg.bench.client import OpenAIClient, RequestResult, _RawExchange
+from disagg.tools.bench import rawhttp
+from disagg.tools.bench.client import OpenAIClient, RequestResult, _RawExchange
 
 TOKEN = b'data: {"id":"x","choices":[{"index":0,"text":" a","finish_reason":null}]}\n\n'
 LAST = b'data: {"id":"x","choices":[{"index":0,"text":" a","finish_reason":"length"}]}\n\n'

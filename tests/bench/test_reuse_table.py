@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from disagg.bench.metrics import format_reuse
-from disagg.bench.servermetrics import reuse_delta
-from disagg.bench.sweep import reuse_table
+from disagg.tools.bench.metrics import format_reuse
+from disagg.tools.bench.servermetrics import reuse_delta
+from disagg.tools.bench.sweep import reuse_table
 
 BEFORE = """disagg_reuse_miss_tokens_total{reason="evicted"} 10.0
 disagg_reuse_miss_tokens_total{reason="no_checkpoint"} 0.0

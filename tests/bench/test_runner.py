@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.cli import main
-from disagg.bench.client import OpenAIClient
-from disagg.bench.metrics import summarize
-from disagg.bench.runner import RunConfig, replay
-from disagg.bench.sweep import BenchParams, run_bench_sync
-from disagg.bench.synth import synthesize
-from disagg.bench.tokens import TokenFactory, shared_hash_ids
-from disagg.bench.trace import TraceRecord
+from disagg.tools.bench.cli import main
+from disagg.tools.bench.client import OpenAIClient
+from disagg.tools.bench.metrics import summarize
+from disagg.tools.bench.runner import RunConfig, replay
+from disagg.tools.bench.sweep import BenchParams, run_bench_sync
+from disagg.tools.bench.synth import synthesize
+from disagg.tools.bench.tokens import TokenFactory, shared_hash_ids
+from disagg.tools.bench.trace import TraceRecord
 
 
 def _trace(num_sessions: int, turns: int, *, delay: float = 0.0, bs: int = 4) -> list[TraceRecord]:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.bench.client import RequestResult
-from disagg.bench.sse import StreamAccumulator, all_plain_tokens
+from disagg.tools.bench.client import RequestResult
+from disagg.tools.bench.sse import StreamAccumulator, all_plain_tokens
 
 
 def _event(obj: object, crlf: bool = False) -> bytes:

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from disagg.bench.stats import compute_stats, consecutive_reuse, theoretical_hit_rate
-from disagg.bench.synth import synthesize
-from disagg.bench.tokens import TokenFactory
-from disagg.bench.trace import TraceRecord, group_sessions
+from disagg.tools.bench.stats import compute_stats, consecutive_reuse, theoretical_hit_rate
+from disagg.tools.bench.synth import synthesize
+from disagg.tools.bench.tokens import TokenFactory
+from disagg.tools.bench.trace import TraceRecord, group_sessions
 
 SCALE = 0.25
 

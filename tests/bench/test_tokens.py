@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from disagg.bench.tokens import TokenFactory, shared_hash_ids
-from disagg.bench.trace import TraceRecord
+from disagg.tools.bench.tokens import TokenFactory, shared_hash_ids
+from disagg.tools.bench.trace import TraceRecord
 
 
 def test_same_id_same_tokens_and_range() -> None:

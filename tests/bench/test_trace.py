@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.mooncake import import_mooncake
-from disagg.bench.trace import TraceError, TraceRecord, load_trace, save_trace
+from disagg.tools.bench.mooncake import import_mooncake
+from disagg.tools.bench.trace import TraceError, TraceRecord, load_trace, save_trace
 
 
 def _line(**over: object) -> dict:

@@ -1,6 +1,6 @@
 """User mistakes on the command line: error lines naming the fix, exit status 2, no traceback.
 
-Every case runs ``python -m disagg.cli`` as a subprocess, as a user would; none starts Ray
+Every case runs ``python -m disagg.launch.cli`` as a subprocess, as a user would; none starts Ray
 (the checks run before it: a message about a started Ray instance would fail the test).
 """
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).parents[2]
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "disagg.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "disagg.launch.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -140,6 +140,6 @@ def test_more_cpus_than_the_local_cluster_has_fails_fast(tmp_path):
 def test_the_documented_local_config_fits_a_two_core_machine():
     """``serve run deployments/configs/local-cpu.yaml`` gives Ray one logical CPU per core."""
     from disagg.config import load_config
-    from disagg.preflight import check_cpus
+    from disagg.launch.preflight import check_cpus
 
     check_cpus(load_config(ROOT / "deployments" / "configs" / "local-cpu.yaml"), 2)

@@ -1,4 +1,4 @@
-"""HAProxy left by a run that died is stopped by the next one (``disagg.haproxy_dirs``).
+"""HAProxy left by a run that died is stopped by the next one (``disagg.launch.haproxy_dirs``).
 
 Stand-ins: a copy of ``sleep`` named ``haproxy`` (what ``/proc`` shows is all the module
 reads), a plain ``sleep`` that must survive, and owners that are alive (this process) or
@@ -11,7 +11,7 @@ import os
 import shutil
 import subprocess
 
-from disagg.haproxy_dirs import PREFIX, reap_orphans, stop_recorded, write_owner
+from disagg.launch.haproxy_dirs import PREFIX, reap_orphans, stop_recorded, write_owner
 
 
 def _spawn(tmp_path, name: str) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""``disagg.preflight``'s checks in-process (the CLI's subprocess tests cover the wiring)."""
+"""``disagg.launch.preflight``'s checks in-process (the CLI's subprocess tests cover the wiring)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import pytest
 from pydantic import ValidationError
 
 from disagg.config import AppConfig, load_config
-from disagg.preflight import UsageError, check_cpus, check_model, check_port, explain_validation
+from disagg.launch.preflight import (
+    UsageError,
+    check_cpus,
+    check_model,
+    check_port,
+    explain_validation,
+)
 
 
 def _lines(data: dict) -> list[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.local import _haproxy_available, free_port
+from disagg.launch.local import _haproxy_available, free_port
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).parents[2]
@@ -93,7 +93,7 @@ def start(port: int, tmp: str, attempts: int = 3) -> tuple[subprocess.Popen, Out
     the raylet, missed on an overloaded machine: ``ClusterStartError``) is tried again."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=tmp)
     for attempt in range(attempts):
-        proc = subprocess.Popen([sys.executable, "-m", "disagg.cli", "serve", "tiny", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "disagg.launch.cli", "serve", "tiny", "--port", str(port),
                                  "--mode", "aggregated"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, cwd=ROOT)
         out = Output(proc)

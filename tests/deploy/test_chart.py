@@ -10,8 +10,8 @@ import pytest
 from helm_python import HelmError, HelmValuesError, chart
 
 from disagg.config import AppConfig, load_config
-from disagg.deploy import synced_values_schema, validate_serve_config
-from disagg.local import NODE_ENV, SERVE_ENV
+from disagg.launch.deploy import synced_values_schema, validate_serve_config
+from disagg.launch.local import NODE_ENV, SERVE_ENV
 from tests.deploy.chart import (
     CHART,
     EXAMPLES,
@@ -57,7 +57,7 @@ def test_values_schema_embeds_the_current_app_config():
     """values.schema.json's $defs are AppConfig's schema: `helm install` rejects what load_config would."""
     path = CHART / "values.schema.json"
     assert json.loads(path.read_text()) == synced_values_schema(path), (
-        "stale: run python3 -m disagg.deploy sync-schema helm/disagg/values.schema.json")
+        "stale: run python3 -m disagg.launch.deploy sync-schema helm/disagg/values.schema.json")
 
 
 @pytest.mark.parametrize("bad, where", [

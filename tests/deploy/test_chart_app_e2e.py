@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from disagg.deploy import validate_serve_config
+from disagg.launch.deploy import validate_serve_config
 from tests.deploy.chart import (
     example_values,
     one,
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def test_cpu_smoke_release_serves_with_its_key(tmp_path):
     import ray
 
-    from disagg.local import local_app, wait_healthy
+    from disagg.launch.local import local_app, wait_healthy
 
     objs = render_objects(example_values("cpu-smoke"))
     rs, secret = one(objs, "RayService"), one(objs, "Secret")

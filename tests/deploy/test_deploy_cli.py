@@ -11,9 +11,9 @@ import pytest
 import ray
 import yaml
 
-from disagg.cli import main
 from disagg.config import load_config
-from disagg.deploy import apply_sets, build_serve_config, parse_set, run_deploy
+from disagg.launch.cli import main
+from disagg.launch.deploy import apply_sets, build_serve_config, parse_set, run_deploy
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = sorted((ROOT / "deployments" / "configs").glob("*.yaml")) + sorted(

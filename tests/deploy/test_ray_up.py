@@ -21,8 +21,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.scripts.scripts import start as ray_start
 
 from disagg.config import AppConfig
-from disagg.deploy import build_serve_config
-from disagg.local import NODE_ENV, SERVE_ENV
+from disagg.launch.deploy import build_serve_config
+from disagg.launch.local import NODE_ENV, SERVE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_DIR = ROOT / "deployments" / "cluster"

@@ -2,7 +2,7 @@
 
 One local Ray cluster serves the embedded default disaggregated (prefill +
 decode replicas sharing the node's host tier) at ``/`` and the same config
-aggregated at ``/agg``; the ``disagg.bench`` harness replays a CPU-sized
+aggregated at ``/agg``; the ``disagg.tools.bench`` harness replays a CPU-sized
 synthetic agentic trace against both (concurrency 1 and 2, a few requests
 each), then draws the Pareto, latency-CDF and A/B figures.
 """
@@ -28,7 +28,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def _trace():
     """Prompts ~400-1000 tokens (64-token blocks, 384-token shared prefix), outputs 8-24."""
-    from disagg.bench.synth import SynthConfig, synthesize
+    from disagg.tools.bench.synth import SynthConfig, synthesize
 
     records = synthesize(
         6,
@@ -49,11 +49,11 @@ def sweeps(tmp_path_factory):
     from ray import serve
 
     from deployments.app import build_app
-    from disagg.bench.plots import plot_compare
-    from disagg.bench.report import sweep_points
-    from disagg.bench.sweep import BenchParams, run_bench_sync
-    from disagg.bench.trace import save_trace
-    from disagg.local import local_app, wait_healthy
+    from disagg.launch.local import local_app, wait_healthy
+    from disagg.tools.bench.plots import plot_compare
+    from disagg.tools.bench.report import sweep_points
+    from disagg.tools.bench.sweep import BenchParams, run_bench_sync
+    from disagg.tools.bench.trace import save_trace
 
     out = tmp_path_factory.mktemp("bench-e2e")
     records = _trace()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from deployments import haproxy_front
-from disagg.local import free_port
+from disagg.launch.local import free_port
 from tests.helpers import serve_asgi
 
 LIMITS = haproxy_front.FrontLimits(header_timeout_s=1, body_timeout_s=2, keep_alive_timeout_s=1,

@@ -156,7 +156,7 @@ def test_no_connection_cap_when_it_is_zero():
 
 def test_front_limits_come_from_the_environment_that_local_exports():
     from disagg.config import HTTPConfig
-    from disagg.local import front_env
+    from disagg.launch.local import front_env
 
     http = HTTPConfig(header_timeout_s=4, body_timeout_s=12.4, keep_alive_timeout_s=2, max_connections_per_client=7)
     assert haproxy_front.FrontLimits.from_env(front_env(http)) == haproxy_front.FrontLimits(4, 12, 2, 7)

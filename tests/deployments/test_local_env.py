@@ -1,4 +1,4 @@
-"""The local cluster's process settings (``disagg.local.export_cluster_env``): no Ray started."""
+"""The local cluster's process settings (``disagg.launch.local.export_cluster_env``): no Ray started."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from disagg import local
 from disagg.config import HTTPConfig, load_config
+from disagg.launch import local
 
 KEYS = {*local.SERVE_ENV, *local.CLUSTER_ENV, *local.HAPROXY_ENV, *local._HAPROXY_PORT_KEYS,
         "RAY_SERVE_HAPROXY_BINARY_PATH", *local.front_env(HTTPConfig())}
@@ -120,7 +120,7 @@ def test_a_cluster_too_small_is_refused_naming_each_short_resource():
 def test_serve_exits_2_with_the_message_instead_of_waiting(monkeypatch, capsys):
     """``disagg serve`` against a cluster that cannot place the replicas: one ``error:`` line
     naming the short resource, exit status 2, no wait and no traceback."""
-    from disagg import cli
+    from disagg.launch import cli
 
     @contextlib.contextmanager
     def refuse(cfg, name=local.APP_NAME):

@@ -13,7 +13,7 @@ import ray
 from disagg.config import load_config
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
-from disagg.local import free_port, wait_healthy
+from disagg.launch.local import free_port, wait_healthy
 
 pytestmark = pytest.mark.ray
 MODEL = "disagg-tiny"
@@ -54,7 +54,7 @@ def _kill_replica(replica_id: str) -> None:
 
 
 def test_turns_follow_their_state_and_survive_losing_it():
-    from disagg.local import local_app
+    from disagg.launch.local import local_app
 
     cfg = _cfg()
     reference = build_reference_engine(cfg)  # same seeded weights as the replicas

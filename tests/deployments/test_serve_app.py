@@ -31,7 +31,7 @@ def cluster():
     from ray import serve
 
     from deployments.app import build_app
-    from disagg.local import local_app, wait_healthy
+    from disagg.launch.local import local_app, wait_healthy
 
     cfg = load_config(CONFIGS[[p.name for p in CONFIGS].index("local-cpu.yaml")])
     cfg.http.port = free_port()

@@ -37,7 +37,7 @@ BODY_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    from disagg.local import local_app, wait_healthy
+    from disagg.launch.local import local_app, wait_healthy
 
     cfg = load_config(CONFIG)
     cfg.http.port = free_port()
@@ -203,7 +203,7 @@ def test_trickling_headers_get_408_from_the_front(cluster):
 
 
 def test_a_config_the_cluster_cannot_place_is_refused_at_once(cluster):
-    from disagg.local import PlacementError, local_app
+    from disagg.launch.local import PlacementError, local_app
 
     big = cluster["cfg"].model_copy(deep=True)
     big.deployment.decode.num_cpus = 10_000

@@ -11,9 +11,9 @@ import asyncio
 import inspect
 
 from disagg.engine.protocol import SamplingParams, TokenOutput
-from disagg.engine.vllm import worker as vllm_worker
-from disagg.engine.vllm.worker import VLLMWorker
 from disagg.messages import GenerateParams, PrefillHandle
+from disagg.workers import vllm as vllm_worker
+from disagg.workers.vllm import VLLMWorker
 from kv_transfer.vllm.jobs import StateHandle
 
 

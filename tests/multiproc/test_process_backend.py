@@ -18,9 +18,9 @@ import torch
 
 from disagg.config import load_config
 from disagg.engine.protocol import SamplingParams
-from disagg.inprocess import InProcessBackend
+from disagg.launch.inprocess import InProcessBackend
+from disagg.launch.multiproc import ProcessBackend
 from disagg.messages import GenerateParams
-from disagg.multiproc import ProcessBackend
 from kv_transfer.errors import CorruptObjectError
 from tests.helpers import serve_asgi
 

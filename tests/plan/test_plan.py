@@ -7,12 +7,12 @@ import re
 
 import pytest
 
-from disagg.cli import main as disagg_main
-from disagg.plan.hardware import load_hardware
-from disagg.plan.memory import PlanConfig, human_bytes, plan
-from disagg.plan.models import KIMI_K3, from_hf_config, load_model
-from disagg.plan.roofline import roofline_profile
-from disagg.plan.speculative import committed_from_acceptance, cycle_costs, depth_table
+from disagg.launch.cli import main as disagg_main
+from disagg.tools.plan.hardware import load_hardware
+from disagg.tools.plan.memory import PlanConfig, human_bytes, plan
+from disagg.tools.plan.models import KIMI_K3, from_hf_config, load_model
+from disagg.tools.plan.roofline import roofline_profile
+from disagg.tools.plan.speculative import committed_from_acceptance, cycle_costs, depth_table
 
 MI355X = load_hardware("mi355x")
 

@@ -17,9 +17,9 @@ from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.engine.reference.engine import ReferenceEngine
 from disagg.faults import FaultInjector, InjectedCrash, read_ledger
-from disagg.inprocess import make_local_store
+from disagg.launch.inprocess import make_local_store
 from disagg.messages import GenerateParams
-from disagg.worker import StatefulWorker, continue_params
+from disagg.workers.tiered import StatefulWorker, continue_params
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -28,7 +28,7 @@ from disagg.config import load_config
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.faults import read_ledger
-from disagg.local import APP_NAME, free_port, wait_healthy
+from disagg.launch.local import APP_NAME, free_port, wait_healthy
 
 pytestmark = pytest.mark.ray
 MODEL = "disagg-tiny"
@@ -50,7 +50,7 @@ def _ids(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from disagg.local import local_app
+    from disagg.launch.local import local_app
 
     ledger = str(tmp_path_factory.mktemp("faults") / "ledger.jsonl")
     cfg = load_config("deployments/configs/local-cpu.yaml")

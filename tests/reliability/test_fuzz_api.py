@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from disagg.api.app import create_app  # noqa: E402
 from disagg.config import load_config  # noqa: E402
-from disagg.inprocess import InProcessBackend  # noqa: E402
+from disagg.launch.inprocess import InProcessBackend  # noqa: E402
 from tests.helpers import serve_asgi  # noqa: E402
 
 MODEL = "disagg-tiny"

@@ -23,7 +23,7 @@ import torch
 from disagg.config import load_config
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
-from disagg.local import APP_NAME, free_port, wait_healthy
+from disagg.launch.local import APP_NAME, free_port, wait_healthy
 
 pytestmark = pytest.mark.ray
 MODEL = "disagg-tiny"
@@ -42,7 +42,7 @@ def two_nodes():
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from disagg.local import export_cluster_env, local_app
+    from disagg.launch.local import export_cluster_env, local_app
 
     if ray.is_initialized():
         pytest.skip("needs its own Ray cluster")

@@ -19,9 +19,9 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import SamplingParams
 from disagg.engine.reference.engine import ReferenceEngine
-from disagg.inprocess import InProcessBackend
+from disagg.launch.inprocess import InProcessBackend
 from disagg.messages import GenerateParams
-from disagg.worker import StatefulWorker
+from disagg.workers.tiered import StatefulWorker
 from kv_transfer.transport.device_ipc import DeviceShares
 
 

@@ -14,7 +14,7 @@ import torch
 
 from disagg.api.app import create_app
 from disagg.config import load_config
-from disagg.inprocess import InProcessBackend
+from disagg.launch.inprocess import InProcessBackend
 from tests.helpers import serve_asgi
 
 MODEL = "disagg-tiny"

@@ -166,7 +166,7 @@ def test_decode_worker_loads_a_far_prefill_through_the_peer_store(token_env, mon
     from disagg.engine.protocol import EngineRequest, SamplingParams
     from disagg.engine.reference.engine import ReferenceEngine
     from disagg.messages import GenerateParams
-    from disagg.worker import StatefulWorker
+    from disagg.workers.tiered import StatefulWorker
     from kv_transfer.store import StateStore
     from kv_transfer.tiers.host import HostTier
 

@@ -22,7 +22,7 @@ from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.engine.reference.engine import ReferenceEngine
 from disagg.messages import GenerateParams
-from disagg.worker import StatefulWorker
+from disagg.workers.tiered import StatefulWorker
 from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
 from kv_transfer.tiers.memory import DictByteStore

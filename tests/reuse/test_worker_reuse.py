@@ -12,7 +12,7 @@ import torch
 
 from disagg.config import load_config
 from disagg.engine.protocol import SamplingParams
-from disagg.inprocess import InProcessBackend
+from disagg.launch.inprocess import InProcessBackend
 from disagg.messages import GenerateParams
 
 BS = 64
@@ -159,7 +159,7 @@ def test_in_flight_and_the_counters(threads):
     """B shares A's full blocks and arrives while A's prefill (and publish) is still running: its
     tokens are ``in_flight`` misses. The edge's counters of every request add up."""
     from disagg.api.metrics import ServingMetrics
-    from disagg.bench.servermetrics import counter_by_label, counter_total, parse_prometheus
+    from disagg.tools.bench.servermetrics import counter_by_label, counter_total, parse_prometheus
 
     b = backend()
     a = ids(1500, 7)

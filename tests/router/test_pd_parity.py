@@ -5,7 +5,7 @@ loads come from the Serve request-router adapter (``pool_loads``) over replicas 
 loads. Serve's replica records are stand-ins (``SimpleNamespace``: the Serve controller is the
 system boundary); the remote prefill call is a recorder that fails, so the worker then prefills
 locally (the decision is what it did first). Simulator: the router the simulator builds
-(``disagg.sim.simulator.build_router``) over prefill workers with the same queued tokens.
+(``disagg.tools.sim.simulator.build_router``) over prefill workers with the same queued tokens.
 Both decide from ``disagg.config``'s router settings.
 """
 
@@ -26,8 +26,8 @@ from disagg.engine.protocol import SamplingParams
 from disagg.messages import GenerateParams
 from disagg.router.index import PrefixIndex
 from disagg.router.types import RouteRequest, WorkerState
-from disagg.sim.simulator import build_router
-from disagg.worker import StatefulWorker
+from disagg.tools.sim.simulator import build_router
+from disagg.workers.tiered import StatefulWorker
 
 # thresholds small enough for a CPU prefill: local <= 64; busy pool (min queue >= 1000) keeps <= 192 local
 ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_local_max_tokens": 192}

@@ -5,8 +5,8 @@ import time
 from disagg.router.index import PrefixIndex
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
-from disagg.sim.simulator import ClusterConfig, Simulator
-from disagg.sim.workload import SynthConfig, synth_sessions
+from disagg.tools.sim.simulator import ClusterConfig, Simulator
+from disagg.tools.sim.workload import SynthConfig, synth_sessions
 from tests.router.helpers import chain, req, store, workers
 
 

@@ -9,7 +9,7 @@ from disagg.messages import GenerateParams
 from disagg.router.router import _session_key as router_key
 from disagg.router.types import RouteRequest
 from disagg.session import session_key
-from disagg.worker import _session_key as worker_key
+from disagg.workers.tiered import _session_key as worker_key
 
 
 @pytest.mark.parametrize("salt, sid, key", [("", "s1", "s1"), ("t0", "s1", "t0\x00s1"), ("t0", None, ""),

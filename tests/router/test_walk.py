@@ -9,7 +9,7 @@ import pytest
 
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.types import RouteRequest, TailProbe
-from disagg.sim.workload import tail_digest
+from disagg.tools.sim.workload import tail_digest
 from tests.router.helpers import chain
 
 BS = 4

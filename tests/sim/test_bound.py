@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.sim.bound import belady_hits
-from disagg.sim.workload import SimRequest
+from disagg.tools.sim.bound import belady_hits
+from disagg.tools.sim.workload import SimRequest
 
 BS = 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from disagg.sim.cache import LRUTier
+from disagg.tools.sim.cache import LRUTier
 
 
 def _pair(capacity: int):

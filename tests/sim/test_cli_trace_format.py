@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from disagg.bench.mooncake import trace_format
-from disagg.bench.trace import TraceError
-from disagg.sim.cli import main as sim_main
+from disagg.tools.bench.mooncake import trace_format
+from disagg.tools.bench.trace import TraceError
+from disagg.tools.sim.cli import main as sim_main
 
 # two sessions sharing a 2-block prefix; the second turn of each extends its first (64-token blocks)
 MOONCAKE = [

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from disagg.bench.runner import RunConfig
-from disagg.sim.cost_model import CostModel
-from disagg.sim.driver import ReplayConfig
-from disagg.sim.simulator import ClusterConfig, Simulator
-from disagg.sim.workload import SimRequest, shared_ids
+from disagg.tools.bench.runner import RunConfig
+from disagg.tools.sim.cost_model import CostModel
+from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.simulator import ClusterConfig, Simulator
+from disagg.tools.sim.workload import SimRequest, shared_ids
 
 HAND = CostModel(prefill_base_s=0.01, prefill_per_token_s=0.001, prefill_attn_s=0.0,
                  decode_base_s=0.02, decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from disagg.sim.cost_model import CostModel
-from disagg.sim.profile import (
+from disagg.tools.sim.cost_model import CostModel
+from disagg.tools.sim.profile import (
     DecodePoint,
     EngineProfile,
     PrefillPoint,

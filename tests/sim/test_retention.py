@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.sim.cache import LRUTier
-from disagg.sim.retention import SessionRetention
+from disagg.tools.sim.cache import LRUTier
+from disagg.tools.sim.retention import SessionRetention
 
 
 def _d(i: int) -> bytes:
@@ -107,10 +107,10 @@ def test_session_retention_raises_the_hit_under_capacity_pressure():
 
     A baseline router places the requests, so the tiers' policy is what the test compares.
     """
-    from disagg.bench.family import SUITE, member_trace
-    from disagg.sim.driver import ReplayConfig
-    from disagg.sim.simulator import ClusterConfig, Simulator
-    from disagg.sim.workload import from_trace_records
+    from disagg.tools.bench.family import SUITE, member_trace
+    from disagg.tools.sim.driver import ReplayConfig
+    from disagg.tools.sim.simulator import ClusterConfig, Simulator
+    from disagg.tools.sim.workload import from_trace_records
 
     reqs = from_trace_records(member_trace(SUITE["long_agentic"], 8, block_size=64, scale=0.25), 64)
     hits = {}

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.bench.synth import synthesize
-from disagg.sim.cli import main as sim_main
-from disagg.sim.cost_model import CostModel
-from disagg.sim.driver import ReplayConfig
-from disagg.sim.shard import simulate, split_cluster, split_requests
-from disagg.sim.simulator import ClusterConfig
-from disagg.sim.sweep import SweepPoint, SweepRow, best, grid, parse_pd, run_sweep
-from disagg.sim.workload import from_trace_records
+from disagg.tools.bench.synth import synthesize
+from disagg.tools.sim.cli import main as sim_main
+from disagg.tools.sim.cost_model import CostModel
+from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.shard import simulate, split_cluster, split_requests
+from disagg.tools.sim.simulator import ClusterConfig
+from disagg.tools.sim.sweep import SweepPoint, SweepRow, best, grid, parse_pd, run_sweep
+from disagg.tools.sim.workload import from_trace_records
 
 COST = CostModel(max_decode_batch=32)
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from disagg.sim.cache import LRUTier
-from disagg.sim.cost_model import CostModel
-from disagg.sim.profile import cost_profile
-from disagg.sim.simulator import ClusterConfig, Simulator
-from disagg.sim.workload import (
+from disagg.tools.sim.cache import LRUTier
+from disagg.tools.sim.cost_model import CostModel
+from disagg.tools.sim.profile import cost_profile
+from disagg.tools.sim.simulator import ClusterConfig, Simulator
+from disagg.tools.sim.workload import (
     SimRequest,
     SynthConfig,
     consecutive_reuse,
@@ -110,7 +110,7 @@ def test_cost_model_profiles(tmp_path):
 
 
 def test_cli_run_with_a_profile_and_the_bench_summary(capsys):
-    from disagg.sim.cli import main as sim_main
+    from disagg.tools.sim.cli import main as sim_main
 
     assert sim_main(["sim", "run", "--agentic", "6", "--scale", "0.1", "--turn-scale", "0.1", "--profile",
                      "h200-small", "--workers", "2", "--concurrency", "3", "--bench", "--gpu-cost", "h200"]) == 0
@@ -121,8 +121,8 @@ def test_cli_run_with_a_profile_and_the_bench_summary(capsys):
 def test_cli_calibrate_from_saved_engine_figures(tmp_path, capsys):
     from pathlib import Path
 
-    from disagg.sim.cli import main as sim_main
-    from disagg.sim.profile import load_profile
+    from disagg.tools.sim.cli import main as sim_main
+    from disagg.tools.sim.profile import load_profile
 
     h200 = Path(__file__).resolve().parents[2] / "docs" / "perf" / "h200-2026-11-29"
     out = tmp_path / "h200.json"

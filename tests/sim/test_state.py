@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from disagg.router.index import PrefixIndex
-from disagg.sim.cache import LRUTier
-from disagg.sim.cost_model import CostModel
-from disagg.sim.state import CheckpointPolicy, PromptState, StateModel
-from disagg.sim.workload import extend_digests, tail_digest
+from disagg.tools.sim.cache import LRUTier
+from disagg.tools.sim.cost_model import CostModel
+from disagg.tools.sim.state import CheckpointPolicy, PromptState, StateModel
+from disagg.tools.sim.workload import extend_digests, tail_digest
 
 BS = 64
 COST = CostModel(bytes_per_token=100.0, checkpoint_bytes=3 * 64 * 100.0,  # a checkpoint = 3 blocks of capacity

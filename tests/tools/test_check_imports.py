@@ -35,14 +35,14 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 @pytest.mark.parametrize("importer, text, layers", [
     ("kv_transfer/codec.py", "from disagg.config import AppConfig\n", "(transfer) -> disagg.config (core)"),
-    ("disagg/worker.py", "def f():\n    from deployments.app import build_app\n", "(core) -> deployments.app (serving)"),
-    ("disagg/router/x.py", "import disagg.bench.trace\n", "(core) -> disagg.bench.trace (tools)"),
-    ("disagg/sim/x.py", "from deployments import app\n", "(tools) -> deployments.app (serving)"),
-    ("deployments/app.py", "from disagg.local import SERVE_ENV\n", "(serving) -> disagg.local (launchers)"),
-    ("disagg/engine/x.py", "from ..cli import main\n", "(core) -> disagg.cli (launchers)"),
+    ("disagg/workers/tiered.py", "def f():\n    from deployments.app import build_app\n", "(core) -> deployments.app (serving)"),
+    ("disagg/router/x.py", "import disagg.tools.bench.trace\n", "(core) -> disagg.tools.bench.trace (tools)"),
+    ("disagg/tools/sim/x.py", "from deployments import app\n", "(tools) -> deployments.app (serving)"),
+    ("deployments/app.py", "from disagg.launch.local import SERVE_ENV\n", "(serving) -> disagg.launch.local (launchers)"),
+    ("disagg/engine/x.py", "from ..launch.cli import main\n", "(core) -> disagg.launch.cli (launchers)"),
 ])
 def test_an_upward_import_is_reported(tmp_path, importer, text, layers):
-    files = {"disagg/config.py": "", "disagg/cli.py": "", "disagg/local.py": "", "disagg/bench/trace.py": "",
+    files = {"disagg/config.py": "", "disagg/launch/cli.py": "", "disagg/launch/local.py": "", "disagg/tools/bench/trace.py": "",
              "disagg/engine/__init__.py": "", "deployments/app.py": "", importer: text}
     (line,) = check_imports.check(_tree(tmp_path, files))
     assert line.startswith(f"upward import: {importer}:") and line.endswith(layers)
@@ -50,9 +50,9 @@ def test_an_upward_import_is_reported(tmp_path, importer, text, layers):
 
 def test_downward_and_sideways_imports_pass(tmp_path):
     files = {"disagg/config.py": "import kv_transfer.keys\n", "kv_transfer/keys.py": "",
-             "disagg/cli.py": "from deployments.app import x\nfrom disagg.sim import y\n",
-             "deployments/app.py": "from disagg.config import AppConfig\n", "disagg/sim/__init__.py": "",
-             "disagg/sim/y.py": "from disagg.config import AppConfig\n"}
+             "disagg/launch/cli.py": "from deployments.app import x\nfrom disagg.tools.sim import y\n",
+             "deployments/app.py": "from disagg.config import AppConfig\n", "disagg/tools/sim/__init__.py": "",
+             "disagg/tools/sim/y.py": "from disagg.config import AppConfig\n"}
     assert check_imports.check(_tree(tmp_path, files)) == []
 
 
@@ -63,3 +63,10 @@ def test_a_cycle_is_reported_even_through_type_checking_imports(tmp_path):
              "disagg/router/c.py": "def f():\n    from disagg.router import a\n"}
     assert check_imports.check(_tree(tmp_path, files)) == [
         "import cycle: disagg.router.a <-> disagg.router.b <-> disagg.router.c"]
+
+
+def test_two_packages_importing_each_other_are_a_cycle_without_a_module_cycle(tmp_path):
+    """engine.x -> flow and flow -> engine.y: no module loop, but the packages depend on each other."""
+    files = {"disagg/engine/__init__.py": "", "disagg/engine/x.py": "import disagg.flow\n",
+             "disagg/engine/y.py": "", "disagg/flow.py": "from disagg.engine.y import Y\n"}
+    assert check_imports.check(_tree(tmp_path, files)) == ["package cycle (depth 2): disagg.engine <-> disagg.flow"]

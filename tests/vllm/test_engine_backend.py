@@ -102,7 +102,7 @@ async def _collect(worker, params, prefill_fn=None):
 
 
 def test_disaggregated_request_through_the_backend_equals_a_local_one():
-    from disagg.engine.vllm.worker import VLLMWorker
+    from disagg.workers.vllm import VLLMWorker
 
     assert H.MODEL_ID == "tiny-k3|bfloat16"  # the backend's key space for this app
     name, tier = H.make_tier()
@@ -128,8 +128,7 @@ def test_disaggregated_request_through_the_backend_equals_a_local_one():
 
 
 def test_short_suffix_prefills_locally_and_resumes_from_the_nodes_tier():
-    from disagg.engine.vllm import lookup_store
-    from disagg.engine.vllm.worker import VLLMWorker
+    from disagg.workers.vllm import VLLMWorker, lookup_store
 
     name, tier = H.make_tier()
     app = _app()

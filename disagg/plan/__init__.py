@@ -1,8 +1,0 @@
-"""Capacity planning: state bytes per token / GPU / tier, resident sessions, draft depth, roofline profiles."""
-
-from disagg.plan.hardware import HardwareSpec, load_hardware
-from disagg.plan.memory import PlanConfig, PlanResult, plan
-from disagg.plan.models import ModelSpec, from_hf_config, load_model
-
-__all__ = ["HardwareSpec", "ModelSpec", "PlanConfig", "PlanResult", "from_hf_config", "load_hardware",
-           "load_model", "plan"]

@@ -1,0 +1,140 @@
+"""LRU tiers of the simulator (device per worker, host and disk per node).
+
+Keys are opaque hashables (the simulator uses bytes: a 16-byte block digest
+for an MLA block, a one-byte kind tag + digest for a checkpoint, see
+``disagg.tools.sim.state``); each object has a size in capacity units (blocks).
+Every insert and eviction is reported through ``on_event(op, key)`` so the
+simulator can publish the store events a real tier publishes.
+
+Bulk operations (``present``, ``touch_many``) run as C loops over the keys
+(``map`` of dict methods), so a 1,000-block prompt costs microseconds.
+
+NOTES
+1. ``used`` == sum of sizes of resident objects <= capacity after every put.
+2. Eviction order is least-recently used first; ``touch`` refreshes;
+   ``demote`` puts keys at the eviction end (``disagg.tools.sim.retention``).
+3. An object larger than the tier is refused (put returns None, no event).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable
+
+EventFn = Callable[[str, Hashable], None]
+
+
+class LRUTier:
+    def __init__(self, name: str, capacity: int, on_event: EventFn | None = None):
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.name = name
+        self.capacity = capacity
+        self.used = 0
+        self.on_event = on_event
+        self._items: OrderedDict[Hashable, int] = OrderedDict()
+        self.num_evictions = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list[Hashable]:
+        """Resident keys, least recently used first."""
+        return list(self._items)
+
+    def present(self, keys: Iterable[Hashable]) -> list[bool]:
+        """Membership of each key (one C loop)."""
+        return list(map(self._items.__contains__, keys))
+
+    def touch(self, key: Hashable) -> None:
+        if key in self._items:
+            self._items.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        """Refresh keys known to be resident, in order (the last one becomes the newest)."""
+        deque(map(self._items.move_to_end, keys), maxlen=0)
+
+    def touch_present(self, keys: Iterable[Hashable]) -> None:
+        """Refresh those of ``keys`` that are resident, in order."""
+        items = self._items
+        for key in keys:
+            if key in items:
+                items.move_to_end(key)
+
+    def demote(self, keys: Iterable[Hashable]) -> None:
+        """Resident ``keys`` become the next to be evicted; the last key given goes first (NOTE 2)."""
+        items = self._items
+        for key in keys:
+            if key in items:
+                items.move_to_end(key, last=False)
+
+    def put(self, key: Hashable, size: int = 1) -> list[Hashable] | None:
+        """Insert (or refresh) ``key``; returns the keys evicted to make room, None if refused."""
+        items = self._items
+        if key in items:
+            items.move_to_end(key)
+            return []
+        if size > self.capacity:
+            return None
+        evicted: list[Hashable] = []
+        while self.used + size > self.capacity:
+            old, old_size = items.popitem(last=False)
+            self.used -= old_size
+            self.num_evictions += 1
+            evicted.append(old)
+            if self.on_event:
+                self.on_event("evicted", old)
+        items[key] = size
+        self.used += size
+        assert self.used <= self.capacity, "tier over capacity"
+        if self.on_event:
+            self.on_event("stored", key)
+        return evicted
+
+    def put_many(self, keys: list[Hashable], size: int = 1) -> None:
+        """``put`` every key in order: the leading residents are refreshed in one C loop, the rest one by one.
+
+        The C loop (``move_to_end`` over the keys) stops at the first key that is not resident
+        (a KeyError): the keys before it were refreshed, exactly what ``put`` does to a resident.
+        """
+        items = self._items
+        rest = iter(keys)
+        try:
+            deque(map(items.move_to_end, rest), maxlen=0)
+            return  # all resident
+        except KeyError:
+            pass
+        first = len(keys) - len(list(rest)) - 1  # the key that raised (``rest`` holds the keys after it)
+        on_event = self.on_event
+        capacity = self.capacity
+        for key in keys[first:]:  # an insert may evict a key further down the list: check again
+            if key in items:
+                items.move_to_end(key)
+                continue
+            if size > capacity:  # refused (NOTE 3)
+                continue
+            while self.used + size > capacity:  # ``put``, inline
+                old, old_size = items.popitem(last=False)
+                self.used -= old_size
+                self.num_evictions += 1
+                if on_event:
+                    on_event("evicted", old)
+            items[key] = size
+            self.used += size
+            if on_event:
+                on_event("stored", key)
+        assert self.used <= capacity, "tier over capacity"
+
+    def discard(self, key: Hashable) -> None:
+        """Drop ``key`` if resident (reported as an eviction)."""
+        size = self._items.pop(key, None)
+        if size is not None:
+            self.used -= size
+            if self.on_event:
+                self.on_event("evicted", key)
+
+    def utilization(self) -> float:
+        return self.used / self.capacity if self.capacity else 1.0

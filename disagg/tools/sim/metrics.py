@@ -1,0 +1,126 @@
+"""Per-request records and aggregate figures of a simulation run.
+
+    TTFT          = first token - arrival
+    ITL           = (finish - first token) / (output - 1)      (output > 1)
+    interactivity = 1 / ITL;  P90 interactivity = 1 / P90(ITL)
+    hit / theory  = sum(cached tokens) / sum(theoretical reusable tokens),
+                    theoretical = longest prefix of full blocks seen before in
+                    the run (infinite shared cache), capped at prompt - 1
+    max/mean q    = max_w avg_t q_w(t) / mean_w avg_t q_w(t), q_w(t) = prefill tokens
+                    queued or in the running prefill step of prefill-capable worker w,
+                    avg_t over the run [first arrival, last event]; every worker
+                    shares that window, so this is max/mean of the integrals of q_w
+                    (a "busy period" window common to all workers gives the same ratio)
+    max/mean work = max/mean of prefill tokens computed per prefill-capable worker
+    tokens/s/GPU  = (input + output tokens) / makespan / GPUs (workers x gpus_per_worker)
+
+``bench_summary`` gives the measured (non-warm-up) requests the benchmark's
+own ``RunSummary`` (``disagg.tools.bench.metrics``): the same definitions of
+TTFT, ITL, P90 interactivity, window and tokens/s/GPU as a ``disagg bench``
+run against a real server, so the two can be compared line by line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str  # unique id
+    session_id: str  # session
+    turn: int  # turn in session
+    prompt_len: int  # prompt tokens
+    output_len: int  # output tokens
+    arrival: float  # seconds
+    theoretical_tokens: int = 0  # infinite-cache reusable tokens
+    predicted_tokens: int = 0  # router's predicted hit
+    cached_tokens: int = 0  # realized resumed tokens
+    cached_tier: str | None = None  # slowest tier of the resume
+    prefill_worker: str = ""  # where prefill ran
+    decode_worker: str = ""  # where decode ran
+    reason: str = ""  # router reason
+    first_token: float = -1.0  # seconds
+    finish: float = -1.0  # seconds
+    lane: int = -1  # closed-loop lane (-1: open loop)
+    salt: int = 0  # cache-busting salt of the replay
+    warmup: bool = False  # excluded from the benchmark metrics
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def itl(self) -> float | None:
+        if self.output_len <= 1:
+            return None
+        return (self.finish - self.first_token) / (self.output_len - 1)
+
+
+def to_request_results(records: list[RequestRecord]) -> list:
+    """Benchmark ``RequestResult``s of finished records (times in simulated ns)."""
+    from disagg.tools.bench.client import RequestResult
+
+    out = []
+    for r in records:
+        if r.finish < 0:
+            continue
+        res = RequestResult(r.request_id, int(round(r.arrival * 1e9)), int(round(r.first_token * 1e9)),
+                            int(round(r.finish * 1e9)), output_tokens=r.output_len, prompt_tokens=r.prompt_len,
+                            cached_tokens=r.cached_tokens, status=200)
+        res.session_id, res.turn, res.lane, res.salt = r.session_id, r.turn, r.lane, r.salt
+        res.input_length, res.expected_output, res.warmup = r.prompt_len, r.output_len, r.warmup
+        out.append(res)
+    return out
+
+
+def bench_summary(records: list[RequestRecord], num_gpus: int, theoretical_hit: float | None = None,
+                  usd_per_gpu_hour: float | None = None):
+    """The benchmark's ``RunSummary`` of the finished, measured records."""
+    from disagg.tools.bench.metrics import summarize as bench_summarize
+
+    return bench_summarize(to_request_results(records), num_gpus=num_gpus, theoretical_hit=theoretical_hit,
+                           usd_per_gpu_hour=usd_per_gpu_hour)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def summarize(
+    records: list[RequestRecord],
+    queue_avgs: dict[str, float],
+    prefill_work: dict[str, int],
+    num_gpus: int,
+) -> dict[str, float]:
+    done = [r for r in records if r.finish >= 0]
+    ttft = [r.ttft for r in done]
+    itl = [x for r in done if (x := r.itl) is not None]
+    theo = sum(r.theoretical_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    prompt = sum(r.prompt_len for r in done)
+    qs = list(queue_avgs.values())
+    work = list(prefill_work.values())
+    t0 = min((r.arrival for r in done), default=0.0)
+    t1 = max((r.finish for r in done), default=0.0)
+    span = max(t1 - t0, 1e-9)
+    p90_itl = _pct(itl, 90)
+    return {
+        "requests": len(done),
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "theoretical_hit_rate": theo / prompt if prompt else 0.0,
+        "hit_vs_theory": cached / theo if theo else 1.0,
+        "max_mean_queue": (max(qs) / (sum(qs) / len(qs))) if qs and sum(qs) > 0 else 1.0,
+        "max_mean_prefill_work": (max(work) / (sum(work) / len(work))) if work and sum(work) > 0 else 1.0,
+        "ttft_mean": float(np.mean(ttft)) if ttft else float("nan"),
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p90": _pct(ttft, 90),
+        "ttft_p99": _pct(ttft, 99),
+        "itl_p90": p90_itl,
+        "interactivity_p90": 1.0 / p90_itl if p90_itl and p90_itl > 0 else float("nan"),
+        "e2e_p90": _pct([r.finish - r.arrival for r in done], 90),
+        "tokens_per_s_per_gpu": sum(r.prompt_len + r.output_len for r in done) / span / max(num_gpus, 1),
+        "makespan_s": span,
+    }

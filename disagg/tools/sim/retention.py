@@ -1,0 +1,111 @@
+"""Capacity-aware retention: what the simulated tiers evict first.
+
+LRU alone evicts by age, so when the tiers are full a session in its think
+time (it will resume within seconds) loses its state to objects nobody will
+read again. A session resumes from its *newest* checkpoints (its next prompt
+repeats the previous one up to a point near its end), so of the dozens of
+periodic KDA checkpoints its context has collected only the last few can
+still serve it, yet each weighs as much as many MLA blocks.
+``SessionRetention`` reorders the tiers' eviction queues when the cluster
+learns what will not be read again::
+
+    a turn is stored     the session's private checkpoints except its newest
+                         ``keep_checkpoints`` -> evicted first
+    session ends         its private objects (MLA blocks and checkpoints)
+                         -> evicted first, the end of its context first
+    shared prefix found  a session's first prompt finds blocks another
+                         session left: they (and their checkpoints) are
+                         shared from now on and refreshed once
+
+Objects are demoted, never dropped: a demoted object that is read again
+(a rewrite resuming from an older checkpoint) is refreshed like any other.
+Shared objects (system prompts, a parent's prefix) are never demoted.
+
+Policy "lru" does nothing (plain LRU tiers); "session" does the above.
+
+NOTES
+1. ``shared`` only grows; an object whose digest is in it is never demoted.
+2. ``_sessions[skey]`` holds the live session's latest full-block digests
+   and its private checkpoint keys in the order stored, of which the first
+   ``_demoted[skey]`` have been demoted; both go when the session ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from disagg.tools.sim.cache import LRUTier
+
+RETENTION_POLICIES = ("lru", "session")
+_K = b"K"
+
+
+class SessionRetention:
+    def __init__(self, policy: str = "session", keep_checkpoints: int = 4):
+        if policy not in RETENTION_POLICIES:
+            raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
+        if keep_checkpoints < 1:
+            raise ValueError("keep_checkpoints must be >= 1")
+        self.enabled = policy == "session"
+        self.keep_checkpoints = keep_checkpoints
+        self.shared: set[bytes] = set()  # NOTE 1
+        self._sessions: dict[tuple[str, int], tuple[list[bytes], list[bytes]]] = {}  # NOTE 2
+        self._demoted: dict[tuple[str, int], int] = {}
+        self.num_demoted = 0  # keys passed to demote (resident or not)
+
+    def on_prompt(self, skey: tuple[str, int], digests: list[bytes], num_full: int, lead: int,
+                  tiers: Iterable[LRUTier | None]) -> None:
+        """A prompt arrived; its ``lead`` leading digests had been seen before in the run."""
+        if not self.enabled:
+            return
+        state = self._sessions.get(skey)
+        if state is None:  # the session's first prompt: what it found is someone else's
+            new = [d for d in digests[:lead] if d not in self.shared]
+            if new:
+                self.shared.update(new)
+                refresh = [k for d in new for k in (d, _K + d)]
+                for tier in tiers:
+                    if tier is not None:
+                        tier.touch_present(refresh)
+            self._sessions[skey] = (digests[:num_full], [])
+            self._demoted[skey] = 0
+        else:
+            self._sessions[skey] = (digests[:num_full], state[1])
+
+    def on_store(self, skey: tuple[str, int], ckpts: list[bytes], tiers: Iterable[LRUTier | None]) -> None:
+        """A turn's prefill stored ``ckpts``: all but the session's newest few go first."""
+        state = self._sessions.get(skey)
+        if not self.enabled or state is None:
+            return
+        mine = state[1]
+        shared = self.shared
+        mine.extend(k for k in ckpts if k[1:] not in shared)
+        done = self._demoted[skey]
+        upto = len(mine) - self.keep_checkpoints
+        if upto > done:
+            self._demote(mine[done:upto], tiers)
+            self._demoted[skey] = upto
+
+    def on_session_end(self, skey: tuple[str, int], tiers: Iterable[LRUTier | None]) -> None:
+        """The session will not come back: its private objects go first (tail first)."""
+        if not self.enabled:
+            return
+        state = self._sessions.pop(skey, None)
+        done = self._demoted.pop(skey, 0)
+        if state is None:
+            return
+        digests, mine = state
+        shared = self.shared
+        keys: list[bytes] = []
+        for d in digests:  # start to end: the end is demoted last, so it is evicted first
+            if d not in shared:
+                keys.append(d)
+                keys.append(_K + d)
+        keys.extend(mine[done:])
+        self._demote(keys, tiers)
+
+    def _demote(self, keys: list[bytes], tiers: Iterable[LRUTier | None]) -> None:
+        self.num_demoted += len(keys)
+        for tier in tiers:
+            if tier is not None:
+                tier.demote(keys)

@@ -1,0 +1,389 @@
+"""Discrete-event simulator: a trace, a cluster of simulated engines, one router.
+
+Event queue: a heap of (time, seq, callback, args); time in float seconds,
+seq breaks ties in scheduling order, so a run is a pure function of its
+inputs and seed.
+
+A request's path (the real system's, with costs from ``CostModel``):
+
+    send --request_overhead--> route --> prefill worker P: resume (blocks and a
+    checkpoint from device / host / disk: bytes / bw + latency, off the engine's
+    critical path) -> chunked prefill -> store blocks + checkpoints (device,
+    write-through to the node's host tier)
+      local (P == D):  first token at prefill end, join P's decode batch
+      disagg (P != D): P publishes the state to its host tier and returns the
+                       first token (+ publish time + disagg_overhead); D loads the
+                       state (same node: host link, else remote link) and joins
+                       its decode batch
+    last token -> finish -> (closed loop) next turn after the think time
+
+Every cache change becomes an update of the router's ``PrefixIndex`` (see
+``disagg.tools.sim.state``), so the router sees what a deployed router would see.
+Workers' ``WorkerState``s are updated in place (live stats); with
+``stats_period_s`` > 0 the router reads copies refreshed that often.
+
+Scale: per request the simulator does a few C-speed passes over the
+prompt's blocks (digests are extended incrementally per session), and a
+decode event costs O(log batch), so a run's cost is dominated by the
+router's own decision time (see docs/sim.md for measured rates).
+
+Garbage collection: the event loop runs with Python's cyclic collector
+paused (reference counting still frees everything at once). A run allocates
+millions of long-lived objects (index rows, records, digest lists) and next
+to no cyclic garbage (about 300 objects in a 37,000-request run), so every
+full collection walked the whole heap for nothing, and in a forked domain
+process (``disagg.tools.sim.shard``) it also copied the parent's pages.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.router.baselines import BASELINES
+from disagg.router.index import PrefixIndex
+from disagg.router.router import StateAwareRouter
+from disagg.router.types import RouteRequest, WorkerState
+from disagg.tools.sim.cache import LRUTier
+from disagg.tools.sim.cost_model import CostModel
+from disagg.tools.sim.driver import Driver, ReplayConfig
+from disagg.tools.sim.metrics import RequestRecord, bench_summary, summarize
+from disagg.tools.sim.retention import RETENTION_POLICIES, SessionRetention
+from disagg.tools.sim.state import TIER_NAMES, CheckpointPolicy, PromptState, StateModel
+from disagg.tools.sim.worker import SimJob, SimWorker
+from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
+
+__all__ = ["TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    num_workers: int = 4  # aggregated workers (used when num_prefill == num_decode == 0)
+    num_prefill: int = 0  # P/D: prefill workers
+    num_decode: int = 0  # P/D: decode workers
+    workers_per_node: int = 8  # workers sharing a host (and disk) tier
+    gpus_per_worker: int = 1  # GPUs of one engine replica (TP x DCP): tokens/s/GPU divides by these
+    device_blocks: int = 4096  # device cache per worker, in blocks
+    host_blocks: int = 65536  # host tier per node (0 = none)
+    disk_blocks: int = 0  # disk tier per node (0 = none)
+    checkpoint_every_blocks: int = 16  # periodic KDA checkpoints (0 = off)
+    checkpoint_last_full_block: bool = True  # a checkpoint at the prompt's last full block
+    checkpoint_prompt_end: bool = False  # a checkpoint at the prompt end (MLA tail when unaligned)
+    stats_period_s: float = 0.0  # router sees stats this stale (0 = live)
+    macro_steps: int = 64  # decode steps per event at most
+    node_compute_slots: float = 0.0  # engines a node runs at full speed at once (0: no sharing; CPU nodes)
+    retention: str = "lru"  # tier eviction order: "lru" or "session" (disagg.tools.sim.retention)
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
+            raise ValueError("worker counts must be positive")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError("P/D needs both prefill and decode workers")
+        if self.workers_per_node <= 0 or self.device_blocks <= 0 or self.gpus_per_worker <= 0:
+            raise ValueError("workers_per_node, gpus_per_worker and device_blocks must be positive")
+        if self.host_blocks < 0 or self.disk_blocks < 0 or self.stats_period_s < 0 or self.macro_steps < 1:
+            raise ValueError("tier sizes and stats_period_s must be >= 0, macro_steps >= 1")
+        if self.node_compute_slots < 0:
+            raise ValueError("node_compute_slots must be >= 0")
+        if self.retention not in RETENTION_POLICIES:
+            raise ValueError(f"retention must be one of {RETENTION_POLICIES}")
+
+    def roles(self) -> list[str]:
+        if self.num_prefill:
+            return ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+        return ["both"] * self.num_workers
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_prefill + self.num_decode if self.num_prefill else self.num_workers
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_engines * self.gpus_per_worker
+
+    def checkpoint_policy(self) -> CheckpointPolicy:
+        return CheckpointPolicy(self.checkpoint_every_blocks, self.checkpoint_last_full_block,
+                                self.checkpoint_prompt_end)
+
+
+def build_router(policy: str, index: PrefixIndex, clock: Callable[[], float], seed: int = 0,
+                 router_config: dict | None = None) -> Any:
+    """Our router ("state_aware") or a baseline from ``BASELINES``."""
+    if policy == "state_aware":
+        return StateAwareRouter(index, router_config, clock=clock)
+    if policy not in BASELINES:
+        raise ValueError(f"unknown policy {policy!r}; known: state_aware, {', '.join(BASELINES)}")
+    return BASELINES[policy](index, seed)
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]  # one per sent request (finish < 0: never finished)
+    summary: dict[str, float]  # aggregate metrics of every request (see disagg.tools.sim.metrics)
+    router_metrics: dict[str, Any] = field(default_factory=dict)  # router counters, if any
+    num_events: int = 0  # index updates published
+    num_gpus: int = 1  # GPUs of the cluster
+    theoretical_hit: float | None = None  # benchmark definition, measured requests
+    sim_events: int = 0  # events the simulator processed
+    queue_avgs: dict[str, float] = field(default_factory=dict)  # prefill-capable worker -> time-avg queue
+    prefill_work: dict[str, int] = field(default_factory=dict)  # prefill-capable worker -> tokens computed
+
+    def bench_summary(self, usd_per_gpu_hour: float | None = None):
+        """The benchmark's ``RunSummary`` of the measured (non-warm-up) requests."""
+        return bench_summary(self.records, self.num_gpus, self.theoretical_hit, usd_per_gpu_hour)
+
+
+class Simulator:
+    def __init__(
+        self,
+        requests: list[SimRequest],
+        policy: str = "state_aware",
+        cluster: ClusterConfig | None = None,
+        cost: CostModel | None = None,
+        mode: str = "closed",
+        lanes: int = 8,
+        lane_stagger_s: float = 0.25,
+        seed: int = 0,
+        router_config: dict | None = None,
+        replay: ReplayConfig | None = None,
+        shared_ids: frozenset[int] | set[int] = frozenset(),
+    ):
+        if mode not in ("closed", "open"):
+            raise ValueError("mode must be 'closed' or 'open'")
+        if not requests:
+            raise ValueError("no requests to simulate")
+        self.requests = requests
+        self.cluster = c = cluster or ClusterConfig()
+        self.cost = cost or CostModel()
+        self.replay = replay or ReplayConfig(mode=mode, concurrency=lanes, lane_stagger_s=lane_stagger_s,
+                                             session_order="session_id", seed=seed)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = 0
+        self.num_sim_events = 0
+        self.index = PrefixIndex()
+        self.router = build_router(policy, self.index, lambda: self.now, seed, router_config)
+        self.records: list[RequestRecord] = []
+        self.block_size = bs = requests[0].block_size
+        if any(r.block_size != bs for r in requests):
+            raise ValueError("every request of a simulated trace needs the same block_size")
+        self.state = StateModel(self.cost, c.checkpoint_policy(), bs, self.index)
+        self.digests = DigestCache(shared_ids)
+        self._seen: set[bytes] = set()
+        self._theory = [0, 0]  # measured requests: blocks seen before, blocks
+        self._ends: dict[tuple[str, int], deque[int]] = {}  # (session, salt) -> recent unaligned prompt ends
+        self._rid = 0
+        self._snapshot: list[WorkerState] | None = None
+        self.retention = SessionRetention(c.retention)
+        self._build_cluster()
+        self.driver = Driver(self, requests, self.replay)
+
+    # ---- cluster -----------------------------------------------------------------
+    def _build_cluster(self) -> None:
+        c = self.cluster
+        self.workers: dict[str, SimWorker] = {}
+        self.host: dict[str, LRUTier | None] = {}
+        self.disk: dict[str, LRUTier | None] = {}
+        for i, role in enumerate(c.roles()):
+            wid, node = f"w{i:02d}", f"n{i // c.workers_per_node}"
+            self.index.add_worker(wid, node)
+            if node not in self.host:
+                disk = LRUTier("disk", c.disk_blocks, self.state.listener("disk", wid)) if c.disk_blocks else None
+                self.disk[node] = disk
+                self.host[node] = (LRUTier("host", c.host_blocks, self.state.listener("host", wid, disk))
+                                   if c.host_blocks else None)
+            dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid))
+            self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, c.macro_steps, self.block_size)
+        self._live = [w.state for w in self.workers.values()]
+        self._tiers = [w.device for w in self.workers.values()] + [
+            t for t in (*self.host.values(), *self.disk.values()) if t is not None]
+        self._node_workers: dict[str, list[SimWorker]] = {}
+        for w in self.workers.values():
+            self._node_workers.setdefault(w.node_id, []).append(w)
+
+    def node_slowdown(self, w: SimWorker) -> float:
+        """Step-time factor of ``w`` from the busy engines of its node now (1 without compute sharing).
+
+        n busy engines (``w`` included) take max(1, n / slots) each; one busy engine runs as it
+        was timed alone (a profile's points and a bench fit already hold the machine's state then,
+        so a slots figure below 1 from a loaded machine must not slow it a second time). The
+        factor holds while n does (processor sharing: see ``busy_changed``, NOTE 5 of the worker).
+        """
+        slots = self.cluster.node_compute_slots
+        if slots <= 0:
+            return 1.0
+        busy = sum(1 for x in self._node_workers[w.node_id] if x.busy)
+        return max(1.0, busy / slots) if busy > 1 else 1.0
+
+    def busy_changed(self, w: SimWorker, now: float) -> None:
+        """``w`` started or ended its work: the busy engines of its node continue at the new rate."""
+        if self.cluster.node_compute_slots <= 0:
+            return
+        rate = 1.0 / self.node_slowdown(w)
+        for x in self._node_workers[w.node_id]:
+            x.rerate(now, rate)
+
+    def schedule(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        assert t >= self.now - 1e-9, "event scheduled in the past"
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, args))
+
+    def worker_states(self) -> list[WorkerState]:
+        if self.cluster.stats_period_s > 0 and self._snapshot is not None:
+            return self._snapshot
+        return self._live
+
+    def _refresh_stats(self, now: float) -> None:
+        self._snapshot = [copy.copy(s) for s in self._live]
+        if self._heap:
+            self.schedule(now + self.cluster.stats_period_s, self._refresh_stats)
+
+    # ---- request life ----------------------------------------------------------
+    def send(self, now: float, req: SimRequest, salt: int = 0, lane: int = -1, warmup: bool = False) -> None:
+        """A client sends ``req``: it reaches the router after the serving path's overhead."""
+        self._rid += 1
+        rid = f"r{self._rid:06d}"
+        rec = RequestRecord(rid, req.session_id, req.turn, req.input_length, req.output_length, now,
+                            lane=lane, salt=salt, warmup=warmup)
+        self.records.append(rec)
+        delay = self.cost.request_overhead_s
+        if delay > 0:
+            self.schedule(now + delay, self.arrive, req, rec)
+        else:
+            self.arrive(now, req, rec)
+
+    def arrive(self, now: float, req: SimRequest, rec: RequestRecord | None = None) -> None:
+        if rec is None:  # called directly (tests, earlier callers): sent now
+            self._rid += 1
+            rec = RequestRecord(f"r{self._rid:06d}", req.session_id, req.turn, req.input_length,
+                                req.output_length, now)
+            self.records.append(rec)
+        bs, plen = self.block_size, req.input_length
+        skey = (req.session_id, rec.salt)
+        digests = self.digests.digests(req.session_id, rec.salt, req.hash_ids, -(-plen // bs))
+        nfull = plen // bs
+        flags = list(map(self._seen.__contains__, digests))
+        try:
+            lead = flags.index(False)
+        except ValueError:
+            lead = len(flags)
+        rec.theoretical_tokens = min(min(lead, nfull) * bs, plen - 1)
+        if not rec.warmup:
+            self._theory[0] += sum(flags)
+            self._theory[1] += len(flags)
+        self._seen.update(digests[lead:])
+        self.retention.on_prompt(skey, digests, nfull, lead, self._tiers)
+        probes = []
+        ends = self._ends.get(skey)
+        if ends:
+            for p in ends:
+                k, off = divmod(p, bs)
+                if p < plen and k < len(digests):
+                    probes.append((p, tail_digest(digests[k], off)))
+        ps = PromptState(digests, plen, bs, probes)
+        rr = RouteRequest(rec.request_id, req.session_id, digests[:nfull], plen, bs,
+                          tail_probes=ps.tail_probes(), output_len_hint=req.output_length)
+        decision = self.router.route(rr, self.worker_states())
+        self.router.on_routed(rr, decision)
+        target = self.workers[decision.prefill_target]
+        dec = self.workers[decision.decode_worker]
+        res = self.state.resume(ps, target.device, self.host[target.node_id], self.disk[target.node_id])
+        rec.predicted_tokens, rec.cached_tokens, rec.cached_tier = decision.predicted_cached_tokens, res.tokens, res.tier
+        rec.prefill_worker, rec.decode_worker, rec.reason = target.worker_id, dec.worker_id, decision.reason
+        job = SimJob(rec.request_id, plen, req.output_length, ps, rec, req, res.tokens, res.tokens,
+                     None if dec is target else dec)
+        if res.load_s > 0:  # the state loads off the engine's step loop
+            self.schedule(now + res.load_s, target.enqueue_prefill, job)
+        else:
+            target.enqueue_prefill(now, job)
+
+    def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
+        ps = job.prompt
+        job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id])
+        self.retention.on_store((job.record.session_id, job.record.salt), job.ckpts, self._tiers)
+        if self.cluster.checkpoint_prompt_end:
+            end = self.state.prompt_end_key(ps)
+            if end is not None:
+                self._ends.setdefault((job.record.session_id, job.record.salt), deque(maxlen=4)).append(end[0])
+        if job.decode_worker is None:
+            self._start_decode(job, w, now)
+            return
+        d = job.decode_worker
+        cost = self.cost
+        nbytes = cost.state_bytes(job.prompt_len)
+        first = now + cost.transfer_time(nbytes, "host") + cost.disagg_overhead_s  # publish, then the handle
+        job.record.first_token = first
+        tier = "host" if d.node_id == w.node_id else "remote"
+        self.schedule(first + cost.transfer_time(nbytes, tier), self._arrive_decode, job, d)
+
+    def _arrive_decode(self, now: float, job: SimJob, d: SimWorker) -> None:
+        self.state.store(job.prompt, 0, d.device, self.host[d.node_id], job.ckpts)
+        self._start_decode(job, d, now)
+
+    def _start_decode(self, job: SimJob, w: SimWorker, now: float) -> None:
+        rec = job.record
+        if rec.first_token < 0:
+            rec.first_token = now
+        if job.output_len <= 1:
+            self.finish(job, w, max(now, rec.first_token))
+            return
+        job.context, job.remaining = job.prompt_len + 1, job.output_len - 1
+        w.enqueue_decode(now, job)
+
+    def finish(self, job: SimJob, w: SimWorker, now: float) -> None:
+        rec = job.record
+        rec.finish = now
+        self.router.on_finished(job.rid, job.cached)
+        self.driver.on_finished(now, rec.lane)
+
+    def session_done(self, session_id: str, salt: int) -> None:
+        """A closed-loop session ended: drop its cached digests (and demote its state, with retention)."""
+        self.retention.on_session_end((session_id, salt), self._tiers)
+        self.digests.forget(session_id, salt)
+        self._ends.pop((session_id, salt), None)
+
+    # ---- run ------------------------------------------------------------------------
+    def run(self, until: float = math.inf) -> SimResult:
+        self.driver.start()
+        if self.cluster.stats_period_s > 0:
+            self.schedule(0.0, self._refresh_stats)
+        heap, pop = self._heap, heapq.heappop
+        n = 0
+        collecting = gc.isenabled()
+        gc.disable()  # see "Garbage collection" above
+        try:
+            while heap:
+                t, _, fn, args = pop(heap)
+                if t > until:
+                    break
+                self.now = t
+                fn(t, *args)
+                n += 1
+        finally:
+            if collecting:
+                gc.enable()
+        self.num_sim_events += n
+        return self._result()
+
+    def _result(self) -> SimResult:
+        end = self.now
+        done = [r for r in self.records if r.finish >= 0]
+        t0 = min((r.arrival for r in done), default=0.0)
+        span = max(end - t0, 1e-9)
+        qavg, work = {}, {}
+        for w in self.workers.values():
+            w._account(end)
+            if w.role in ("prefill", "both"):
+                qavg[w.worker_id] = w.q_area / span
+                work[w.worker_id] = w.prefill_tokens_done
+        summary = summarize(self.records, qavg, work, self.cluster.num_gpus)
+        metrics = self.router.metrics.snapshot() if hasattr(self.router, "metrics") else {}
+        seen, total = self._theory
+        return SimResult(list(self.records), summary, metrics, self.state.num_events, self.cluster.num_gpus,
+                         seen / total if total else None, self.num_sim_events, qavg, work)
