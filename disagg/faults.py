@@ -30,8 +30,9 @@ handle them: the store's checksum check, the worker's deadline and its recompute
 Where they plug in: the decode-side flow (``disagg.flow``) runs over interfaces, and the faults
 wrap those, not the flow: ``FaultyState`` wraps its ``FlowState`` (a fault decided per state
 load), ``guard_decode`` wraps a decode stream (kill after N streamed tokens) and
-``guard_prefill_fn`` wraps the remote-prefill call (records retries). Only the prefill kill sits
-in the reference prefill (``disagg.workers.tiered``): it falls between compute and publish.
+``guard_prefill_fn`` wraps the remote-prefill call (records retries), and on the prefill side
+``guard_prefill_engine`` wraps the engine of one prefill call (the kill falls between its
+compute and its publish).
 
 NOTES
 1. Each event is decided once, on the replica serving it: ``rate`` draws come from a generator
@@ -233,10 +234,39 @@ class FaultInjector:
 
         return call
 
+    def guard_prefill_engine(self, engine, params: GenerateParams):
+        """``engine`` for one prefill call: when a kill_prefill rule picks ``params`` (decided now,
+        before compute), the replica dies once the prompt is computed, before its state is
+        published or shared (the engine's stream ends, then the kill)."""
+        return _PrefillKill(engine, self, params) if self.should_kill_prefill(params) else engine
+
     def install(self, store) -> None:
         """Wrap the tiers of a ``StateStore`` so loads run under an ``active`` fault see it."""
         if not any(isinstance(t, FaultyTier) for t in store.tiers):
             store.tiers = [FaultyTier(t) for t in store.tiers]
+
+
+class _PrefillKill:
+    """An engine whose next ``generate`` kills the replica after its last output (``guard_prefill_engine``)."""
+
+    def __init__(self, engine, faults: FaultInjector, params: GenerateParams):
+        self._engine, self._faults, self._params = engine, faults, params
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def generate(self, req, state=None) -> AsyncIterator:
+        async for out in self._engine.generate(req, state):
+            yield out
+        # The pause lets the replica's acceptance of the call reach the caller first, so the caller
+        # sees a replica that died while running its request (and retries it in
+        # ``RequestFlow.remote_prefill``), not one already dead when the request was sent (which
+        # Ray Serve itself re-routes before the worker ever sees a failure).
+        await asyncio.sleep(0.2)
+        try:
+            self._faults.kill("kill_prefill", self._params)
+        finally:  # ``InjectedCrash`` (no process to exit): the kept state is not leaked
+            await self._engine.release(req.request_id)
 
 
 def read_ledger(path: str) -> list[dict]:

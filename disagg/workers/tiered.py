@@ -249,7 +249,7 @@ class StatefulWorker:
 
     # -- prefill side ------------------------------------------------------------------------
     async def prefill(self, params: GenerateParams) -> PrefillHandle:
-        kill = self.faults is not None and self.faults.should_kill_prefill(params)
+        engine = self.engine if self.faults is None else self.faults.guard_prefill_engine(self.engine, params)
         t0 = time.perf_counter()
         tokens = params.prompt_token_ids
         hasher = self.hasher.with_salt(params.cache_salt)
@@ -259,12 +259,10 @@ class StatefulWorker:
                             first_output_index=params.resumed_output_tokens, cached_source=plan.source,
                             cache_salt=params.cache_salt, checkpoint_at=params.checkpoint_at)
         last = None
-        async for out in self.engine.generate(req, plan.state):
+        async for out in engine.generate(req, plan.state):
             last = out
         assert last is not None and last.new_token_ids, "prefill produced no token"
         compute_s = time.perf_counter() - t0
-        if kill:
-            await self._injected_prefill_kill(rid, params)
         shared, stored = None, ()
         try:
             if self.device_shares is not None:  # NOTE 1
@@ -292,20 +290,6 @@ class StatefulWorker:
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
                              self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared, stored, plan.failure,
                              first_logprob=last.logprobs[0] if last.logprobs else None)
-
-    async def _injected_prefill_kill(self, rid: str, params: GenerateParams) -> None:
-        """Die mid-request: the prompt is computed, its state not yet published.
-
-        The pause lets the replica's acceptance of the call reach the caller first, so the
-        caller sees a replica that died while running its request (and retries it in
-        ``RequestFlow.remote_prefill``), not one that was already dead when the request was sent
-        (which Ray Serve itself re-routes before the worker ever sees a failure).
-        """
-        await asyncio.sleep(0.2)
-        try:
-            self.faults.kill("kill_prefill", params)
-        finally:  # ``InjectedCrash`` (no process to exit): the kept state is not leaked
-            await self.engine.release(rid)
 
     async def drain(self) -> None:
         """Wait for background publishes (graceful shutdown, tests)."""
