@@ -70,3 +70,15 @@ def test_two_packages_importing_each_other_are_a_cycle_without_a_module_cycle(tm
     files = {"disagg/engine/__init__.py": "", "disagg/engine/x.py": "import disagg.flow\n",
              "disagg/engine/y.py": "", "disagg/flow.py": "from disagg.engine.y import Y\n"}
     assert check_imports.check(_tree(tmp_path, files)) == ["package cycle (depth 2): disagg.engine <-> disagg.flow"]
+
+
+def test_serving_and_the_cli_do_not_import_the_report_libraries():
+    """matplotlib and pyarrow are the tools' (plots, parquet reports), imported where a plot or a
+    report is written: starting the server or the CLI does not pay for them."""
+    code = ("import sys\n"
+            "import deployments.app, disagg.launch.cli, disagg.api.app, disagg.workers.tiered\n"
+            "import disagg.tools.bench.runner, disagg.tools.sim.cli\n"
+            "print(sorted(m for m in ('matplotlib', 'pyarrow') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
