@@ -74,7 +74,7 @@ def test_ledger_is_bounded():
 
 
 def test_placement_learns_where_follow_ups_diverge():
-    pl = CheckpointPlacement(BS)
+    pl = CheckpointPlacement(BS, prior_back=(), start_points=0)  # the learned part alone (priors: test_placement)
     assert pl.positions(1000) == ()
     for _ in range(10):
         pl.observe(prev_len=700, shared=512)  # 640 - 512: two blocks back from the last full block
@@ -85,3 +85,4 @@ def test_placement_learns_where_follow_ups_diverge():
     assert pl.positions(1000, resume=900) == ()
     assert 256 in pl.positions(1000, branch=256)
     assert all(p % BS == 0 and 0 < p < 1000 for p in pl.positions(1000, branch=256))
+
