@@ -86,3 +86,12 @@ def test_placement_learns_where_follow_ups_diverge():
     assert 256 in pl.positions(1000, branch=256)
     assert all(p % BS == 0 and 0 < p < 1000 for p in pl.positions(1000, branch=256))
 
+
+def test_pending_among_sees_in_flight_points_until_they_land_or_drop():
+    led = ReuseLedger(BS)
+    a = ids(300, 1)
+    led.note_points(a, H, (128, 256, 300), "pending")
+    assert led.pending_among(a, H, (64, 128, 256, 300)) == (128, 256, 300)
+    led.note_points(a, H, (128,), "published")
+    led.note_points(a, H, (300,), "dropped")
+    assert led.pending_among(a + ids(20, 2), H, (128, 256, 300)) == (256,)
