@@ -5,6 +5,7 @@ Both workers (``disagg.worker.StatefulWorker`` over the reference engine,
 interfaces below and run this flow; neither has a decode flow of its own.
 
     RequestFlow.generate(params, prefill_fn)
+      0 reuse      ticket: bound, planned checkpoints (NOTE 7); wait for a publish in flight (NOTE 8)
       1 plan       resume = longest of (engine.resident_length,          [resume planned]
                                         state.lookup -> state.load)
       2 decide     PDDecider.decide(suffix = prompt - resume,             [decision taken]
