@@ -52,7 +52,9 @@ NOTES
    it looks up. A request's own points are noted in flight before its first await
    (``ReuseAccounting.begin``), and every request settles them (published or dropped) when
    its publishes are over, however it ends, so a waiter never waits on a publish that will
-   not come for longer than the bound.
+   not come for longer than the bound. A request that prefills locally publishes its points
+   only with its turn end, after its whole decode: it drops its in-flight notes as soon as it
+   decides (``unpend``), so waiters look up at once instead.
 """
 
 from __future__ import annotations
@@ -285,6 +287,7 @@ class RequestFlow:
         reported = None  # (cached, source) of the prefill replica, when one ran (NOTE 2)
         if handle is None:
             self.counters["local_prefills"] += 1
+            self.unpend(ticket)  # NOTE 8: its points land with its turn end, after the whole decode
         else:
             self.counters["remote_prefills"] += 1
             reported = handle.num_cached_tokens, handle.cached_source
@@ -391,6 +394,11 @@ class RequestFlow:
     def settle(self, ticket: ReuseTicket, stored: tuple[int, ...]) -> None:
         """The ticket's publishes are over (NOTE 8): ``stored`` landed, the rest will not."""
         self.reuse.settle(ticket, stored)
+        self._landed()
+
+    def unpend(self, ticket: ReuseTicket) -> None:
+        """A local prefill's points land only with its turn-end publish: no waiter waits for that."""
+        self.reuse.dropped(ticket.tokens, ticket.hasher, ticket.pending)
         self._landed()
 
     def _landed(self) -> None:

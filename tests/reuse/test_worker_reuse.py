@@ -220,3 +220,28 @@ def test_a_lookup_waits_for_the_branch_publish_in_flight(threads):
     finally:
         ref.shutdown()
     assert t3 == tref
+
+
+def test_a_local_prefill_leaves_nothing_in_flight_to_wait_for(threads):
+    """A follow-up with a short suffix prefills on the decode replica, whose points land only with
+    its turn end: once it has decided, none of them is in flight (a waiter looks up at once,
+    flow NOTE 8); its prompt end is published with the turn end."""
+    b = backend()
+    a = ids(400, 5)
+    follow = a + ids(30, 6)
+    try:
+        async def go():
+            await send(b, "a", a, "s")
+            p = GenerateParams("b", follow, SamplingParams(max_tokens=8, ignore_eos=True), session_id="s")
+            in_flight = None
+            async for _chunk in b.stream(p):
+                if in_flight is None:
+                    in_flight = b.decode.reuse.ledger.pending_among(follow, b.decode.hasher, (384, 430))
+            await b.decode.drain()
+            return in_flight
+        in_flight = asyncio.run(go())
+        view = b.decode.reuse.ledger.view(follow + [7], b.decode.hasher, "x")
+        local = b.decode.counters["local_prefills"]
+    finally:
+        b.shutdown()
+    assert local == 1 and in_flight == () and 430 in view.published
