@@ -5,6 +5,7 @@ Both workers (``disagg.workers.tiered.StatefulWorker`` over the reference engine
 interfaces below and run this flow; neither has a decode flow of its own.
 
     RequestFlow.generate(params, prefill_fn)
+      0 reuse      ticket: bound, planned checkpoints (NOTE 7); wait for a publish in flight (NOTE 8)
       1 plan       resume = longest of (engine.resident_length,          [resume planned]
                                         state.lookup -> state.load)
       2 decide     PDDecider.decide(suffix = prompt - resume,             [decision taken]
@@ -44,6 +45,16 @@ NOTES
    every prompt token it recomputed below the infinite-cache bound one reason (``finish``,
    reported on the request's last chunk) and notes what each publish stored. The calls are
    marked ``# reuse:``; the logic lives in ``disagg.reuse``.
+8. A lookup does not race a publish it can see coming: when the ledger shows a publish in
+   flight (another request's prefill, e.g. the first session to branch off a shared system
+   prompt) at a point past every published resume point of the prompt, the request waits for
+   it to land or be dropped, at most ``publish_wait_s`` (default ``load_deadline_s``), before
+   it looks up. A request's own points are noted in flight before its first await
+   (``ReuseAccounting.begin``), and every request settles them (published or dropped) when
+   its publishes are over, however it ends, so a waiter never waits on a publish that will
+   not come for longer than the bound. A request that prefills locally publishes its points
+   only with its turn end, after its whole decode: it drops its in-flight notes as soon as it
+   decides (``unpend``), so waiters look up at once instead.
 """
 
 from __future__ import annotations
@@ -69,7 +80,8 @@ PrefillFn = Callable[[GenerateParams], Awaitable[PrefillHandle]]
 ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
 LoadsFn = Callable[[], "list[float] | None"]  # the prefill pool's effective queued tokens per replica
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
-            "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures")
+            "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
+            "publish_waits", "publish_waits_expired")
 
 
 @dataclass(slots=True)
@@ -145,12 +157,13 @@ class RequestFlow:
         replica_id: stamped on every chunk.
         prefill_loads: the prefill pool's loads (NOTE 5); None: unknown.
         reuse: the reuse accounting (NOTE 7); default: accounting without extra checkpoints.
+        publish_wait_s: how long a lookup waits for an in-flight publish (NOTE 8); None: load_deadline_s.
     """
 
     def __init__(self, engine: FlowEngine, state: FlowState | None, decider: PDDecider, replica_id: str = "local",
                  *, prefill_retries: int = 2, retry_backoff_s: float = 0.25, load_deadline_s: float = 5.0,
                  prefill_loads: LoadsFn | None = None, counters: dict[str, int] | None = None,
-                 reuse: ReuseAccounting | None = None):
+                 reuse: ReuseAccounting | None = None, publish_wait_s: float | None = None):
         self.engine = engine
         self.state = state
         self.decider = decider
@@ -164,6 +177,8 @@ class RequestFlow:
         self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight (NOTE 6)
+        self.publish_wait_s = publish_wait_s  # NOTE 8; None: load_deadline_s
+        self._landing = asyncio.Event()  # set (and replaced) whenever a noted publish lands or drops (NOTE 8)
 
     # -- 1 plan ---------------------------------------------------------------------
     async def plan_resume(self, tokens: list[int], hasher: BlockHasher, params: GenerateParams) -> Resume:
@@ -247,9 +262,21 @@ class RequestFlow:
         if pending:  # NOTE 6
             await asyncio.wait(list(pending), timeout=self.load_deadline_s)
         tokens = list(params.prompt_token_ids)
-        sampling = params.sampling
         self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
         ticket = self.reuse.begin(tokens, hasher, params.session_id, params.request_id, params.cache_salt)  # reuse
+        try:
+            async with aclosing(self._generate(params, hasher, prefill_fn, release_fn, ticket)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:  # reuse: a request that ends without a publish to come drops what it noted (NOTE 8)
+            if not ticket.settled and not ticket.publishing:
+                self.settle(ticket, ())
+
+    async def _generate(self, params: GenerateParams, hasher: BlockHasher, prefill_fn: PrefillFn | None,
+                        release_fn: ReleaseFn | None, ticket: ReuseTicket) -> AsyncIterator[StreamChunk]:
+        tokens = list(params.prompt_token_ids)
+        sampling = params.sampling
+        await self.await_publishes(ticket)  # NOTE 8
         plan = await self.plan_resume(tokens, hasher, params)  # resume planned
         points = self.reuse.checkpoint_at(ticket, plan.position)  # reuse: where the prefill keeps checkpoints
         decision = self.decide(len(tokens) - plan.position, prefill_fn is not None)  # decision taken
@@ -260,11 +287,12 @@ class RequestFlow:
         reported = None  # (cached, source) of the prefill replica, when one ran (NOTE 2)
         if handle is None:
             self.counters["local_prefills"] += 1
+            self.unpend(ticket)  # NOTE 8: its points land with its turn end, after the whole decode
         else:
             self.counters["remote_prefills"] += 1
             reported = handle.num_cached_tokens, handle.cached_source
             await self.reuse_finish(ticket, reported[0], handle.resume_failure, params)  # reuse: misses
-            self.reuse.published(tokens, hasher, handle.checkpoints)  # reuse: the prefill's publishes
+            self.settle(ticket, handle.checkpoints)  # reuse: the prefill's publishes
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=reported[0],
                                 cached_source=reported[1], replica_id=self.replica_id,
                                 logprobs=[handle.first_logprob] if handle.first_logprob is not None else None)
@@ -332,7 +360,10 @@ class RequestFlow:
                     cached, source = reported or (out.num_cached_tokens, out.cached_source)
                     if out.finished and keep and out.finish_reason in ("length", "stop"):
                         session = session_key(params.cache_salt, params.session_id) or None
-                        self.spawn(self.publish_turn_end(rid, hasher), session)  # off the response path
+                        mine = ticket if reported is None else None  # a local prefill's points land with it
+                        if mine is not None:
+                            mine.publishing = True
+                        self.spawn(self.publish_turn_end(rid, hasher, mine), session)  # off the response path
                     chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason, n_prompt, cached, source,
                                         out.error, plan.nbytes, plan.seconds, self.replica_id, logprobs=out.logprobs)
                     if out.finished:
@@ -357,7 +388,40 @@ class RequestFlow:
             log.exception("publishing state failed; the next turn will recompute")
         finally:
             self.reuse.published(tokens, hasher, stored)  # reuse: published
+            self._landed()
         return nbytes, time.perf_counter() - t0, stored
+
+    def settle(self, ticket: ReuseTicket, stored: tuple[int, ...]) -> None:
+        """The ticket's publishes are over (NOTE 8): ``stored`` landed, the rest will not."""
+        self.reuse.settle(ticket, stored)
+        self._landed()
+
+    def unpend(self, ticket: ReuseTicket) -> None:
+        """A local prefill's points land only with its turn-end publish: no waiter waits for that."""
+        self.reuse.dropped(ticket.tokens, ticket.hasher, ticket.pending)
+        self._landed()
+
+    def _landed(self) -> None:
+        landing, self._landing = self._landing, asyncio.Event()
+        landing.set()
+
+    async def await_publishes(self, ticket: ReuseTicket) -> None:
+        """NOTE 8: wait (bounded) for in-flight publishes of points past the prompt's published ones."""
+        awaited = self.reuse.awaited(ticket)
+        if not awaited:
+            return
+        wait_s = self.load_deadline_s if self.publish_wait_s is None else self.publish_wait_s
+        deadline = time.monotonic() + wait_s
+        while self.reuse.still_pending(ticket, awaited):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.counters["publish_waits_expired"] += 1
+                return
+            try:
+                await asyncio.wait_for(self._landing.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        self.counters["publish_waits"] += 1
 
     async def reuse_finish(self, ticket: ReuseTicket, realized: int, failure: str, params: GenerateParams) -> None:
         """NOTE 7: classify the prompt tokens this request recomputed; ``held`` probes whether a
@@ -373,14 +437,21 @@ class RequestFlow:
 
         await self.reuse.finish(ticket, realized, failure, held)
 
-    async def publish_turn_end(self, request_id: str, hasher: BlockHasher) -> None:
+    async def publish_turn_end(self, request_id: str, hasher: BlockHasher, ticket: ReuseTicket | None = None) -> None:
+        """Publish a finished request's turn end and its earlier checkpoints; ``ticket``: the
+        request's own prefill ran here, and this publish settles its points (NOTE 8)."""
+        stored: tuple[int, ...] = ()
         try:
             computed = await self.engine.computed_tokens(request_id)
             positions = await self.engine.checkpoint_positions(request_id)
         except KeyError:  # the engine no longer holds the request (it failed or was aborted)
             log.warning("turn end of %s not published: the engine no longer holds it", request_id)
-            return
-        await self.publish(request_id, computed, hasher, earlier_checkpoints(positions, len(computed)))
+        else:
+            _, _, stored = await self.publish(request_id, computed, hasher,
+                                              earlier_checkpoints(positions, len(computed)))
+        finally:
+            if ticket is not None:
+                self.settle(ticket, stored)
 
     # -- background work ---------------------------------------------------------------
     def spawn(self, coro, session: str | None = None) -> None:

@@ -4,12 +4,17 @@ The worker calls it at four marked points (``disagg.workers.tiered``, "reuse:"):
 
     begin     a prompt arrives: its view (bound, points), learned divergence,
               checkpoint positions for its prefill; the prompt is noted as seen
-              and its checkpoints as pending
+              and its checkpoints as pending at once, before the flow's first
+              await, so a concurrent prompt that needs one of them sees it in
+              flight and can wait for it (``awaited``; ``disagg.flow`` NOTE 8)
+    checkpoint_at  the planned positions past where the prefill resumes
     finish    its prefill reused ``realized`` tokens: the missed tokens by
               reason (``disagg.reuse.misses``), counted and returned for the
               request's last chunk (the edge counts them in /metrics)
     published a publish landed (this worker's, or a prefill replica's by its handle)
     dropped   a publish will not land
+    settle    a request's publishes are over: what it noted pending and did not
+              store is dropped (a waiter stops waiting for it)
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class ReuseTicket:
     view: ReuseView  # what the ledger knew at the lookup
     pending: tuple[int, ...]  # positions noted pending for this prompt's own publishes
     hashes: list[bytes] = field(default_factory=list)  # the prompt's block digests (hashed once)
+    planned: tuple[int, ...] = ()  # extra checkpoints planned for its prefill (placement), before the resume
+    settled: bool = False  # its pending positions were published or dropped (``settle``)
+    publishing: bool = False  # a background publish will settle it (the flow's turn end)
     misses: dict[str, int] = field(default_factory=dict)  # filled by ``finish``
     bound: int = 0  # infinite-cache bound counted for this request (filled by ``finish``)
 
@@ -63,19 +71,41 @@ class ReuseAccounting:
             self._last_len.put(session, len(tokens))
         self.ledger.note_seen(tokens, hasher, owner, unsalted, hashes)
         bs = self.block_size
-        own = tuple(sorted({len(tokens), len(tokens) // bs * bs} - {0}))
-        self.ledger.note_points(tokens, hasher, own, "pending", hashes)
-        return ReuseTicket(tokens, hasher, view, own, hashes)
+        planned = ()
+        if self.placement is not None:
+            branch = view.branch if view.branch not in view.published else 0
+            likely = max(view.published, default=0)  # where the lookup will most likely resume
+            planned = self.placement.positions(len(tokens), likely, branch, view.bound)
+        own = {len(tokens), len(tokens) // bs * bs} - {0}
+        noted = tuple(sorted((own | set(planned)) - set(view.pending)))  # another's in-flight point stays its
+        self.ledger.note_points(tokens, hasher, noted, "pending", hashes)
+        return ReuseTicket(tokens, hasher, view, noted, hashes, planned)
 
     def checkpoint_at(self, ticket: ReuseTicket, resume: int = 0) -> tuple[int, ...]:
-        """Extra checkpoint positions for the ticket's prefill (engine NOTE 7)."""
-        if self.placement is None:
-            return ()
-        view = ticket.view
-        branch = view.branch if view.branch and view.branch not in view.published else 0
-        points = self.placement.positions(view.num_prompt, resume, branch)
-        self.ledger.note_points(ticket.tokens, ticket.hasher, points, "pending", ticket.hashes)
+        """Extra checkpoint positions for the ticket's prefill (engine NOTE 7): the planned ones past
+        ``resume``; those at or before it will not be published by this request (dropped)."""
+        points = tuple(p for p in ticket.planned if p > resume)
+        skipped = [p for p in ticket.planned if p <= resume and p in ticket.pending]
+        self.ledger.note_points(ticket.tokens, ticket.hasher, skipped, "dropped", ticket.hashes)
         return points
+
+    def awaited(self, ticket: ReuseTicket) -> tuple[int, ...]:
+        """Positions past the furthest published resume point of the prompt whose publish (another
+        request's) was in flight at its lookup: worth waiting for (``disagg.flow`` NOTE 8)."""
+        view = ticket.view
+        best = max((p for p in view.published if p <= view.bound), default=0)
+        return tuple(p for p in view.pending if p > best)
+
+    def still_pending(self, ticket: ReuseTicket, positions: Sequence[int]) -> bool:
+        """Is any of ``positions`` of the ticket's prompt still in flight (not published or dropped)?"""
+        return bool(self.ledger.pending_among(ticket.tokens, ticket.hasher, positions, ticket.hashes))
+
+    def settle(self, ticket: ReuseTicket, stored: Sequence[int]) -> None:
+        """The ticket's publishes are over: ``stored`` landed, the rest it noted pending will not."""
+        self.ledger.note_points(ticket.tokens, ticket.hasher, stored, "published", ticket.hashes)
+        rest = [p for p in ticket.pending if p not in set(stored)]
+        self.ledger.note_points(ticket.tokens, ticket.hasher, rest, "dropped", ticket.hashes)
+        ticket.settled = True
 
     async def finish(self, ticket: ReuseTicket, realized: int, failure: str = "",
                      held: HeldFn | None = None) -> dict[str, int]:

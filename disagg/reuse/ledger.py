@@ -108,6 +108,25 @@ class ReuseLedger:
         published, _ = self._points_upto(tokens, hasher, hashes, view.bound, time.monotonic())
         return tuple(p for p, t in published.items() if t >= view.started)
 
+    def pending_among(self, tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[int],
+                      hashes: list[bytes] | None = None) -> tuple[int, ...]:
+        """Those of ``positions`` (checkpoints of ``tokens``) whose publish is in flight now."""
+        bs, now = self.block_size, time.monotonic()
+        positions = [p for p in positions if 0 < p <= len(tokens)]
+        if not positions:
+            return ()
+        if hashes is None:
+            hashes = hasher.block_hashes(tokens[: max(positions) // bs * bs])
+        out = []
+        for p in positions:
+            n = p // bs
+            parent = hashes[n - 1] if n else hasher.root
+            digest = parent if p % bs == 0 else hasher.tail_digest(parent, tokens[n * bs : p])
+            started = self._pending.get(digest)
+            if started is not None and now - started <= self.pending_ttl_s:  # NOTE 2
+                out.append(p)
+        return tuple(out)
+
     def _tails_seen(self, parent: bytes, length: int) -> set[bytes]:
         return self._tails.get((parent, length), set())
 

@@ -2,7 +2,7 @@
 
 Resume needs MLA blocks *and* a KDA checkpoint at the same position. The
 engine keeps one at the prompt end and at its last full block
-(``disagg.engine.reference.engine`` NOTE 5); two more kinds of point pay:
+(``disagg.engine.reference.engine`` NOTE 5); three more kinds of point pay:
 
 1. **Where this workload's next turns diverge.** An agent's next prompt drops
    the previous prompt's ephemeral tail (reminders, a rewritten tool result),
@@ -24,30 +24,72 @@ engine keeps one at the prompt end and at its last full block
    (``branch``); a checkpoint there lets every later session's first turn
    resume at the shared prefix.
 
+3. **A cold-start prior**, for what nothing has shown yet:
+
+   - *Back*: until ``prior_mass`` follow-ups were learned, prompts also keep
+     checkpoints ``prior_back`` blocks back from their last full block (1, 2,
+     4: geometric, so a tail of up to 4 blocks resumes within half of its
+     distance), fewer as observations arrive (the first
+     ``ceil(len(prior_back) * (1 - observed / prior_mass))`` of them). A
+     workload whose follow-ups extend the whole prompt teaches distance 0,
+     and the prior goes without leaving a point.
+   - *Start*: in the part of a prompt no earlier prompt shared (past the
+     ledger's bound, ``seen``), checkpoints at ``2^k`` blocks from the prompt
+     start, the ``start_points`` largest. A prefix that a later prompt turns
+     out to share (another session's first turn before any branch point
+     existed, a compaction back to the system prompt) resumes at the largest
+     power-of-two boundary inside it: at least half of it, when it is longer
+     than the smallest point kept. In steady state a prompt's unseen part is
+     its new tail, which rarely spans a power of two: ~0 points.
+
+Bound (NOTE 1): at most ``max_extra`` extra checkpoints per prompt, taken in
+the order branch, learned, back prior, start prior. With the engine's two a
+prefill keeps at most ``max_extra + 2`` KDA states. Each extra one costs one
+KDA state (the MLA blocks are shared with the prompt's own): for K3, 69 KDA
+layers x (recurrent 32 heads x 128 x 128 fp32 = 2 MiB + conv 3 x 3 x 4096
+bf16 = 72 KiB) ~ 143 MiB over the TP group (18 MiB per rank at TP8), about
+10.9K tokens of K3's MLA history (24 layers x 576 B FP8 per token).
+
 Config (``engine``-neutral; the worker owns one)::
 
-    CheckpointPlacement(block_size=64, max_points=3, coverage=0.98)
+    CheckpointPlacement(block_size=64, max_points=3, coverage=0.98,
+                        prior_back=(1, 2, 4), prior_mass=4, start_points=3, max_extra=6)
+
+NOTES
+1. ``len(positions(...)) <= max_extra``; every position is a block boundary in
+   ``(resume, num_prompt)`` other than the prompt's last full block.
+2. ``positions`` is pure: the same histogram and arguments give the same points.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class CheckpointPlacement:
-    """Learned checkpoint positions (see the module docstring)."""
+    """Learned checkpoint positions with a cold-start prior (see the module docstring)."""
 
     block_size: int
     max_points: int = 3  # extra checkpoints per prompt from the divergence histogram
     coverage: float = 0.98  # stop adding distances once this share of the mass is covered
     decay: float = 0.995  # weight kept by older observations at each new one
     max_blocks_back: int = 64  # distances beyond this (a rewrite, a compaction) are not learned
+    prior_back: tuple[int, ...] = (1, 2, 4)  # cold start: blocks back from the last full block, nearest first
+    prior_mass: float = 4.0  # observations after which the back prior is gone
+    start_points: int = 3  # points at 2^k blocks from the start in a prompt's unseen part (largest first)
+    max_extra: int = 6  # bound on the extra checkpoints of one prompt (NOTE 1)
     _weights: dict[int, float] = field(default_factory=dict)  # blocks back -> decayed count
+    num_observed: int = 0  # follow-ups learned so far (the back prior blends out over them)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_points < 0 or not 0 < self.coverage <= 1:
             raise ValueError("need block_size > 0, max_points >= 0 and 0 < coverage <= 1")
+        if any(b <= 0 for b in self.prior_back) or self.prior_mass < 0:
+            raise ValueError("prior_back distances must be > 0 blocks and prior_mass >= 0")
+        if self.start_points < 0 or self.max_extra < 0:
+            raise ValueError("need start_points >= 0 and max_extra >= 0")
 
     def observe(self, prev_len: int, shared: int) -> None:
         """A follow-up shared ``shared`` tokens of its predecessor's ``prev_len``-token prompt.
@@ -64,6 +106,7 @@ class CheckpointPlacement:
             if self._weights[k] < 1e-3:
                 del self._weights[k]
         self._weights[back] = self._weights.get(back, 0.0) + 1.0
+        self.num_observed += 1
 
     def learned(self) -> list[int]:
         """Distances (blocks back from the last full block) that get a checkpoint, most frequent first."""
@@ -77,12 +120,37 @@ class CheckpointPlacement:
             covered += w
         return out
 
-    def positions(self, num_prompt: int, resume: int = 0, branch: int = 0) -> tuple[int, ...]:
+    def prior(self) -> list[int]:
+        """The back prior's distances in use now: all of ``prior_back`` on a cold start, fewer as
+        observations arrive, none from ``prior_mass`` on."""
+        if self.prior_mass <= 0:
+            return []
+        left = max(0.0, 1.0 - self.num_observed / self.prior_mass)
+        return list(self.prior_back[: math.ceil(len(self.prior_back) * left)])
+
+    def positions(self, num_prompt: int, resume: int = 0, branch: int = 0, seen: int = 0) -> tuple[int, ...]:
         """Block boundaries in ``(resume, num_prompt)`` where this prompt's prefill keeps checkpoints,
-        besides the engine's own (prompt end, last full block)."""
+        besides the engine's own (prompt end, last full block); at most ``max_extra`` (NOTE 1).
+
+        Args:
+            num_prompt: the prompt's tokens.
+            resume: where its prefill resumes (points at or before it exist already).
+            branch: where it stops sharing another session's blocks (0: nowhere).
+            seen: the longest prefix an earlier prompt sent (the start prior places points past it).
+        """
         bs = self.block_size
         last_full = num_prompt // bs * bs  # the engine keeps this one (or the prompt end, when aligned)
-        points = {last_full - back * bs for back in self.learned() if back > 0}
-        if branch:
-            points.add(branch // bs * bs)
-        return tuple(sorted(p for p in points if resume < p < num_prompt and p > 0 and p != last_full))
+
+        def ok(p: int) -> bool:
+            return resume < p < num_prompt and p != last_full
+
+        ranked: list[int] = [branch // bs * bs] if branch else []
+        ranked += [last_full - back * bs for back in self.learned() if back > 0]
+        ranked += [last_full - back * bs for back in self.prior()]
+        ranked += sorted((bs << k for k in range(max(1, num_prompt // bs).bit_length())
+                          if (bs << k) > seen), reverse=True)[: self.start_points]
+        out: list[int] = []
+        for p in ranked:
+            if ok(p) and p not in out:
+                out.append(p)
+        return tuple(sorted(out[: self.max_extra]))

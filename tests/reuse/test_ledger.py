@@ -74,7 +74,7 @@ def test_ledger_is_bounded():
 
 
 def test_placement_learns_where_follow_ups_diverge():
-    pl = CheckpointPlacement(BS)
+    pl = CheckpointPlacement(BS, prior_back=(), start_points=0)  # the learned part alone (priors: test_placement)
     assert pl.positions(1000) == ()
     for _ in range(10):
         pl.observe(prev_len=700, shared=512)  # 640 - 512: two blocks back from the last full block
@@ -85,3 +85,13 @@ def test_placement_learns_where_follow_ups_diverge():
     assert pl.positions(1000, resume=900) == ()
     assert 256 in pl.positions(1000, branch=256)
     assert all(p % BS == 0 and 0 < p < 1000 for p in pl.positions(1000, branch=256))
+
+
+def test_pending_among_sees_in_flight_points_until_they_land_or_drop():
+    led = ReuseLedger(BS)
+    a = ids(300, 1)
+    led.note_points(a, H, (128, 256, 300), "pending")
+    assert led.pending_among(a, H, (64, 128, 256, 300)) == (128, 256, 300)
+    led.note_points(a, H, (128,), "published")
+    led.note_points(a, H, (300,), "dropped")
+    assert led.pending_among(a + ids(20, 2), H, (128, 256, 300)) == (256,)

@@ -58,21 +58,23 @@ def adds_up(last) -> None:
 
 
 def test_new_session_resumes_at_the_hot_shared_prefix(threads):
-    """s2's first turn stops sharing s1's blocks at the system prompt's end: its prefill keeps a
-    checkpoint there, so s3's first turn resumes at it, token-exact against an unshared run."""
+    """s1's first turn shares nothing yet: the start prior keeps checkpoints at 2^k blocks, so s2's
+    first turn resumes at 4 of the system prompt's 5 blocks. s2 stops sharing s1's blocks at the
+    system prompt's end: its prefill keeps a checkpoint there, so s3's first turn resumes at all
+    of it, token-exact against an unshared run."""
     b = backend()
-    system = ids(4 * BS, 99)
+    system = ids(5 * BS, 99)
     try:
         async def go():
-            await send(b, "a", system + ids(300, 1), "s1")
+            await send(b, "a", system + ids(420, 1), "s1")  # 11 full blocks: 2^k at 2, 4, 8 blocks
             _, l2 = await send(b, "b", system + ids(280, 2), "s2")
-            assert l2.reuse_misses == {"no_checkpoint": 4 * BS}  # seen, but no resume point there yet
+            assert l2.num_cached_tokens == 4 * BS and l2.reuse_misses == {"no_checkpoint": BS}
             t3, l3 = await send(b, "c", system + ids(350, 3), "s3")
             adds_up(l2)
             adds_up(l3)
             return t3, l3
         t3, l3 = asyncio.run(go())
-        assert l3.num_cached_tokens == 4 * BS and not l3.reuse_misses
+        assert l3.num_cached_tokens == 5 * BS and not l3.reuse_misses
     finally:
         b.shutdown()
     ref = backend()
@@ -156,12 +158,14 @@ def test_load_deadline(threads):
 
 
 def test_in_flight_and_the_counters(threads):
-    """B shares A's full blocks and arrives while A's prefill (and publish) is still running: its
-    tokens are ``in_flight`` misses. The edge's counters of every request add up."""
+    """B shares A's full blocks and arrives while A's prefill (and publish) is still running, and
+    does not wait for it (``publish_wait_s`` 0, flow NOTE 8): its tokens are ``in_flight`` misses.
+    The edge's counters of every request add up."""
     from disagg.api.metrics import ServingMetrics
     from disagg.tools.bench.servermetrics import counter_by_label, counter_total, parse_prometheus
 
     b = backend()
+    b.decode.flow.publish_wait_s = 0.0
     a = ids(1500, 7)
     try:
         async def go():
@@ -182,3 +186,62 @@ def test_in_flight_and_the_counters(threads):
     missed = sum(counter_by_label(samples, "disagg_reuse_miss_tokens_total", "reason").values())
     cached = la.num_cached_tokens + lb.num_cached_tokens
     assert missed == counter_total(samples, "disagg_reuse_bound_tokens_total") - cached == 1472
+
+
+def test_a_lookup_waits_for_the_branch_publish_in_flight(threads):
+    """The race of the GPU run's ``raced_publish`` misses: s2's first turn branches off the system
+    prompt s1 sent, and s3's first turn looks up while s2's prefill (which keeps the branch
+    checkpoint) is still in flight; s2's state load is held 0.5 s so s3 always arrives then. s3
+    waits for that publish (flow NOTE 8) and resumes at the whole system prompt, no miss,
+    token-exact against an unshared run."""
+    rule = {"fault": "delay", "rate": 1.0, "session_prefix": "s2", "delay_s": 0.5}
+    b = backend(faults={"enabled": True, "rules": [rule]})
+    system = ids(5 * BS, 99)
+    try:
+        async def go():
+            await send(b, "a", system + ids(420, 1), "s1")  # start prior: s1 keeps 2^k blocks, 4 < 5
+            second = asyncio.create_task(send(b, "b", system + ids(280, 2), "s2"))
+            ledger = b.decode.reuse.ledger
+            while ledger.view(system + ids(280, 2), b.decode.hasher, "x").bound < 5 * BS + 280 - 1:
+                await asyncio.sleep(0.005)  # s2 is noted as seen: its lookup began
+            t3, l3 = await send(b, "c", system + ids(350, 3), "s3")
+            _, l2 = await second
+            return t3, l3, l2
+        t3, l3, l2 = asyncio.run(go())
+        waits = b.decode.counters["publish_waits"]
+    finally:
+        b.shutdown()
+    adds_up(l3)
+    assert waits >= 1
+    assert l3.num_cached_tokens == 5 * BS and not l3.reuse_misses, l3.reuse_misses
+    ref = backend()
+    try:
+        tref, _ = asyncio.run(send(ref, "r", system + ids(350, 3), "x"))
+    finally:
+        ref.shutdown()
+    assert t3 == tref
+
+
+def test_a_local_prefill_leaves_nothing_in_flight_to_wait_for(threads):
+    """A follow-up with a short suffix prefills on the decode replica, whose points land only with
+    its turn end: once it has decided, none of them is in flight (a waiter looks up at once,
+    flow NOTE 8); its prompt end is published with the turn end."""
+    b = backend()
+    a = ids(400, 5)
+    follow = a + ids(30, 6)
+    try:
+        async def go():
+            await send(b, "a", a, "s")
+            p = GenerateParams("b", follow, SamplingParams(max_tokens=8, ignore_eos=True), session_id="s")
+            in_flight = None
+            async for _chunk in b.stream(p):
+                if in_flight is None:
+                    in_flight = b.decode.reuse.ledger.pending_among(follow, b.decode.hasher, (384, 430))
+            await b.decode.drain()
+            return in_flight
+        in_flight = asyncio.run(go())
+        view = b.decode.reuse.ledger.view(follow + [7], b.decode.hasher, "x")
+        local = b.decode.counters["local_prefills"]
+    finally:
+        b.shutdown()
+    assert local == 1 and in_flight == () and 430 in view.published
