@@ -160,7 +160,10 @@ class DeploymentConfig(_Strict):
     ingress: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5))
     graceful_shutdown_timeout_s: float = 20.0
     health_check_period_s: float = 10.0
-    max_stream_resumes: int = Field(default=2, ge=0)  # a decode replica lost mid-stream: continue elsewhere
+    # a decode replica lost mid-stream: continue elsewhere (disagg.stream_resume): at most this many
+    # losses after progress, each outage waited out (with backoff) for at most stream_resume_timeout_s
+    max_stream_resumes: int = Field(default=8, ge=0)
+    stream_resume_timeout_s: float = Field(default=60.0, gt=0.0)
 
 
 class HTTPConfig(_Strict):
