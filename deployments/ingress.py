@@ -112,6 +112,8 @@ class ServeBackend:
                 async with aclosing(self._stream_once(current, within)) as chunks:  # a disconnect cancels the call
                     async for chunk in chunks:
                         outage = None  # resumed (stream_resume NOTE 1)
+                        if current.ack and not (chunk.token_ids or chunk.finished or chunk.error):
+                            continue  # the replica's acknowledgment: nothing for the client
                         streamed.extend(chunk.token_ids)
                         if current is not params:  # figures about the client's prompt, not the continuation's
                             n = len(params.prompt_token_ids)
@@ -136,7 +138,7 @@ class ServeBackend:
                 await asyncio.sleep(delay)
             except _FirstChunkLate:
                 self._resume_timed_out(params, len(streamed))
-            current = continue_params(params, streamed, num_calls)
+            current = replace(continue_params(params, streamed, num_calls), ack=True)
 
     def _resume_timed_out(self, params: GenerateParams, num_sent: int) -> NoReturn:
         self.num_resume_timeouts += 1

@@ -9,12 +9,15 @@ backoff, until a replica answers or the outage has lasted ``deployment.stream_re
 
     loss at t0 -> try  fails -> sleep 0.1 -> try fails -> sleep 0.2 -> ... (at most 2 s apart)
                -> try  waits in Serve's queue, at most until t0 + timeout
-               -> a chunk arrives: resumed (the clock is gone; a later loss starts a new one)
+               -> a replica acknowledges the call: resumed (the clock is gone; a later loss
+                  starts a new one)
                -> t0 + timeout passes first: the client gets a 503 ``stream_resume_timeout``
 
 NOTES
-1. The clock starts at the loss and stops at the first chunk of a continuation: the timeout
-   bounds an outage (how long a client waits with nothing arriving), not the request.
+1. The clock starts at the loss and stops when a replica takes a continuation: its first chunk,
+   an empty acknowledgment (``GenerateParams.ack``) sent before any work. The timeout bounds an
+   outage (no replica to take the stream), not the continuation's prefill, which under load
+   may take long and is bounded by the request's own limits, as any request's is.
 2. Only losses that follow progress count against ``deployment.max_stream_resumes`` (a
    request that kills every replica it reaches ends; failed tries during an outage are
    waiting, not resumes).

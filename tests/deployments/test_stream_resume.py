@@ -53,6 +53,10 @@ class _Call:
             raise ActorDiedError()
         if self.mode == "queued":  # Serve holds the call while no replica is up
             await asyncio.sleep(3600)
+        if self.params.ack:  # taken (as deployments.servers.DecodeServer.generate does)
+            yield StreamChunk()
+        if self.mode == "slow":  # a long prefill after taking the call
+            await asyncio.sleep(1.5)
         start, n = self.params.resumed_output_tokens, self.params.sampling.max_tokens
         for i in range(n):
             if self.die_after is not None and i == self.die_after:
@@ -140,6 +144,15 @@ def test_an_outage_past_the_deadline_is_an_explicit_503_counted_in_metrics(down)
         assert "deployment.stream_resume_timeout_s" in error["message"]
         assert _metric(url, "disagg_stream_resume_timeouts") == 1
         assert all(c.cancelled for c in handle.calls[1:] if c.mode == "queued"), "a late call is cancelled"
+
+
+def test_a_continuation_taken_in_time_may_take_longer_than_the_timeout_to_compute():
+    """The outage ends when a replica acknowledges the continuation; its prefill is not an outage."""
+    handle, server = _serve([("ok", 2), ("slow", None)], stream_resume_timeout_s=0.5)
+    with server as url:
+        tokens, error = _stream(url, 6)
+    assert error is None and tokens == [100 + i for i in range(6)]
+    assert handle.calls[1].params.ack and not handle.calls[0].params.ack, "only continuations ask for one"
 
 
 def test_losses_after_progress_count_against_max_stream_resumes():
