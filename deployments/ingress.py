@@ -99,7 +99,7 @@ class ServeBackend:
         cfg = self.config.deployment
         streamed: list[int] = []  # output tokens the client has been sent
         current = params
-        outage: ResumeWait | None = None  # set from a loss until a continuation's first chunk
+        outage: ResumeWait | None = None  # from a loss until a replica acknowledges a continuation
         num_losses = num_calls = 0
         stamps = CURRENT.get()
         if stamps is not None:
