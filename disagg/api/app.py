@@ -5,7 +5,8 @@
 (and ``/v1/models/{id}``), ``/health`` and ``/metrics``. Stop strings never
 reach the client, streamed or not (text that may start one is held until the
 next piece decides), and a non-streamed request whose client disconnects is
-aborted. The backend does the generation: in the Serve
+aborted. A request of ``n`` choices runs one ``_Run`` per choice, answered as one
+``_Response`` (``disagg.api.choices``). The backend does the generation: in the Serve
 ingress it routes to prefill/decode replicas; in tests and the overhead
 baseline it is an in-process engine.
 
