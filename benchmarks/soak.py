@@ -5,7 +5,7 @@ an accounting at the end.
     python benchmarks/soak.py [--minutes 10] [--sessions 32] [--transfer-fault-rate 0.03]
                               [--kill-rate 0.01] [--bad-input-rate 0.05] [--out docs/reliability]
                               [--slow-bodies 200] [--header-trickles 100] [--abandon-every-s 10]
-                              [--burst-every-s 60] [--burst-size 200]
+                              [--burst-every-s 60] [--burst-size 200] [--port 0]
 
 The attacks (benchmarks/soak_attacks.py, from 127.0.0.2): slow request bodies, header trickle,
 abandoned non-streamed requests, overload bursts, and a /health probe from 127.0.0.1. The gate
@@ -27,13 +27,16 @@ overflow, oversize body, an image part); each must get its 4xx as an OpenAI erro
 
 Reported (printed, and written to OUT/soak.json with OUT/soak.png):
 - requests served in full; 4xx, shed (429/503, retried after Retry-After), 5xx (goal 0);
-- tokens lost (goal 0): tokens a request asked for and did not get, whatever the reason;
+- tokens lost (goal 0): tokens a request asked for and did not get, whatever the reason; among
+  the failures, streams that ended with an explicit 503 ``stream_resume_timeout`` (no decode
+  replica took them back within ``deployment.stream_resume_timeout_s``);
 - outputs compared with the uninterrupted run (the reference engine in this process), for every
   request that met a fault and a random sample of the rest: mismatches (goal 0);
 - faults injected by kind (the ledger the replicas append to, which outlives killed replicas),
   and survived: the request that met the fault was served in full (and matched, where compared);
 - the attacks' accounting (soak_attacks.AttackTally), 5xx other than 503 (goal 0), abandoned
   requests still running 10 s after their clients left (goal 0), /health P99 (goal < 1 s);
+- the machine's 1-minute load average (every 30 s: min, mean, max; the machine may be shared);
 - resident memory of the cluster's processes (RSS and PSS, which counts shared pages once) at the
   start and end and every 30 s; host-tier accounting from the node store at the end.
 """
@@ -142,7 +145,8 @@ async def _stream(client: httpx.AsyncClient, key: str, body: dict, tally: Tally)
     return res
 
 
-_CODES_503 = ('"overloaded"', '"backend_unavailable"')  # disagg.api.app: the codes of its 503s
+# the codes of the 503s (disagg.api.app; deployments.ingress: no decode replica came back in time)
+_CODES_503 = ('"overloaded"', '"backend_unavailable"', '"stream_resume_timeout"')
 _BAD = {  # kind -> (how to send it, expected status)
     "no_key": 401, "wrong_key": 401, "unknown_model": 404, "malformed_json": 400, "nan_temperature": 400,
     "out_of_vocab": 400, "context_overflow": 400, "negative_max_tokens": 400, "oversize_body": 413,
@@ -293,7 +297,7 @@ def _metric(text: str, name: str) -> float:
 # -- the run --------------------------------------------------------------------------------------
 def _config(args, ledger: str):
     cfg = load_config("deployments/configs/local-cpu.yaml")
-    cfg.http.port = free_port()
+    cfg.http.port = args.port or free_port()
     cfg.http.api_keys = list(KEYS)
     cfg.http.max_inflight, cfg.http.max_queued = 48, 48  # a burst of 200 is partly shed
     cfg.deployment.ingress.max_ongoing_requests = ingress_max_ongoing(cfg.http)  # config NOTE 1
@@ -333,6 +337,7 @@ async def _load(url: str, args, tally: Tally, samples: list[dict], attacks: soak
             mem = await asyncio.to_thread(cluster_memory)
             served = sum(r.served for r in tally.results)
             samples.append({"t_s": round(time.monotonic() - t0, 1), "served": served, **mem,
+                            "load_avg_1m": round(os.getloadavg()[0], 2),
                             "faults": sum(1 for e in read_ledger(args.ledger) if "fault" in e)})
             print(f"[soak {samples[-1]['t_s']:6.0f} s] requests {len(tally.results)} served {served} "
                   f"faults {samples[-1]['faults']} bad inputs {sum(tally.bad.values())} "
@@ -373,6 +378,10 @@ def _verify(cfg, tally: Tally, faulted: set[str], args) -> dict:
             "mismatched": mismatched, "candidates": len(chosen)}
 
 
+def _spread(values: list[float]) -> dict:
+    return {"min": min(values), "mean": round(sum(values) / len(values), 1), "max": max(values)} if values else {}
+
+
 def _plot(samples: list[dict], kills: list[float], path: Path) -> None:
     import matplotlib
 
@@ -408,6 +417,7 @@ def main() -> None:
     ap.add_argument("--bad-input-rate", type=float, default=0.05, help="per turn")
     ap.add_argument("--host-mb", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, default=0, help="the HTTP port (0: a free one)")
     ap.add_argument("--verify-sample", type=int, default=40, help="unfaulted requests compared with the reference")
     ap.add_argument("--verify-minutes", type=float, default=5.0)
     ap.add_argument("--out", default="results/soak", help="folder for soak.json and soak.png")
@@ -463,6 +473,10 @@ def main() -> None:
             and not any(code in r.error for code in _CODES_503)),
         "503_in_stream": sum(1 for r in results if r.status == 200 and r.error
                              and any(code in r.error for code in _CODES_503)),
+        # explicit errors: a stream no decode replica took back within stream_resume_timeout_s
+        "stream_resume_timeouts": sum(1 for r in results if r.error and '"stream_resume_timeout"' in r.error),
+        "stream_resume_timeouts_at_ingress": _metric(run["metrics"], "disagg_stream_resume_timeouts"),
+        "load_avg_1m": _spread([s["load_avg_1m"] for s in samples if "load_avg_1m" in s]),
         "transport_errors": statuses.get(0, 0), "shed_and_retried": tally.shed,
         "tokens_requested": sum(r.max_tokens for r in results),
         "tokens_lost": sum(r.max_tokens - len(r.tokens) for r in results if not r.served or r.error),

@@ -4,7 +4,8 @@ Each attack is an asyncio task from a loopback address of its own (slow bodies, 
 and abandoned requests from 127.0.0.2, where the front's per-address connection cap bites;
 bursts from 127.0.0.3, so they reach the admission gate; the sessions stay on 127.0.0.1),
 starting ``--attack-delay-s`` into the load and running until the soak's end; what it saw is
-counted in ``AttackTally``:
+counted in ``AttackTally``. Slow bodies and header trickle are one shape (``_slow_connections``:
+send a head, then drip pieces while no reply has come) with different heads, pieces and pauses:
 
     slow_bodies      connections that send headers and the first 1 kB of a 100 kB body, then one
                      byte every 2-5 s: each must be answered 408 (or closed) by the edge, and is
@@ -29,10 +30,12 @@ replica per role), which must both be 0; ``idle_after_s`` says when both first r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -43,15 +46,24 @@ MODEL = "disagg-tiny"
 
 
 @dataclass(slots=True)
+class SlowTally:
+    """What one slow-connection attack saw (slow bodies, or header trickle)."""
+
+    conns: int = 0  # connections opened
+    answered_408: int = 0  # answered 408
+    closed: int = 0  # closed without a reply (refused by the per-address cap, or reset)
+    seconds: list[float] = field(default_factory=list)  # open -> answered/closed
+
+    def summary(self, name: str) -> dict:
+        return {f"{name}_connections": self.conns, f"{name}_answered_408": self.answered_408,
+                f"{name}_closed_without_reply": self.closed,
+                f"{name}_seconds_max": round(max(self.seconds, default=0), 1)}
+
+
+@dataclass(slots=True)
 class AttackTally:
-    slow_body_conns: int = 0  # connections opened
-    slow_body_408: int = 0  # answered 408
-    slow_body_closed: int = 0  # closed without a reply (refused by the per-address cap, or reset)
-    slow_body_seconds: list[float] = field(default_factory=list)  # open -> answered/closed
-    trickle_conns: int = 0
-    trickle_408: int = 0
-    trickle_closed: int = 0
-    trickle_seconds: list[float] = field(default_factory=list)
+    slow_body: SlowTally = field(default_factory=SlowTally)
+    trickle: SlowTally = field(default_factory=SlowTally)
     abandoned: int = 0  # requests whose client left
     burst_requests: int = 0
     burst_served: int = 0
@@ -61,12 +73,7 @@ class AttackTally:
     attacks_from: float = 0.0  # epoch the attacks started
 
     def summary(self) -> dict:
-        return {"slow_body_connections": self.slow_body_conns, "slow_body_answered_408": self.slow_body_408,
-                "slow_body_closed_without_reply": self.slow_body_closed,
-                "slow_body_seconds_max": round(max(self.slow_body_seconds, default=0), 1),
-                "header_trickle_connections": self.trickle_conns, "header_trickle_answered_408": self.trickle_408,
-                "header_trickle_closed_without_reply": self.trickle_closed,
-                "header_trickle_seconds_max": round(max(self.trickle_seconds, default=0), 1),
+        return {**self.slow_body.summary("slow_body"), **self.trickle.summary("header_trickle"),
                 "abandoned_requests": self.abandoned, "burst_requests": self.burst_requests,
                 "burst_served": self.burst_served, "burst_shed_503_retry_after": self.burst_shed,
                 "burst_other": self.burst_other[:10], "burst_other_count": len(self.burst_other),
@@ -95,76 +102,62 @@ async def _reply(reader: asyncio.StreamReader) -> bytes:
         return b""
 
 
-async def _slow_body(port: int, key: str, stop_at: float, tally: AttackTally, rng: random.Random) -> None:
-    body = json.dumps({"model": MODEL, "prompt": "x" * 100_000, "max_tokens": 2}).encode()
+async def _slow_connections(port: int, head: bytes, drip: Callable[[], Iterator[bytes]],
+                            pause: Callable[[], float], stop_at: float, tally: SlowTally) -> None:
+    """The shape of both slow attacks: open a connection, send ``head``, then the next piece of a
+    fresh ``drip()`` every ``pause()`` seconds while no reply has come (and pieces remain); count
+    how the edge ended it, and open the next one."""
     while time.monotonic() < stop_at:
         t0 = time.monotonic()
-        tally.slow_body_conns += 1
+        tally.conns += 1
         try:
             reader, writer = await _open(port)
         except OSError:
-            tally.slow_body_closed += 1
+            tally.closed += 1
             await asyncio.sleep(1.0)
             continue
         got = b""
+        pieces = drip()
         try:
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
-                         b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (key.encode(), len(body))
-                         + body[:1024])
+            writer.write(head)
             await writer.drain()
             reading = asyncio.ensure_future(_reply(reader))
-            sent = 1024
-            while not reading.done() and sent < len(body) and time.monotonic() < stop_at + 60:
-                await asyncio.wait({reading}, timeout=rng.uniform(2.0, 5.0))
-                if not reading.done():
-                    writer.write(body[sent:sent + 1])
-                    sent += 1
-                    await writer.drain()
-            got = await reading if reading.done() else b""
-            reading.cancel()
-        except OSError:
-            pass
-        finally:
-            writer.close()
-        tally.slow_body_seconds.append(time.monotonic() - t0)
-        if got.startswith(b"HTTP/1.1 408"):
-            tally.slow_body_408 += 1
-        else:
-            tally.slow_body_closed += 1
-            await asyncio.sleep(1.0)
-
-
-async def _header_trickle(port: int, stop_at: float, tally: AttackTally) -> None:
-    while time.monotonic() < stop_at:
-        t0 = time.monotonic()
-        tally.trickle_conns += 1
-        try:
-            reader, writer = await _open(port)
-        except OSError:
-            tally.trickle_closed += 1
-            await asyncio.sleep(1.0)
-            continue
-        got = b""
-        try:
-            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: soak\r\n")
-            reading = asyncio.ensure_future(_reply(reader))
             while not reading.done() and time.monotonic() < stop_at + 60:
-                await asyncio.wait({reading}, timeout=2.0)
-                if not reading.done():
-                    writer.write(b"X-Trickle: 1\r\n")
-                    await writer.drain()
+                await asyncio.wait({reading}, timeout=pause())
+                piece = None if reading.done() else next(pieces, None)
+                if piece is None:
+                    break
+                writer.write(piece)
+                await writer.drain()
+            if not reading.done():  # all sent: the answer may still come
+                await asyncio.wait({reading}, timeout=max(0.0, stop_at + 60 - time.monotonic()))
             got = await reading if reading.done() else b""
             reading.cancel()
         except OSError:
             pass
         finally:
             writer.close()
-        tally.trickle_seconds.append(time.monotonic() - t0)
+        tally.seconds.append(time.monotonic() - t0)
         if got.startswith(b"HTTP/1.1 408"):
-            tally.trickle_408 += 1
+            tally.answered_408 += 1
         else:
-            tally.trickle_closed += 1
+            tally.closed += 1
             await asyncio.sleep(1.0)
+
+
+def _slow_body(port: int, key: str, stop_at: float, tally: AttackTally, rng: random.Random):
+    """Headers and 1 kB of a 100 kB body, then one byte every 2-5 s."""
+    body = json.dumps({"model": MODEL, "prompt": "x" * 100_000, "max_tokens": 2}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (key.encode(), len(body)))
+    return _slow_connections(port, head + body[:1024], lambda: (body[i:i + 1] for i in range(1024, len(body))),
+                             lambda: rng.uniform(2.0, 5.0), stop_at, tally.slow_body)
+
+
+def _header_trickle(port: int, stop_at: float, tally: AttackTally):
+    """A request line, then one header line every 2 s."""
+    return _slow_connections(port, b"GET /v1/models HTTP/1.1\r\nHost: soak\r\n",
+                             lambda: itertools.repeat(b"X-Trickle: 1\r\n"), lambda: 2.0, stop_at, tally.trickle)
 
 
 def _abandon_body(path: str, rng: random.Random, prompt_tokens: int) -> dict:

@@ -5,7 +5,8 @@ The ingress tokenizes, validates and hands each request to a decode replica
 A client that disconnects cancels the replica-side generator, which aborts the
 request in the engine and frees its state. A decode replica lost mid-stream is
 replaced: the stream continues on another replica from the tokens already sent
-(``disagg.workers.tiered.continue_params``), at most ``deployment.max_stream_resumes`` times.
+(``disagg.workers.tiered.continue_params``); while no replica is up the stream waits, with backoff,
+at most ``deployment.stream_resume_timeout_s`` (``disagg.stream_resume``).
 The ingress keeps its recent requests' first-token stamps (``timings``, see
 ``deployments.timings``) and a record of each finished request (logged at info
 level, and read by ``disagg serve`` through ``console``, see ``disagg.console``).
@@ -19,22 +20,31 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import asdict, replace
+from typing import NoReturn
 
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from deployments.request_router import report_finished, router_stats
 from deployments.timings import CURRENT, RecentTimings, TimedASGI, stamp
 from disagg.api.app import create_app
+from disagg.api.errors import APIError
 from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig, load_config
 from disagg.console import RequestLog, RequestRecord, format_request
 from disagg.engine.factory import build_tokenizer, engine_limits
 from disagg.messages import GenerateParams, StreamChunk
+from disagg.stream_resume import ResumeWait, timeout_message
 from disagg.workers.tiered import continue_params
 
 log = logging.getLogger("ray.serve")
+# a decode call failed because its replica is gone or none is up: continue elsewhere
+_REPLICA_LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
+class _FirstChunkLate(Exception):
+    """A continuation's first chunk did not come before its outage's deadline."""
 
 
 class ServeBackend:
@@ -52,6 +62,7 @@ class ServeBackend:
         self.block_size = config.engine.block_size  # tokens per cache block (prefix reuse granularity)
         self.model_name = config.model.openai_name
         self.num_resumed_streams = 0  # streams continued on another decode replica
+        self.num_resume_timeouts = 0  # streams ended because no replica took them back in time
         self.request_log = RequestLog()
 
     async def stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
@@ -83,16 +94,26 @@ class ServeBackend:
         log.info(format_request(rec))
 
     async def _stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
+        """The chunks of ``params``, continued on another decode replica after a loss
+        (``disagg.stream_resume``): no token lost, repeated or changed, or an explicit 503."""
+        cfg = self.config.deployment
         streamed: list[int] = []  # output tokens the client has been sent
         current = params
+        outage: ResumeWait | None = None  # from a loss until a replica acknowledges a continuation
+        num_losses = num_calls = 0
         stamps = CURRENT.get()
         if stamps is not None:
             stamps["request_id"] = params.request_id
         stamp("handler")
-        for attempt in range(1, self.config.deployment.max_stream_resumes + 2):
+        while True:
+            num_calls += 1
             try:
-                async with aclosing(self._stream_once(current)) as chunks:  # a disconnect cancels the replica call
+                within = None if outage is None else outage.remaining(time.monotonic())
+                async with aclosing(self._stream_once(current, within)) as chunks:  # a disconnect cancels the call
                     async for chunk in chunks:
+                        outage = None  # resumed (stream_resume NOTE 1)
+                        if current.ack and not (chunk.token_ids or chunk.finished or chunk.error):
+                            continue  # the replica's acknowledgment: nothing for the client
                         streamed.extend(chunk.token_ids)
                         if current is not params:  # figures about the client's prompt, not the continuation's
                             n = len(params.prompt_token_ids)
@@ -100,20 +121,53 @@ class ServeBackend:
                                             num_cached_tokens=min(chunk.num_cached_tokens, n))
                         yield chunk
                 return
-            except (RayActorError, ReplicaUnavailableError) as exc:
-                if attempt > self.config.deployment.max_stream_resumes or len(streamed) >= params.sampling.max_tokens:
+            except _REPLICA_LOST as exc:
+                if len(streamed) >= params.sampling.max_tokens:
                     raise
-                log.warning("decode replica lost after %d tokens of %s (%s); continuing on another replica",
-                            len(streamed), params.request_id, type(exc).__name__)
-                self.num_resumed_streams += 1
-                current = continue_params(params, streamed, attempt)
+                if outage is None:  # a new loss (stream_resume NOTE 2)
+                    num_losses += 1
+                    if num_losses > cfg.max_stream_resumes:
+                        raise
+                    outage = ResumeWait(cfg.stream_resume_timeout_s, time.monotonic())
+                    self.num_resumed_streams += 1
+                    log.warning("decode replica lost after %d tokens of %s (%s); continuing on another replica",
+                                len(streamed), params.request_id, type(exc).__name__)
+                delay = outage.next_delay(time.monotonic())
+                if delay is None:
+                    self._resume_timed_out(params, len(streamed))
+                await asyncio.sleep(delay)
+            except _FirstChunkLate:
+                self._resume_timed_out(params, len(streamed))
+            current = replace(continue_params(params, streamed, num_calls), ack=True)
 
-    async def _stream_once(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
+    def _resume_timed_out(self, params: GenerateParams, num_sent: int) -> NoReturn:
+        self.num_resume_timeouts += 1
+        log.warning("no decode replica took %s back within %.0f s; it ends with an error",
+                    params.request_id, self.config.deployment.stream_resume_timeout_s)
+        raise APIError(503, timeout_message(self.config.deployment.stream_resume_timeout_s, num_sent),
+                       type="server_error", code="stream_resume_timeout", headers={"Retry-After": "1"})
+
+    async def _stream_once(self, params: GenerateParams, first_within: float | None = None
+                           ) -> AsyncIterator[StreamChunk]:
+        """One decode replica call's chunks; its first must arrive within ``first_within`` seconds
+        when set (else ``_FirstChunkLate``): Serve queues a call while no replica is up."""
         stamp("call")
         gen = self._decode_stream.generate.remote(params)
         done = False
         try:
-            async for chunk in gen:
+            chunks = gen.__aiter__()
+            while not done:
+                try:
+                    if first_within is None:
+                        chunk = await chunks.__anext__()
+                    else:
+                        try:
+                            chunk = await asyncio.wait_for(chunks.__anext__(), max(first_within, 1e-3))
+                        except asyncio.TimeoutError:
+                            raise _FirstChunkLate() from None
+                        first_within = None
+                except StopAsyncIteration:
+                    return
                 if chunk.token_ids:
                     stamp("chunk_in")
                 done = chunk.finished
@@ -130,7 +184,7 @@ class ServeBackend:
             calls.append(self.prefill.stats.remote())
         results = await asyncio.gather(*calls, return_exceptions=True)
         return {**merge_replica_stats([r for r in results if isinstance(r, dict)]), **router_stats(),
-                "resumed_streams": self.num_resumed_streams}
+                "resumed_streams": self.num_resumed_streams, "stream_resume_timeouts": self.num_resume_timeouts}
 
 
 @serve.ingress()

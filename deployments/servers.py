@@ -173,6 +173,8 @@ class DecodeServer(_ServerBase):
         stamps = {"entry": time.perf_counter()}
         self._inflight += 1
         try:
+            if params.ack:  # taken: the ingress's outage clock stops here (disagg.stream_resume NOTE 1)
+                yield StreamChunk(replica_id=self.replica_id)
             fn = self._prefill if self.prefill_handle is not None else None
             try:
                 async with aclosing(self.worker.generate(params, fn)) as chunks:  # a cancelled call aborts it

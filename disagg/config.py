@@ -160,7 +160,10 @@ class DeploymentConfig(_Strict):
     ingress: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5))
     graceful_shutdown_timeout_s: float = 20.0
     health_check_period_s: float = 10.0
-    max_stream_resumes: int = Field(default=2, ge=0)  # a decode replica lost mid-stream: continue elsewhere
+    # a decode replica lost mid-stream: continue elsewhere (disagg.stream_resume): at most this many
+    # losses after progress, each outage waited out (with backoff) for at most stream_resume_timeout_s
+    max_stream_resumes: int = Field(default=8, ge=0)
+    stream_resume_timeout_s: float = Field(default=60.0, gt=0.0)
 
 
 class HTTPConfig(_Strict):
@@ -182,6 +185,7 @@ class HTTPConfig(_Strict):
     max_inflight: int = Field(default=256, ge=1)  # generations running at once (all keys); the rest queue
     max_queued: int = Field(default=512, ge=0)  # waiting for a running slot; beyond -> 503 (load shedding)
     queue_timeout_s: float = Field(default=30.0, gt=0.0)  # waited this long for a slot -> 503
+    max_n: int = Field(default=16, ge=1, le=128)  # choices per request (n); each takes a gate slot; above -> 400
 
     def with_file_keys(self) -> HTTPConfig:
         """This config with the keys of ``api_keys_file`` added to ``api_keys``.

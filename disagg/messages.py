@@ -44,6 +44,7 @@ class GenerateParams:
     route_reason: str = ""  # why the router placed it here (metrics)
     resumed_output_tokens: int = 0  # trailing prompt tokens that are this request's own earlier output
     checkpoint_at: tuple[int, ...] = ()  # extra KDA checkpoints the prefill keeps (disagg.reuse.placement)
+    ack: bool = False  # the decode replica first sends an empty chunk as it takes the call (disagg.stream_resume)
 
     def __repr__(self) -> str:
         return (

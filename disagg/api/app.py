@@ -5,7 +5,8 @@
 (and ``/v1/models/{id}``), ``/health`` and ``/metrics``. Stop strings never
 reach the client, streamed or not (text that may start one is held until the
 next piece decides), and a non-streamed request whose client disconnects is
-aborted. The backend does the generation: in the Serve
+aborted. A request of ``n`` choices runs one ``_Run`` per choice, answered as one
+``_Response`` (``disagg.api.choices``). The backend does the generation: in the Serve
 ingress it routes to prefill/decode replicas; in tests and the overhead
 baseline it is an in-process engine.
 
@@ -34,6 +35,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from disagg.api.choices import choice_params, merged, summed_usage
 from disagg.api.detok import IncrementalText
 from disagg.api.errors import APIError, error_response
 from disagg.api.limits import (
@@ -108,7 +110,7 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
     app.add_middleware(EdgeMiddleware, max_body_bytes=http.max_body_bytes, keys=KeyTable(http.api_keys),
                        limiter=KeyLimiter(http.rate_limit_per_key, http.rate_burst_per_key,
                                           http.max_concurrent_per_key),
-                       gate=gate, on_reject=metrics.rejected, body_timeout_s=http.body_timeout_s)
+                       gate=gate, on_reject=metrics.rejected, body_timeout_s=http.body_timeout_s, max_n=http.max_n)
     app.openapi = lambda: _openapi(app, bool(http.api_keys))
 
     @app.get("/health")
@@ -184,6 +186,13 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
                            param=refused, code="unsupported_parameter")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        n = body.n or 1
+        if n > http.max_n:
+            raise APIError(400, f"n must be at most {http.max_n} (this server's http.max_n)", param="n")
+        best_of = getattr(body, "best_of", None) or 1
+        if best_of not in (1, n):  # best_of = n is n; best_of = 1 is the default beside any n
+            raise APIError(400, f"best_of {best_of} is not supported: {UNSERVED_WHY['best_of']}", param="best_of",
+                           code="unsupported_parameter")
         if not ids:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         vocab = getattr(backend, "vocab_size", None)
@@ -205,12 +214,14 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
             request_id=f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
             prompt_token_ids=ids, sampling=sampling, session_id=body.session_id or body.user,
             cache_salt=_cache_salt(request, body.cache_salt))
-        run = _Run(backend, metrics, params, stops, kind, body.model, body.return_token_ids, echo)
+        runs = [_Run(backend, metrics, p, stops, kind, body.model, body.return_token_ids, echo, index=i)
+                for i, p in enumerate(choice_params(params, n))]
+        response = _Response(runs, params.request_id, kind, body.model)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _ClosingStreamingResponse(run.sse(usage), media_type="text/event-stream",
+            return _ClosingStreamingResponse(response.sse(usage), media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        whole = await unless_disconnected(run.whole(), request.receive)  # an abandoned request must not
+        whole = await unless_disconnected(response.whole(), request.receive)  # an abandoned request must not
         if whole is None:  # hold its engine slot and key concurrency: nobody is left to read it
             metrics.request_done(kind, "cancelled")
             return Response(status_code=499)
@@ -264,8 +275,10 @@ class _Run:
     """One request's generation, shaped as OpenAI JSON or SSE."""
 
     def __init__(self, backend, metrics: ServingMetrics, params: GenerateParams, stops: list[str], kind: str,
-                 model: str, return_token_ids: bool = False, echo: str = ""):
+                 model: str, return_token_ids: bool = False, echo: str = "", index: int = 0):
         self.backend, self.metrics, self.params = backend, metrics, params
+        self.index = index  # the choice's index (disagg.api.choices)
+        self.prompt_done = asyncio.Event()  # set at the first chunk, or when the run ends (choices NOTE 1)
         self.stops, self.kind, self.model = stops, kind, model
         self.return_token_ids, self.echo = return_token_ids, echo
         self._sent_ids = 0
@@ -290,6 +303,7 @@ class _Run:
         try:
             async for chunk in agen:
                 self.last = chunk
+                self.prompt_done.set()
                 if chunk.error:
                     self.metrics.request_done(self.kind, "error")
                     if chunk.finish_reason == "invalid":  # the engine refused the request: the client's fault
@@ -331,6 +345,7 @@ class _Run:
                     self.finish_reason = chunk.finish_reason
                     break
         finally:
+            self.prompt_done.set()
             await agen.aclose()
         self.metrics.e2e.observe(time.perf_counter() - t0)
         self.metrics.request_finished(self.kind, self.last, len(self.ids))
@@ -344,9 +359,9 @@ class _Run:
     def _choice(self, text: str, finish: str | None, delta: bool) -> dict:
         if self.kind == "chat.completion":
             body = {"delta": {"content": text}} if delta else {"message": {"role": "assistant", "content": text}}
-            choice = {"index": 0, **body, "finish_reason": finish}
+            choice = {"index": self.index, **body, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish}
         if self.logprobs is not None:
             choice["logprobs"] = self._logprobs_since(self._sent_logprobs if delta else 0)
         if self.return_token_ids:
@@ -368,31 +383,70 @@ class _Run:
         self._text_offset += sum(len(t) for t in shaped["tokens"])
         return shaped
 
-    async def whole(self) -> dict:
+    async def run(self) -> _Run:
+        """Generate to the end (non-streamed)."""
         async for _ in self._pieces():
             pass
-        body = {"id": self.params.request_id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [self._choice(self.echo + self.text, self.finish_reason, delta=False)],
+        return self
+
+    async def events(self) -> AsyncIterator[dict]:
+        """This choice's entries of ``choices`` in the SSE chunks, in order; raises APIError."""
+        if self.kind == "chat.completion":
+            yield {"index": self.index, "delta": {"role": "assistant"}, "finish_reason": None}
+        if self.echo:
+            yield {"index": self.index, "text": self.echo, "logprobs": None, "finish_reason": None}
+        async with aclosing(self._pieces()) as pieces:
+            async for piece in pieces:
+                if piece or self.return_token_ids:
+                    yield self._choice(piece, None, delta=True)
+        yield self._choice("", self.finish_reason, delta=True)
+
+
+class _Response:
+    """A request's choices (``disagg.api.choices``), shaped as one OpenAI JSON body or SSE stream."""
+
+    def __init__(self, runs: list[_Run], request_id: str, kind: str, model: str):
+        self.runs, self.request_id, self.kind, self.model = runs, request_id, kind, model
+        self.created = runs[0].created
+
+    def _usage(self) -> dict:
+        return summed_usage([r._usage() for r in self.runs])
+
+    async def whole(self) -> dict:
+        first, rest = self.runs[0], self.runs[1:]
+        tasks = [asyncio.create_task(first.run())]
+        try:
+            if rest:
+                await first.prompt_done.wait()  # choices NOTE 1
+                tasks += [asyncio.create_task(r.run()) for r in rest]
+            await asyncio.gather(*tasks)
+        finally:  # an error or the client leaving stops every choice (choices NOTE 4)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        body = {"id": self.request_id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [r._choice(r.echo + r.text, r.finish_reason, delta=False) for r in self.runs],
                 "usage": self._usage()}
-        if self.last is not None:  # extension: where the request ran and where its prompt state came from
-            body["disagg"] = {"replica": self.last.replica_id, "cached_source": self.last.cached_source}
+        if first.last is not None:  # extension: where the request ran and where its prompt state came from
+            body["disagg"] = {"replica": first.last.replica_id, "cached_source": first.last.cached_source}
+            if rest:
+                body["disagg"]["choices"] = [
+                    {"replica": r.last.replica_id, "cached_source": r.last.cached_source,
+                     "cached_tokens": r.last.num_cached_tokens} for r in self.runs if r.last is not None]
         return body
 
     async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
-        head = {"id": self.params.request_id, "object": obj, "created": self.created, "model": self.model}
+        head = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+        streams = [r.events() for r in self.runs]
         try:
-            if self.kind == "chat.completion":
-                first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
-                yield _sse(first)
-            if self.echo:
-                yield _sse({**head, "choices": [{"index": 0, "text": self.echo, "logprobs": None,
-                                                 "finish_reason": None}]})
-            async with aclosing(self._pieces()) as pieces:
-                async for piece in pieces:
-                    if piece or self.return_token_ids:
-                        yield _sse({**head, "choices": [self._choice(piece, None, delta=True)]})
-            yield _sse({**head, "choices": [self._choice("", self.finish_reason, delta=True)]})
+            if len(streams) == 1:
+                events = streams[0]
+            else:
+                events = merged(streams, self.runs[0].prompt_done)
+            async with aclosing(events) as choices:
+                async for choice in choices:
+                    yield _sse({**head, "choices": [choice]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": self._usage()})
         except APIError as exc:

@@ -9,7 +9,7 @@
       generation endpoints only:
       -> the key's token bucket (rate_limit_per_key) ............. 429 + Retry-After
       -> the key's requests in flight (max_concurrent_per_key) ... 429 + Retry-After
-      -> AdmissionGate: a running slot, or a bounded wait ........ 503 + Retry-After
+      -> AdmissionGate: a running slot per choice (n), or a bounded wait ... 503 + Retry-After
       -> the app; the slot and the key's count are released once the response has been
          sent, streamed or not, whether it finished, failed or the client went away.
 
@@ -172,14 +172,18 @@ class KeyLimiter:
 
 
 class AdmissionGate:
-    """At most ``max_inflight`` holders; up to ``max_queued`` wait in FIFO order, each at most
-    ``timeout_s``; the rest are shed. One event loop only (the HTTP app's).
+    """At most ``max_inflight`` running slots; up to ``max_queued`` slots' worth of requests wait in
+    FIFO order, each at most ``timeout_s``; the rest are shed. A request takes one slot per
+    generation it runs (its ``n`` choices: ``weight``). One event loop only (the HTTP app's).
 
     NOTES
-    1. A released slot passes straight to the oldest waiter (``num_running`` stays), so a waiter
-       is never overtaken by a newcomer.
-    2. A waiter that gives up (timeout, cancellation) leaves the queue; one that was handed a
-       slot as it gave up keeps it (timeout) or passes it on (cancellation).
+    1. Released slots go straight to the waiters, oldest first (``num_running`` stays when one
+       takes them), so a waiter is never overtaken by a newcomer; nor by a lighter waiter behind
+       it: the oldest waits until its whole weight is free.
+    2. A waiter that gives up (timeout, cancellation) leaves the queue; one that was handed its
+       slots as it gave up keeps them (timeout) or passes them on (cancellation).
+    3. A weight above ``max_inflight`` counts as ``max_inflight`` (the request runs alone), so
+       every request can be admitted.
     """
 
     def __init__(self, max_inflight: int, max_queued: int, timeout_s: float):
@@ -188,62 +192,77 @@ class AdmissionGate:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
         self.timeout_s = timeout_s
-        self.num_running = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self.num_running = 0  # slots held
+        self._waiters: deque[tuple[asyncio.Future, int]] = deque()  # (handed its slots?, weight)
         self.num_shed = 0  # refused: queue full
         self.num_timed_out = 0  # refused: waited too long
 
     @property
     def num_queued(self) -> int:
-        return sum(not f.done() for f in self._waiters)
+        """Slots' worth of requests waiting."""
+        return sum(w for f, w in self._waiters if not f.done())
 
-    def try_acquire(self) -> bool:
-        """Take a free running slot now if there is one (no one waits for it)."""
-        if self.num_running < self.max_inflight and not self._waiters:
-            self.num_running += 1
+    def _weight(self, weight: int) -> int:
+        assert weight >= 1, "a request runs at least one generation"
+        return min(weight, self.max_inflight)  # NOTE 3
+
+    def try_acquire(self, weight: int = 1) -> bool:
+        """Take ``weight`` free running slots now if there are (no one waits for them)."""
+        weight = self._weight(weight)
+        if self.num_running + weight <= self.max_inflight and not self._waiters:
+            self.num_running += weight
             return True
         return False
 
-    async def acquire(self) -> bool:
-        """Take a running slot (True), or be shed (False)."""
-        if self.try_acquire():
+    async def acquire(self, weight: int = 1) -> bool:
+        """Take ``weight`` running slots (True), or be shed (False)."""
+        if self.try_acquire(weight):
             return True
-        if len(self._waiters) >= self.max_queued:
+        weight = self._weight(weight)
+        if self.num_queued + weight > self.max_queued:
             self.num_shed += 1
             return False
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self._waiters.append((fut, weight))
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
             return True
         except asyncio.TimeoutError:
             if fut.done() and not fut.cancelled():
-                return True  # handed a slot just as the wait ended
+                return True  # handed its slots just as the wait ended
             self._forget(fut)
             self.num_timed_out += 1
             return False
         except BaseException:
             if fut.done() and not fut.cancelled():
-                self.release()
+                self.release(weight)
             else:
                 self._forget(fut)
             raise
 
     def _forget(self, fut: asyncio.Future) -> None:
         fut.cancel()
-        try:
-            self._waiters.remove(fut)
-        except ValueError:
-            pass
+        self._waiters = deque(w for w in self._waiters if w[0] is not fut)
+        self._hand_over()  # a heavy waiter leaving may let lighter ones behind it in
 
-    def release(self) -> None:
+    def release(self, weight: int = 1) -> None:
+        weight = self._weight(weight)
+        assert self.num_running >= weight, "released more slots than taken"
+        self.num_running -= weight
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Free slots to the waiters, oldest first, while the oldest's weight fits (NOTE 1)."""
         while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(True)  # the slot passes on (NOTE 1)
+            fut, weight = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            if self.num_running + weight > self.max_inflight:
                 return
-        assert self.num_running > 0, "released more slots than taken"
-        self.num_running -= 1
+            self._waiters.popleft()
+            self.num_running += weight
+            fut.set_result(True)
 
 
 class EdgeMiddleware:
@@ -253,8 +272,9 @@ class EdgeMiddleware:
     """
 
     def __init__(self, app, max_body_bytes: int, keys: KeyTable, limiter: KeyLimiter, gate: AdmissionGate,
-                 on_reject=None, body_timeout_s: float = 30.0):
+                 on_reject=None, body_timeout_s: float = 30.0, max_n: int = 1):
         self.app = app
+        self.max_n = max_n  # choices served per request (http.max_n): the gate's largest weight
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.keys = keys
@@ -288,6 +308,7 @@ class EdgeMiddleware:
                 return
         scope.setdefault("state", {})["api_key"] = api_key
         wire = receive  # after the body, its next message can only be a disconnect
+        body = b""
         if scope["method"] == "POST":
             try:
                 body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
@@ -312,7 +333,8 @@ class EdgeMiddleware:
             await self._refuse(scope, receive, send, err, err.code or "rate_limited")
             return
         try:
-            admitted = self.gate.try_acquire() or await unless_disconnected(self.gate.acquire(), wire)
+            weight = num_choices(body, self.max_n)  # each choice is a generation (AdmissionGate)
+            admitted = self.gate.try_acquire(weight) or await unless_disconnected(self.gate.acquire(weight), wire)
             if admitted is None:  # left while queued (NOTE 4): its place and key count go back
                 self.on_reject("client_gone")
                 return
@@ -324,7 +346,7 @@ class EdgeMiddleware:
             try:
                 await self.app(scope, receive, send)
             finally:
-                self.gate.release()
+                self.gate.release(weight)
         finally:
             self.limiter.done(key)
 
@@ -359,6 +381,20 @@ class EdgeMiddleware:
 
 
 _GONE = object()  # _read_body: the client disconnected
+
+
+def num_choices(body: bytes, max_n: int) -> int:
+    """The ``n`` a generation body asks for, when it is one the app will serve (an integer in
+    [1, max_n]); else 1 (the app refuses the request before generating anything)."""
+    if b'"n"' not in body:
+        return 1
+    try:
+        n = json.loads(body).get("n")
+    except (ValueError, AttributeError):
+        return 1
+    if type(n) is float and n.is_integer():  # 7.0 is an integer (the schema's JSONInt)
+        n = int(n)
+    return n if type(n) is int and 1 <= n <= max_n else 1
 
 
 def _route_path(scope) -> str:

@@ -58,6 +58,9 @@ class ServingMetrics:
                                    ["role", "event"], registry=r)
         self.resumed_streams = Gauge("disagg_resumed_streams", "Streams continued on another decode replica "
                                      "after theirs was lost (cumulative)", registry=r)
+        self.resume_timeouts = Gauge("disagg_stream_resume_timeouts", "Streams ended with a 503 because no decode "
+                                     "replica took them back within deployment.stream_resume_timeout_s "
+                                     "(cumulative)", registry=r)
         for s in SOURCES:
             self.prompt_tokens.labels(source=s)
         for reason in REASONS:
@@ -101,6 +104,8 @@ class ServingMetrics:
             self.checksum_failures.set(stats["checksum_failures"])
         if "resumed_streams" in stats:
             self.resumed_streams.set(stats["resumed_streams"])
+        if "stream_resume_timeouts" in stats:
+            self.resume_timeouts.set(stats["stream_resume_timeouts"])
         for role, events in (stats.get("workers") or {}).items():
             for event, n in events.items():
                 self.worker_events.labels(role=role, event=event).set(n)

@@ -5,8 +5,9 @@ Every OpenAI parameter is either served or refused with a 400 naming it
 its no-op value, so clients that send the defaults keep working). Served:
 ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options``, ``logprobs`` (completions: the number of alternatives, 0-5;
-chat: a flag with ``top_logprobs`` 0-20), ``echo``, ``user``, and ``n``/
-``best_of`` equal to 1. Refused: ``n``/``best_of`` > 1, ``logit_bias``, non-zero
+chat: a flag with ``top_logprobs`` 0-20), ``echo``, ``user``, ``n`` up to
+``http.max_n`` (``disagg.api.choices``) and ``best_of`` equal to 1 or ``n``
+(checked in ``disagg.api.app``). Refused: ``best_of`` > ``n``, ``logit_bias``, non-zero
 ``presence_penalty``/``frequency_penalty``, ``suffix``, ``response_format``
 other than text (nothing enforces a JSON grammar), ``tools``/``functions`` and
 their choices, ``audio``, ``modalities`` other than text, ``prediction``,
@@ -62,7 +63,7 @@ class _Common(BaseModel):
     max_tokens: JSONInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
-    n: JSONInt | None = Field(default=1, ge=1, le=128)  # only 1 is served (UNSERVED)
+    n: JSONInt | None = Field(default=1, ge=1, le=128)  # choices; at most http.max_n (disagg.api.choices)
     seed: JSONInt | None = Field(default=None, ge=0, le=2**62)
     stop: ShortText | list[ShortText] | None = None
     stop_token_ids: list[JSONInt] | None = Field(default=None, max_length=256)
@@ -93,7 +94,7 @@ class CompletionRequest(_Common):
     max_tokens: JSONInt | None = Field(default=16, ge=1)
     echo: bool | None = False  # the prompt's text before the completion's (token_ids stay the completion's)
     logprobs: JSONInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token; 0 = the token's own
-    best_of: JSONInt | None = Field(default=1, ge=1, le=128)  # only 1 is served (UNSERVED)
+    best_of: JSONInt | None = Field(default=1, ge=1, le=128)  # only 1 or n is served (disagg.api.app)
     suffix: str | None = None  # refused (UNSERVED)
 
     @field_validator("prompt")
@@ -166,8 +167,6 @@ def _refused_if_set(value) -> bool:
 
 # parameter -> "is this value one we do not serve?" (checked in this order; the first hit is the 400)
 UNSERVED: dict[str, Any] = {
-    "n": lambda v: v != 1,
-    "best_of": lambda v: v != 1,
     "suffix": lambda v: bool(v),
     "logit_bias": lambda v: bool(v),
     "presence_penalty": lambda v: v != 0,
@@ -185,8 +184,9 @@ UNSERVED: dict[str, Any] = {
     "web_search_options": _refused_if_set,
 }
 UNSERVED_WHY = {
-    "n": "only n=1 is served (send n requests, each with its own seed)",
-    "best_of": "only best_of=1 is served",
+    "best_of": "only best_of equal to 1 or n is served: choosing the n best of more samples by their "
+               "cumulative log probability costs best_of generations for n answers, and vLLM's engine "
+               "dropped it too (ask for n choices with their logprobs and rank them yourself)",
     "response_format": "only {\"type\": \"text\"} is served: nothing enforces a JSON grammar",
 }
 

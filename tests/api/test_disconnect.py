@@ -25,10 +25,11 @@ def backend():
         yield b
 
 
+@pytest.mark.parametrize("n", [1, 3])  # n choices: every one of them stops
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_disconnect_aborts_the_generation(backend, path):
+def test_disconnect_aborts_the_generation(backend, path, n):
     engine = backend.decode.engine.engine
-    body = {"model": "disagg-tiny", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {"model": "disagg-tiny", "max_tokens": 3000, "ignore_eos": True, "stream": True, "n": n}
     body |= {"prompt": "hold"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hold"}]}
     with serve_asgi(create_app(backend, HTTPConfig())) as url:
         before = engine.stats()["decode_tokens"]
@@ -37,11 +38,26 @@ def test_disconnect_aborts_the_generation(backend, path):
             events = 0
             for line in r.iter_lines():
                 events += line.startswith("data: ")
-                if events >= 3:
+                if events >= 3 * n:
                     break
         deadline = time.monotonic() + 30
         while engine.stats()["running"] or engine.stats()["held"]:
             assert time.monotonic() < deadline, "the abandoned request is still in the engine"
             time.sleep(0.01)
         generated = engine.stats()["decode_tokens"] - before
-    assert generated < 300, f"{generated} tokens generated after the client left (of 3000 asked)"
+    assert generated < 300 * n, f"{generated} tokens generated after the client left (of {3000 * n} asked)"
+
+
+def test_an_abandoned_non_streamed_request_stops_every_choice(backend):
+    engine = backend.decode.engine.engine
+    body = {"model": "disagg-tiny", "prompt": "hold", "max_tokens": 3000, "ignore_eos": True, "n": 3}
+    with serve_asgi(create_app(backend, HTTPConfig())) as url:
+        before = engine.stats()["decode_tokens"]
+        with pytest.raises(httpx.ReadTimeout):  # the client leaves after 1 s
+            httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+        deadline = time.monotonic() + 30
+        while engine.stats()["running"] or engine.stats()["held"]:
+            assert time.monotonic() < deadline, "a choice of the abandoned request is still in the engine"
+            time.sleep(0.01)
+        generated = engine.stats()["decode_tokens"] - before
+    assert generated < 3 * 3000 / 2, f"{generated} tokens generated for nobody (of 9000 asked)"

@@ -48,11 +48,10 @@ def _body(path: str, **extra) -> dict:
 
 BOTH = ["/v1/completions", "/v1/chat/completions"]
 REFUSED = [  # (endpoints, parameter, a value asking for something not served)
-    (BOTH, "n", 2),
     (BOTH, "presence_penalty", 0.5),
     (BOTH, "frequency_penalty", -1.0),
     (BOTH, "logit_bias", {"50": 10}),
-    (["/v1/completions"], "best_of", 3),
+    (["/v1/completions"], "best_of", 3),  # beside n = 1: more samples than answers
     (["/v1/completions"], "suffix", "tail"),
     (["/v1/chat/completions"], "response_format", {"type": "json_object"}),
     (["/v1/chat/completions"], "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
@@ -68,7 +67,7 @@ REFUSED = [  # (endpoints, parameter, a value asking for something not served)
     (["/v1/chat/completions"], "web_search_options", {}),
 ]
 NO_OPS = [  # values that ask for nothing: accepted
-    (BOTH, "n", 1), (BOTH, "presence_penalty", 0), (BOTH, "frequency_penalty", 0.0), (BOTH, "logit_bias", {}),
+    (BOTH, "n", 1), (BOTH, "n", 2), (BOTH, "presence_penalty", 0), (BOTH, "frequency_penalty", 0.0), (BOTH, "logit_bias", {}),
     (["/v1/completions"], "best_of", 1), (["/v1/completions"], "suffix", ""),
     (["/v1/chat/completions"], "response_format", {"type": "text"}), (["/v1/chat/completions"], "tools", []),
     (["/v1/chat/completions"], "tool_choice", "none"), (["/v1/chat/completions"], "modalities", ["text"]),

@@ -159,7 +159,8 @@ def test_unknown_routes_and_methods_are_openai_errors(serve, method, path, statu
     b'{"model": "disagg-tiny", "prompt": [""]}',
     b'{"model": "disagg-tiny", "prompt": "x", "stop_token_ids": [' + b",".join([b"1"] * 300) + b"]}",
     b'{"model": "disagg-tiny", "prompt": [1, true]}',
-    b'{"model": "disagg-tiny", "prompt": "x", "n": 2}',
+    b'{"model": "disagg-tiny", "prompt": "x", "n": 17}',  # above http.max_n
+    b'{"model": "disagg-tiny", "prompt": "x", "n": 2, "best_of": 3}',
     b'["not", "an", "object"]',
     b'"text"',
     b"",

@@ -11,6 +11,7 @@ from disagg.api.limits import (
     KeyLimiter,
     KeyTable,
     TokenBucket,
+    num_choices,
     request_salt,
     tenant_salt,
 )
@@ -111,6 +112,55 @@ def test_gate_wait_times_out_and_cancelled_waiters_leave_the_queue():
         assert gate.num_running == 0  # nobody inherited the slot
 
     asyncio.run(main())
+
+
+def test_gate_counts_each_choice_and_a_heavy_waiter_is_not_overtaken():
+    """A request of n choices takes n slots; a lighter newcomer behind a waiting heavy one waits
+    too (FIFO); a weight above max_inflight runs alone."""
+    async def main():
+        gate = AdmissionGate(max_inflight=4, max_queued=8, timeout_s=5)
+        assert gate.try_acquire(3) and gate.num_running == 3
+        heavy = asyncio.create_task(gate.acquire(2))
+        await asyncio.sleep(0.01)
+        assert gate.num_queued == 2
+        assert not gate.try_acquire(1), "one slot is free, but the heavy waiter came first"
+        light = asyncio.create_task(gate.acquire(1))
+        await asyncio.sleep(0.01)
+        assert not heavy.done() and not light.done()
+        gate.release(3)
+        assert await heavy and await light and gate.num_running == 3
+        gate.release(2)
+        gate.release(1)
+        huge = asyncio.create_task(gate.acquire(100))  # counts as 4: the whole gate
+        assert await huge and gate.num_running == 4
+        gate.release(100)
+        assert gate.num_running == 0 and gate.num_queued == 0
+
+    asyncio.run(main())
+
+
+def test_gate_sheds_by_queued_choices():
+    async def main():
+        gate = AdmissionGate(max_inflight=4, max_queued=3, timeout_s=5)
+        assert gate.try_acquire(4)
+        waiting = asyncio.create_task(gate.acquire(1))
+        await asyncio.sleep(0.01)
+        assert not await gate.acquire(3), "1 + 3 choices would queue beyond max_queued"
+        assert gate.num_shed == 1 and gate.num_timed_out == 0
+        gate.release(4)
+        assert await waiting
+        gate.release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("body", "want"), [
+    (b'{"prompt": "x", "n": 3}', 3), (b'{"prompt": "x", "n": 3.0}', 3), (b'{"prompt": "x"}', 1),
+    (b'{"prompt": "x", "n": 17}', 1), (b'{"prompt": "x", "n": true}', 1), (b'{"prompt": "x", "n": 0}', 1),
+    (b'{"prompt": "x", "n": "3"}', 1), (b'{"prompt": "say \\"n\\": 4"}', 1), (b'{"n": 2', 1), (b'[1, "n"]', 1),
+])
+def test_the_gate_weight_is_the_n_the_app_will_serve(body, want):
+    assert num_choices(body, max_n=16) == want
 
 
 def test_gate_refuses_bad_bounds():
