@@ -29,6 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 LOCAL_PREFILL_MAX_TOKENS = 256  # an uncached suffix up to this is prefilled on the decode replica
 PREFILL_BUSY_TOKENS = 65536.0  # the least-loaded prefill replica's queued tokens that count as busy
 BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, suffixes up to this prefill locally
+# "local_state": a decode replica that can resume more of the prompt than the prefill pool prefills
+# locally when suffix * (1 + this * its running decodes) <= the pool's queued + uncached tokens
+STATE_HARM_WEIGHT = 1.0
 
 
 class _Strict(BaseModel):
@@ -122,13 +125,15 @@ class RouterConfig(_Strict):
     local_prefill_max_tokens: int = Field(default=LOCAL_PREFILL_MAX_TOKENS, ge=0)
     prefill_busy_tokens: float = Field(default=PREFILL_BUSY_TOKENS, gt=0)  # prefill pool busy: min queue >= this
     busy_local_max_tokens: int = Field(default=BUSY_LOCAL_MAX_TOKENS, ge=0)  # ... then suffixes up to this stay local
+    state_harm_weight: float = Field(default=STATE_HARM_WEIGHT, ge=0)  # "local_state" (decider docstring)
     stats_period_s: float = 1.0  # how often replicas report load and device-tier content to routers
 
     def decider_params(self) -> dict[str, float]:
         """The ``DeciderConfig`` fields (``disagg.router.decider``) of this config."""
         return {"local_prefill_max_tokens": self.local_prefill_max_tokens,
                 "prefill_busy_tokens": self.prefill_busy_tokens,
-                "busy_local_max_tokens": self.busy_local_max_tokens}
+                "busy_local_max_tokens": self.busy_local_max_tokens,
+                "state_harm_weight": self.state_harm_weight}
 
 
 class ReplicaConfig(_Strict):
