@@ -44,11 +44,15 @@ XFER = dict(bytes_per_token=1000.0, checkpoint_bytes=0.0, host_gbps=1.0, remote_
             remote_latency_s=0.0)  # host 1e6 B / 1 GB/s = 1 ms, remote 10 ms
 
 
-def test_decode_phase_charges_no_prefill_harm_and_uses_the_hint():
+def test_decode_phase_uses_the_hint_and_charges_a_possible_local_prefill():
+    # a: 4 decodes running, nothing cached: were the decider to prefill r there, they would wait 1000 tokens
     loads = [EffectiveLoad(decode_requests=4), EffectiveLoad(), EffectiveLoad()]
     cost, scale = DecodeScorer(**CFG, **XFER).costs(_ctx(loads, phase="decode", hint=10), W3)
     # no prefill nodes known: every candidate waits for the remote hand-off (the same 10 ms)
-    assert cost.tolist() == pytest.approx([10 * (0.015 + 0.001) + 0.01, 10 * 0.012 + 0.01, 10 * 0.012 + 0.01])
+    assert cost.tolist() == pytest.approx([10 * (0.015 + 0.001) + 4 * 1000 / 1000 + 0.01, 10 * 0.012 + 0.01,
+                                           10 * 0.012 + 0.01])
+    prefill_phase, _ = DecodeScorer(**CFG, **XFER).costs(_ctx(loads, phase="prefill", hint=10), W3)
+    assert prefill_phase.tolist() == pytest.approx([10 * 0.016, 10 * 0.012, 10 * 0.012])  # no prefill harm
     assert scale == pytest.approx(10 * 0.012)  # decode time only: what the request's ITL is made of
 
 

@@ -7,8 +7,10 @@ output, its hint or ``default_output_tokens``)::
     step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
     own_w   = o * step_w                                                r's decode time
     harm_w  = B_w * n_w / prefill_tokens_per_s                          decode time r's prefill steals
-                                                                        from the batch on w (phases
-                                                                        "both": it prefills there)
+                                                                        from the batch on w (phase
+                                                                        "both": it prefills there;
+                                                                        "decode": it may, by the P/D
+                                                                        decider's local rules)
     join_w  = q_w / prefill_tokens_per_s                                phase "decode": r's first decode
               + (prompt * bytes_per_token + checkpoint_bytes) / bw_w    step waits for the prefill queued
               + latency_w                                               on w and for r's state; bw_w: the
@@ -91,10 +93,10 @@ class DecodeScorer(ArrayScorer):
         step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + cfg.decode_per_ctx_token_s * (
             v.loads[_D] + req.prompt_len)
         cost = out * step
-        if ctx.phase == "both":
+        if ctx.phase != "prefill":  # it prefills there ("both"), or may (a P/D decider's local rules)
             uncached = np.maximum(req.prompt_len - v.resumable, 0.0)
             cost = cost + b * uncached / cfg.prefill_tokens_per_s
-        elif ctx.phase == "decode":  # r's decode joins after w's local prefills and r's state
+        if ctx.phase == "decode":  # r's decode joins after w's local prefills and r's state
             nbytes = req.prompt_len * cfg.bytes_per_token + cfg.checkpoint_bytes
             remote = nbytes / (cfg.remote_gbps * 1e9) + cfg.remote_latency_s
             join = v.loads[_Q] / cfg.prefill_tokens_per_s + remote
