@@ -160,9 +160,9 @@ class StateAwareRouter:
             decode_id = ids[0] if ids else workers[0].worker_id
         suffix = request.prompt_len - ctx.match.resume(decode_id)[0]
         pool = [w for w in workers if w.healthy and w.role in ALLOWED_ROLES["prefill"] and w.role != "both"]
-        pool_q = [ctx.load(w).prefill_tokens for w in pool]
-        plen = request.prompt_len
-        pool_u = [plen - ctx.match.resume(w.worker_id)[0] for w in pool]
+        pv = ctx.view(pool)  # the pool's effective loads and resumable tokens, as columns
+        pool_q = pv.prefill.tolist()
+        pool_u = (request.prompt_len - pv.resumable).tolist()
         dworker = next((w for w in workers if w.worker_id == decode_id), workers[0])
         pd = self.decider.decide(suffix, pool_q, pool_u, ctx.load(dworker).decode_requests)
         if not pd.disaggregate:
@@ -193,8 +193,9 @@ class StateAwareRouter:
             best = max(ctx.match.resumable, default=0)
         else:
             roles = ALLOWED_ROLES[phase]
-            best = max((ctx.match.resume(w.worker_id)[0] for w in workers if w.healthy and w.role in roles),
-                       default=0)
+            m = ctx.match
+            held = dict(zip(m.worker_ids, m.resumable, strict=True))
+            best = max((held.get(w.worker_id, 0) for w in workers if w.healthy and w.role in roles), default=0)
         cache = "cold" if best == 0 else "cache_hit" if cached >= best else "fallback"
         return RouteDecision(
             request_id=request.request_id,
