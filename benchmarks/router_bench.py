@@ -29,6 +29,10 @@ at which a clairvoyant placement's own max/mean averages <= 1.10 over seeds
     python benchmarks/router_bench.py --sessions-per-worker 48 --balance-seeds 1 2 3 4 5 6 7 \
         --out results/router_bench_48
 
+``--latency-pd`` measures it with P/D pools instead (a quarter of the workers
+prefill, the rest decode: the decode profile, the P/D decision and the
+prefill profile per call).
+
 ``--latency-reps N`` repeats the decision-latency measurement N times over the
 same index (the shared machine's load moves each repetition's p99; the median
 over repetitions is printed with every repetition).
@@ -103,16 +107,18 @@ def run_sim(workers: int, seed: int, scale: float,
 
 
 def build_latency_index(num_workers: int = 64, num_blocks: int = 1_000_000, seed: int = 0,
-                        mod: dict | None = None) -> tuple:
+                        mod: dict | None = None, pd: bool = False) -> tuple:
     """The latency bench's index: a 60-block system prompt on every worker, then sessions of 200-500
     blocks (a third on host), a KDA checkpoint every 16 blocks. ``mod`` supplies the classes
     (``PrefixIndex``, ``IndexUpdate``, ``WorkerState``; default: this tree's), so a reference
-    version of the router gets the very same index. Returns (index, workers, sessions, rng)."""
+    version of the router gets the very same index. ``pd``: the first quarter of the workers
+    prefill, the rest decode (the router suite's P/D layout). Returns (index, workers, sessions, rng)."""
     mod = mod or {"PrefixIndex": PrefixIndex, "IndexUpdate": IndexUpdate, "WorkerState": WorkerState}
     update = mod["IndexUpdate"]
     rng = random.Random(seed)
     idx = mod["PrefixIndex"]()
-    ws = [mod["WorkerState"](f"w{i:02d}", "both", f"n{i // 8}") for i in range(num_workers)]
+    roles = ["prefill" if pd and i < num_workers // 4 else "decode" if pd else "both" for i in range(num_workers)]
+    ws = [mod["WorkerState"](f"w{i:02d}", role, f"n{i // 8}") for i, role in enumerate(roles)]
     for w in ws:
         idx.add_worker(w.worker_id, w.node_id)
     shared = chain_digests(list(range(60)), 60, "bench")  # 15K-token system prompt on every worker
@@ -138,13 +144,13 @@ def build_latency_index(num_workers: int = 64, num_blocks: int = 1_000_000, seed
 
 
 def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
-                     reps: int = 1) -> dict:
+                     reps: int = 1, pd: bool = False) -> dict:
     t0 = time.perf_counter()
-    idx, ws, sessions, rng = build_latency_index(num_workers, num_blocks, seed)
+    idx, ws, sessions, rng = build_latency_index(num_workers, num_blocks, seed, pd=pd)
     build_s = time.perf_counter() - t0
     router = StateAwareRouter(idx)
     keys = sorted(sessions)
-    out = {"workers": num_workers, "indexed_blocks": idx.num_objects()["mla"], "calls": n,
+    out = {"workers": num_workers, "pd": pd, "indexed_blocks": idx.num_objects()["mla"], "calls": n,
            "checkpoints": idx.num_objects()["kda"], "build_s": round(build_s, 1), "reps": []}
     _time_routes(router, sessions, keys, ws, min(n, 200), rng)  # warm-up: the first walk flushes the build
     gc.collect()
@@ -210,7 +216,7 @@ def _decision_fields(d) -> tuple:
 
 
 def compare_latency(ref: str, num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
-                    reps: int = 1) -> dict:
+                    reps: int = 1, pd: bool = False) -> dict:
     """Same-process A/B: this tree's ``route`` against git ``ref``'s, interleaved call by call.
 
     Both versions get the same index (built twice, once per version's classes), the same
@@ -219,8 +225,8 @@ def compare_latency(ref: str, num_workers: int = 64, num_blocks: int = 1_000_000
     """
     ref_mod = load_reference(ref)
     t0 = time.perf_counter()
-    idx_new, ws_new, sessions, _ = build_latency_index(num_workers, num_blocks, seed)
-    idx_ref, ws_ref, _, _ = build_latency_index(num_workers, num_blocks, seed, ref_mod)
+    idx_new, ws_new, sessions, _ = build_latency_index(num_workers, num_blocks, seed, pd=pd)
+    idx_ref, ws_ref, _, _ = build_latency_index(num_workers, num_blocks, seed, ref_mod, pd=pd)
     build_s = time.perf_counter() - t0
     now = [0.0]  # one simulated clock for both (queue averages decay with it): 20 requests/s
     new = StateAwareRouter(idx_new, clock=lambda: now[0])
@@ -339,7 +345,8 @@ def _time_routes(router, sessions, keys, ws, n, rng) -> dict[str, np.ndarray]:
 
 
 def latency_text(lat: dict) -> str:
-    lines = [f"decision latency, {lat['workers']} workers, {lat['indexed_blocks']:,} indexed blocks, "
+    lines = [f"decision latency, {lat['workers']} workers{' (P/D)' if lat.get('pd') else ''}, "
+             f"{lat['indexed_blocks']:,} indexed blocks, "
              f"{lat['checkpoints']:,} checkpoints, median of {len(lat['reps'])} repetition(s) of "
              f"{lat['calls']} calls (ms): wall p50 {lat['p50_ms']:.3f} p90 {lat['p90_ms']:.3f} "
              f"p99 {lat['p99_ms']:.3f} | thread CPU p50 {lat['cpu_p50_ms']:.3f} p90 {lat['cpu_p90_ms']:.3f} "
@@ -536,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-decisions", type=int, default=2000)
     ap.add_argument("--latency-reps", type=int, default=1, help="repetitions of the latency measurement")
     ap.add_argument("--latency-only", action="store_true", help="skip the simulations")
+    ap.add_argument("--latency-pd", action="store_true",
+                    help="decision latency with P/D pools (a quarter prefill, the rest decode)")
     ap.add_argument("--compare-ref", default=None, metavar="GITREF",
                     help="decision latency only: same-process A/B of route() against the router at GITREF")
     ap.add_argument("--balance-seeds", type=int, nargs="*", default=[],
@@ -562,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         return report("router_ray_replay", ray_table(res, args), res)
     if args.compare_ref:
         cmp = compare_latency(args.compare_ref, num_blocks=args.latency_blocks, n=args.latency_decisions,
-                              seed=args.seed, reps=args.latency_reps)
+                              seed=args.seed, reps=args.latency_reps, pd=args.latency_pd)
         return report("router_latency_ab", compare_text(cmp), cmp)
     results = {} if args.latency_only else {w: run_sim(w, args.seed, args.scale, args.sessions_per_worker)
                                             for w in args.workers}
@@ -574,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     print("decision latency: building the index ...", file=sys.stderr, flush=True)
     lat = decision_latency(num_blocks=args.latency_blocks, n=args.latency_decisions, seed=args.seed,
-                           reps=args.latency_reps)
+                           reps=args.latency_reps, pd=args.latency_pd)
     lat_line = latency_text(lat)
     print(lat_line)
     with open(os.path.join(args.out, "router_bench.txt"), "w") as f:

@@ -24,11 +24,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # The P/D placement rule's defaults (disagg.router.decider): the one place they are set. The
 # serving path (disagg.flow), the router and the simulator all build their decider from these.
-# Local prefill on a decode replica stalls its whole batch for the prefill's steps: only suffixes
-# this short are cheaper there than through a prefill replica (the router suite's P/D cells, docs/router.md).
-LOCAL_PREFILL_MAX_TOKENS = 256  # an uncached suffix up to this is prefilled on the decode replica
+# Local prefill on a decode replica stalls its whole batch for the prefill's steps: a suffix counts
+# once for itself and LOCAL_HARM_WEIGHT times per decode running there (the router suite's P/D
+# cells, docs/router.md).
+LOCAL_PREFILL_MAX_TOKENS = 256  # a suffix weighing up to this is prefilled on the decode replica
 PREFILL_BUSY_TOKENS = 65536.0  # the least-loaded prefill replica's queued tokens that count as busy
 BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, suffixes up to this prefill locally
+# weighted suffix = suffix * (1 + this * the decode replica's running decodes); "local_state": a
+# decode replica that resumes more of the prompt than any prefill replica prefills locally when its
+# weighted suffix <= the pool's least queued + uncached tokens (disagg.router.decider)
+LOCAL_HARM_WEIGHT = 4.0
 
 
 class _Strict(BaseModel):
@@ -118,17 +123,20 @@ class TransferConfig(_Strict):
 class RouterConfig(_Strict):
     policy: Literal["state_aware", "affinity", "power_of_two"] = "state_aware"  # Serve request router
     weights: dict[str, float] = Field(default_factory=lambda: {"prefix": 2.0, "load": 1.0, "affinity": 0.5})
-    # the P/D decider (disagg.router.decider): uncached suffix at or under this is prefilled on the decode replica
+    # the P/D decider (disagg.router.decider): a weighted uncached suffix at or under this is prefilled on the
+    # decode replica
     local_prefill_max_tokens: int = Field(default=LOCAL_PREFILL_MAX_TOKENS, ge=0)
     prefill_busy_tokens: float = Field(default=PREFILL_BUSY_TOKENS, gt=0)  # prefill pool busy: min queue >= this
     busy_local_max_tokens: int = Field(default=BUSY_LOCAL_MAX_TOKENS, ge=0)  # ... then suffixes up to this stay local
+    local_harm_weight: float = Field(default=LOCAL_HARM_WEIGHT, ge=0)  # weight of a local prefill's stall
     stats_period_s: float = 1.0  # how often replicas report load and device-tier content to routers
 
     def decider_params(self) -> dict[str, float]:
         """The ``DeciderConfig`` fields (``disagg.router.decider``) of this config."""
         return {"local_prefill_max_tokens": self.local_prefill_max_tokens,
                 "prefill_busy_tokens": self.prefill_busy_tokens,
-                "busy_local_max_tokens": self.busy_local_max_tokens}
+                "busy_local_max_tokens": self.busy_local_max_tokens,
+                "local_harm_weight": self.local_harm_weight}
 
 
 class ReplicaConfig(_Strict):

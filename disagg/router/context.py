@@ -111,6 +111,7 @@ class RoutingContext:
     session_worker: str | None = None  # worker of the session's previous turn
     session_node: str | None = None  # node of that worker
     now: float = 0.0  # router clock
+    prefill_nodes: frozenset[str] = frozenset()  # P/D: nodes of the healthy prefill workers (else empty)
     extra: dict[str, object] = field(default_factory=dict)  # plugin scratch space
     _views: dict[tuple[str, ...], CandidateView] = field(default_factory=dict)  # cache of view()
     _last: tuple[list[WorkerState], WorkerState, CandidateView] | None = None  # last list viewed (identity)

@@ -1,14 +1,32 @@
 """Prefill/decode decider: disaggregate, or prefill on the decode worker.
 
     suffix = prompt_len - resumable(decode_worker)       tokens left to compute
-    local  if suffix <= local_prefill_max_tokens          ("local_short_suffix")
+    w      = 1 + local_harm_weight * B_d                  B_d: the decode worker's running decodes
+    local  if suffix * w <= local_prefill_max_tokens      ("local_short_suffix")
     local  if min_{p in prefill pool} q_p >= prefill_busy_tokens
            and suffix <= busy_local_max_tokens             ("local_prefill_busy")
+    local  if u_p = prompt_len - resumable(p) is given for the pool,
+           suffix < min_p u_p (the decode worker resumes more than any prefill worker)
+           and suffix * w <= min_p (q_p + u_p)                          ("local_state")
     else   disaggregate                                   ("disagg")
 
 A short suffix costs less to compute inside the decode batch than to ship
-through a prefill worker (an extra hop and a state transfer); a saturated
-prefill pool makes local prefill the faster path for medium suffixes too.
+through a prefill worker (an extra hop and a state transfer), but every
+decode running there waits for it too: the suffix counts once per waiting
+sequence, weighted (w). A saturated prefill pool makes local prefill the
+faster path for medium suffixes too.
+
+"local_state" is a cost comparison in tokens of prefill work: through the
+pool, the request waits for the least loaded prefill worker's queue and then
+computes what that worker cannot resume; locally it computes only the suffix,
+but each of the decode worker's B_d running decodes waits for those tokens
+too (the decode time a local prefill steals, as in the decode scorer). It
+fires only where the decode worker can resume more than the pool: with P/D
+pools on separate nodes the decode workers' tiers hold the sessions they
+decode, and the prefill pool's tiers, a quarter of the cluster, cannot hold
+every live session (docs/router.md, "Router suite"). Without the pool's
+u_p (the decode-side flow in serving, which does not see the pool's cache)
+the rule is off.
 
 The same decider decides in serving (``disagg.flow``, fed with the prefill
 pool's effective loads by the Serve adapter) and in the simulator (through
@@ -25,7 +43,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.config import BUSY_LOCAL_MAX_TOKENS, LOCAL_PREFILL_MAX_TOKENS, PREFILL_BUSY_TOKENS
+from disagg.config import (
+    BUSY_LOCAL_MAX_TOKENS,
+    LOCAL_HARM_WEIGHT,
+    LOCAL_PREFILL_MAX_TOKENS,
+    PREFILL_BUSY_TOKENS,
+)
 
 
 @dataclass(slots=True)
@@ -33,31 +56,42 @@ class DeciderConfig:
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # suffixes up to this prefill locally
     prefill_busy_tokens: float = PREFILL_BUSY_TOKENS  # least-loaded prefill queue that counts as busy
     busy_local_max_tokens: int = BUSY_LOCAL_MAX_TOKENS  # local prefill limit while the pool is busy
+    local_harm_weight: float = LOCAL_HARM_WEIGHT  # local rules: weight of each running decode's wait
 
     def __post_init__(self) -> None:
         if self.local_prefill_max_tokens < 0 or self.busy_local_max_tokens < 0:
             raise ValueError("local prefill limits must be >= 0")
         if self.prefill_busy_tokens <= 0:
             raise ValueError("prefill_busy_tokens must be positive")
+        if not self.local_harm_weight >= 0:
+            raise ValueError("local_harm_weight must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
 class PDDecision:
     disaggregate: bool  # True: run prefill on a prefill worker
-    reason: str  # "disagg" | "local_short_suffix" | "local_prefill_busy" | "local_no_prefill_pool"
+    reason: str  # "disagg" | "local_short_suffix" | "local_prefill_busy" | "local_state" | "local_no_prefill_pool"
 
 
 class PDDecider:
     def __init__(self, config: DeciderConfig | None = None, **params: object):
         self.config = config or DeciderConfig(**params)  # type: ignore[arg-type]
 
-    def decide(self, suffix_tokens: int, prefill_loads: list[float]) -> PDDecision:
-        """Args: uncached suffix at the decode worker; effective queued prefill per prefill worker."""
+    def decide(self, suffix_tokens: int, prefill_loads: list[float], pool_uncached: list[float] | None = None,
+               decode_batch: float = 0.0) -> PDDecision:
+        """Args: uncached suffix at the decode worker; effective queued prefill per prefill worker;
+        per prefill worker (aligned with the loads) the prompt tokens it could not resume (None:
+        unknown, the "local_state" rule is off); the decode worker's running decodes."""
         cfg = self.config
         if not prefill_loads:
             return PDDecision(False, "local_no_prefill_pool")
-        if suffix_tokens <= cfg.local_prefill_max_tokens:
+        weighted = suffix_tokens * (1.0 + cfg.local_harm_weight * max(decode_batch, 0.0))
+        if weighted <= cfg.local_prefill_max_tokens:
             return PDDecision(False, "local_short_suffix")
         if min(prefill_loads) >= cfg.prefill_busy_tokens and suffix_tokens <= cfg.busy_local_max_tokens:
             return PDDecision(False, "local_prefill_busy")
+        if pool_uncached and suffix_tokens < min(pool_uncached):
+            work = min(q + u for q, u in zip(prefill_loads, pool_uncached, strict=True))
+            if weighted <= work:
+                return PDDecision(False, "local_state")
         return PDDecision(True, "disagg")

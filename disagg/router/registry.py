@@ -82,7 +82,7 @@ DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
             "prefix": 1.0,
             "load": {"weight": 1.0, "params": {"prefill_weight": 0.3, "decode_weight": 1.0}},
             "affinity": 0.5,
-            "decode": 1.0,
+            "decode": 3.0,
         },
     },
 }

@@ -8,7 +8,9 @@ Per request:
     2. effective loads = live stats + own in-flight predictions
     3a. aggregated pool (every role "both"): profile "both" picks one worker
     3b. P/D pools: profile "decode" picks D; the decider compares the uncached
-        suffix at D against a threshold and the prefill pool's load; either
+        suffix at D against a threshold, the prefill pool's load and what the
+        pool would compute (queued + uncached at its cheapest worker, against
+        the suffix at D plus what it steals from D's running decodes); either
         prefill locally on D or run profile "prefill" to pick P
     3c. one pool of one role ("prefill" or "decode": a Serve deployment, whose
         router sees only its own replicas): that phase's profile picks one; the
@@ -23,7 +25,7 @@ prompt's blocks, see ``disagg.router.index``) plus numpy over the candidates
 (``RoutingContext.view``): O(prompt blocks + workers) with small constants.
 
 Decision reasons are "<pd>/<cache>" with pd in {aggregated, disagg,
-local_short_suffix, local_prefill_busy, local_no_prefill_pool, prefill_pool,
+local_short_suffix, local_prefill_busy, local_state, local_no_prefill_pool, prefill_pool,
 decode_pool} and cache in
 {cache_hit, fallback, cold}: "fallback" means a better-cached eligible
 worker existed but load (guard or scores) sent the request elsewhere.
@@ -151,13 +153,18 @@ class StateAwareRouter:
             res = self._run(phase, ctx, workers)
             return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, f"{phase}_pool",
                                   res, phase)
+        ctx.prefill_nodes = frozenset(w.node_id for w in workers if w.healthy and w.role == "prefill")
         dec = self._run("decode", ctx, workers)
         decode_id = dec.picked
         if decode_id is None:  # no healthy decode-capable worker: degrade to any healthy worker
             decode_id = ids[0] if ids else workers[0].worker_id
         suffix = request.prompt_len - ctx.match.resume(decode_id)[0]
         pool = [w for w in workers if w.healthy and w.role in ALLOWED_ROLES["prefill"] and w.role != "both"]
-        pd = self.decider.decide(suffix, [ctx.load(w).prefill_tokens for w in pool])
+        pv = ctx.view(pool)  # the pool's effective loads and resumable tokens, as columns
+        pool_q = pv.prefill.tolist()
+        pool_u = (request.prompt_len - pv.resumable).tolist()
+        dworker = next((w for w in workers if w.worker_id == decode_id), workers[0])
+        pd = self.decider.decide(suffix, pool_q, pool_u, ctx.load(dworker).decode_requests)
         if not pd.disaggregate:
             return self._decision(request, ctx, workers, decode_id, None, pd.reason, dec, "decode")
         pre = self._run("prefill", ctx, workers)
@@ -186,8 +193,9 @@ class StateAwareRouter:
             best = max(ctx.match.resumable, default=0)
         else:
             roles = ALLOWED_ROLES[phase]
-            best = max((ctx.match.resume(w.worker_id)[0] for w in workers if w.healthy and w.role in roles),
-                       default=0)
+            m = ctx.match
+            held = dict(zip(m.worker_ids, m.resumable, strict=True))
+            best = max((held.get(w.worker_id, 0) for w in workers if w.healthy and w.role in roles), default=0)
         cache = "cold" if best == 0 else "cache_hit" if cached >= best else "fallback"
         return RouteDecision(
             request_id=request.request_id,

@@ -39,10 +39,34 @@ def test_costs_by_hand():
     assert score["b"] < score["c"] < score["a"]
 
 
-def test_decode_phase_charges_no_prefill_harm_and_uses_the_hint():
+# the state hand-off a disaggregated decode waits for: 1000 prompt tokens
+XFER = dict(bytes_per_token=1000.0, checkpoint_bytes=0.0, host_gbps=1.0, remote_gbps=0.1, host_latency_s=0.0,
+            remote_latency_s=0.0)  # host 1e6 B / 1 GB/s = 1 ms, remote 10 ms
+
+
+def test_decode_phase_uses_the_hint_and_charges_a_possible_local_prefill():
+    # a: 4 decodes running, nothing cached: were the decider to prefill r there, they would wait 1000 tokens
     loads = [EffectiveLoad(decode_requests=4), EffectiveLoad(), EffectiveLoad()]
-    cost, _ = DecodeScorer(**CFG).costs(_ctx(loads, phase="decode", hint=10), W3)
-    assert cost.tolist() == pytest.approx([10 * (0.015 + 0.001), 10 * 0.012, 10 * 0.012])
+    cost, scale = DecodeScorer(**CFG, **XFER).costs(_ctx(loads, phase="decode", hint=10), W3)
+    # no prefill nodes known: every candidate waits for the remote hand-off (the same 10 ms)
+    assert cost.tolist() == pytest.approx([10 * (0.015 + 0.001) + 4 * 1000 / 1000 + 0.01, 10 * 0.012 + 0.01,
+                                           10 * 0.012 + 0.01])
+    prefill_phase, _ = DecodeScorer(**CFG, **XFER).costs(_ctx(loads, phase="prefill", hint=10), W3)
+    assert prefill_phase.tolist() == pytest.approx([10 * 0.016, 10 * 0.012, 10 * 0.012])  # no prefill harm
+    assert scale == pytest.approx(10 * 0.012)  # decode time only: what the request's ITL is made of
+
+
+def test_decode_phase_prices_the_hand_off_and_queued_local_prefill():
+    """A decode on a prefill node reads the state over the host link; queued prefill delays the join."""
+    ws = [WorkerState("a", "decode", "n1"), WorkerState("b", "decode", "n0"), WorkerState("c", "decode", "n0")]
+    loads = [EffectiveLoad(), EffectiveLoad(), EffectiveLoad(prefill_tokens=50)]
+    ctx = _ctx(loads, phase="decode", hint=10)
+    ctx.prefill_nodes = frozenset({"n0"})
+    cost, _ = DecodeScorer(**CFG, **XFER).costs(ctx, ws)
+    own = 10 * 0.012
+    assert cost.tolist() == pytest.approx([own + 0.01, own + 0.001, own + 0.001 + 50 / 1000])
+    s = DecodeScorer(**CFG, **XFER).score(ctx, ws)
+    assert s["b"] == 1.0 and s["a"] == pytest.approx(1 - 0.009 / own) and s["c"] == pytest.approx(1 - 0.05 / own)
 
 
 @pytest.mark.parametrize("phase", ["both", "prefill", "decode"])
@@ -61,3 +85,5 @@ def test_registered_and_configurable():
     assert weight == 2.0 and scorer.config.prefill_tokens_per_s == 5000
     with pytest.raises(ValueError):
         DecodeScorer(prefill_tokens_per_s=0)
+    with pytest.raises(ValueError):
+        DecodeScorer(remote_gbps=0)

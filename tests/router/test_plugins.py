@@ -181,6 +181,27 @@ def test_decider(suffix, loads, disagg, reason):
     assert (d.disaggregate, d.reason) == (disagg, reason)
 
 
+@pytest.mark.parametrize(
+    "suffix, loads, uncached, batch, disagg, reason",
+    [
+        (1000, [0.0, 0.0], [9000.0, 20000.0], 0, False, "local_state"),  # 1000 <= 9000: the pool recomputes
+        (1000, [0.0, 0.0], [9000.0, 20000.0], 8, False, "local_state"),  # 1000 * 9 <= 9000
+        (1000, [0.0, 0.0], [9000.0, 20000.0], 9, True, "disagg"),  # 1000 * 10 > 9000: the batch pays more
+        (1000, [4000.0, 0.0], [6000.0, 9000.0], 8, False, "local_state"),  # pool: min(4000 + 6000, 0 + 9000)
+        (1000, [0.0], [1000.0], 0, True, "disagg"),  # the pool resumes as much: no state reason to stay
+        (1000, [5000.0], [1000.0], 0, True, "disagg"),  # ... even behind a queue (not the busy rule's case)
+        (1000, [0.0], None, 0, True, "disagg"),  # the pool's cache unknown (serving's flow): rule off
+        (200, [0.0], None, 0, False, "local_short_suffix"),  # 200 <= 256 with nothing running
+        (200, [0.0], None, 1, True, "disagg"),  # 200 * 2 > 256: the running decode would wait too
+    ],
+)
+def test_decider_weighs_the_decodes_a_local_prefill_stalls(suffix, loads, uncached, batch, disagg, reason):
+    d = PDDecider(local_prefill_max_tokens=256, local_harm_weight=1.0).decide(suffix, loads, uncached, batch)
+    assert (d.disaggregate, d.reason) == (disagg, reason)
+    with pytest.raises(ValueError):
+        PDDecider(local_harm_weight=-1.0)
+
+
 def test_decider_defaults_are_the_app_configs():
     """One set of defaults: the decider's are ``disagg.config``'s router settings."""
     from disagg.config import RouterConfig

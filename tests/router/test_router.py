@@ -79,6 +79,30 @@ def test_pd_decider_local_vs_disagg():
     assert long.prefill_worker in ("p0", "p1") and long.reason.startswith("disagg")
 
 
+def test_pd_prefills_on_the_decode_worker_that_holds_the_state():
+    """The decode worker resumes 16K tokens the prefill pool (another node) lost: local prefill of the rest,
+    unless the pool holds them too or the decodes running there would wait longer than the pool computes."""
+    idx, h = PrefixIndex(), chain(64, "st")
+    ws = [WorkerState("p0", "prefill", "n0"), WorkerState("p1", "prefill", "n0"),
+          WorkerState("d0", "decode", "n1"), WorkerState("d1", "decode", "n1")]
+    for x in h:
+        store(idx, "mla", x, "device", "d1")
+    store(idx, "kda", h[63], "device", "d1")
+    plen = 64 * 256 + 1000  # suffix 1000 at d1: past the short-suffix limit
+    r = StateAwareRouter(idx)
+    d = r.route(RouteRequest("a", "s", h, plen, 256), ws)
+    assert (d.decode_worker, d.prefill_worker, d.reason) == ("d1", None, "local_state/cache_hit")
+    busy = [WorkerState(w.worker_id, w.role, w.node_id, running_decode_requests=20 if w.worker_id == "d1" else 0)
+            for w in ws]  # 1000 * (1 + 20) > 17384: the batch would pay more than the pool's recompute
+    d = StateAwareRouter(idx).route(RouteRequest("b", "s", h, plen, 256), busy)
+    assert d.prefill_worker in ("p0", "p1") and d.reason.startswith("disagg/")
+    for x in h:
+        store(idx, "mla", x, "device", "p0")
+    store(idx, "kda", h[63], "device", "p0")
+    d = StateAwareRouter(idx).route(RouteRequest("c", "s", h, plen, 256), ws)
+    assert (d.decode_worker, d.prefill_worker) == ("d1", "p0") and d.reason == "disagg/cache_hit"
+
+
 def _hot_prompt_run(policy: str, workers_n: int = 8):
     cfg = SynthConfig(num_sessions=48, turns=6, system_tokens=8192, first_user_tokens=2048, think_s=2.0)
     reqs = synth_sessions(cfg, seed=3)

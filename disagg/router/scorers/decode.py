@@ -7,10 +7,19 @@ output, its hint or ``default_output_tokens``)::
     step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
     own_w   = o * step_w                                                r's decode time
     harm_w  = B_w * n_w / prefill_tokens_per_s                          decode time r's prefill steals
-                                                                        from the batch on w (phases
-                                                                        "both": it prefills there)
-    cost_w  = own_w + harm_w
+                                                                        from the batch on w (phase
+                                                                        "both": it prefills there;
+                                                                        "decode": it may, by the P/D
+                                                                        decider's local rules)
+    join_w  = q_w / prefill_tokens_per_s                                phase "decode": r's first decode
+              + (prompt * bytes_per_token + checkpoint_bytes) / bw_w    step waits for the prefill queued
+              + latency_w                                               on w and for r's state; bw_w: the
+                                                                        host link on a node of the prefill
+                                                                        pool (``ctx.prefill_nodes``), else
+                                                                        the remote link
+    cost_w  = own_w + harm_w + join_w
     scale   = o * min_v step_v + max(prompt - common, 0) / prefill_tokens_per_s   r's own service time
+              (phase "decode": o * min_v step_v, the time r's ITL is made of)
     score_w = max(1 - (cost_w - min_v cost_v) / scale, 0)               in [0, 1]; 1 for the cheapest
 
 Decode-side load enters placement the way queued prefill does through the
@@ -40,6 +49,7 @@ from disagg.router.types import WorkerState
 
 _B = LOAD_ROW["decode_requests"]
 _D = LOAD_ROW["decode_tokens"]
+_Q = LOAD_ROW["prefill_tokens"]
 
 
 @dataclass(slots=True)
@@ -49,12 +59,22 @@ class DecodeScorerConfig:
     decode_per_ctx_token_s: float = 2e-9  # per context token in the batch
     prefill_tokens_per_s: float = 25000.0  # prefill rate of one worker
     default_output_tokens: float = 256.0  # o when the request gives no hint
+    bytes_per_token: float = 4608.0  # state bytes per prompt token (MLA, all layers)
+    checkpoint_bytes: float = 16e6  # one KDA checkpoint
+    host_gbps: float = 50.0  # state hand-off within a node
+    remote_gbps: float = 20.0  # ... across nodes
+    host_latency_s: float = 50e-6
+    remote_latency_s: float = 1e-3
 
     def __post_init__(self) -> None:
         if min(self.decode_base_s, self.decode_per_seq_s, self.decode_per_ctx_token_s) < 0:
             raise ValueError("decode costs must be >= 0")
         if self.prefill_tokens_per_s <= 0 or self.default_output_tokens <= 0:
             raise ValueError("prefill_tokens_per_s and default_output_tokens must be positive")
+        if min(self.host_gbps, self.remote_gbps) <= 0:
+            raise ValueError("host_gbps and remote_gbps must be positive")
+        if min(self.bytes_per_token, self.checkpoint_bytes, self.host_latency_s, self.remote_latency_s) < 0:
+            raise ValueError("state sizes and latencies must be >= 0")
 
 
 class DecodeScorer(ArrayScorer):
@@ -73,9 +93,19 @@ class DecodeScorer(ArrayScorer):
         step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + cfg.decode_per_ctx_token_s * (
             v.loads[_D] + req.prompt_len)
         cost = out * step
-        if ctx.phase == "both":
+        if ctx.phase != "prefill":  # it prefills there ("both"), or may (a P/D decider's local rules)
             uncached = np.maximum(req.prompt_len - v.resumable, 0.0)
             cost = cost + b * uncached / cfg.prefill_tokens_per_s
+        if ctx.phase == "decode":  # r's decode joins after w's local prefills and r's state
+            nbytes = req.prompt_len * cfg.bytes_per_token + cfg.checkpoint_bytes
+            remote = nbytes / (cfg.remote_gbps * 1e9) + cfg.remote_latency_s
+            join = v.loads[_Q] / cfg.prefill_tokens_per_s + remote
+            if ctx.prefill_nodes:
+                pn = ctx.prefill_nodes
+                near = np.fromiter((w.node_id in pn for w in workers), bool, len(workers))
+                host = nbytes / (cfg.host_gbps * 1e9) + cfg.host_latency_s
+                join = join - near * (remote - host)
+            return cost + join, out * float(np.minimum.reduce(step))
         own = max(req.prompt_len - ctx.common_tokens(), 0) / cfg.prefill_tokens_per_s
         scale = out * float(np.minimum.reduce(step)) + own
         return cost, scale
