@@ -9,7 +9,7 @@ interfaces below and run this flow; neither has a decode flow of its own.
       1 plan       resume = longest of (engine.resident_length,          [resume planned]
                                         state.lookup -> state.load)
       2 decide     PDDecider.decide(suffix = prompt - resume,             [decision taken]
-                                    prefill_loads())
+                                    prefill_loads(), engine.live_requests())
       3 remote     prefill_fn(params), retried with backoff -> PrefillHandle
                    stream its first token; state.open(handle)             [load result]
                    (a miss or a failure: recompute here, never a wrong token)
@@ -36,8 +36,13 @@ NOTES
 5. The P/D decision is ``disagg.router.decider.PDDecider``, the object the router and the
    simulator decide with: the suffix is measured here (this worker's real resume point),
    the prefill pool's effective loads come from ``prefill_loads`` (the Serve adapter's view
-   of the prefill replicas, ``deployments.request_router.prefill_pool_loads``). A pool whose
-   loads are not known yet counts as one idle replica; no ``prefill_fn``: no pool.
+   of the prefill replicas, ``deployments.request_router.prefill_pool_loads``), and the
+   decode batch a local prefill would stall is this engine's live requests
+   (``FlowEngine.live_requests``, the figure its replica reports to the router as running
+   decodes, plus any local prefill in progress). A pool whose loads are not known yet
+   counts as one idle replica; no ``prefill_fn``: no pool. The pool's per-replica
+   uncached work (the decider's "local_state" rule) is not known here: that rule is off
+   in serving.
 6. A session's next turn waits (at most ``load_deadline_s``) for its previous turn end's
    publish, so it takes that state over instead of recomputing it.
 7. Reuse accounting (``disagg.reuse``): the flow notes every prompt in its ledger
@@ -115,6 +120,8 @@ class FlowEngine(Protocol):
     def generate(self, request: EngineRequest, state: object | None = None) -> AsyncIterator[TokenOutput]: ...
 
     async def resident_length(self, tokens: list[int], cache_salt: str) -> int: ...
+
+    def live_requests(self) -> int: ...  # requests streaming now: the batch a local prefill stalls (NOTE 5)
 
     async def checkpoint_positions(self, request_id: str) -> list[int]: ...  # KeyError: not held
 
@@ -235,7 +242,8 @@ class RequestFlow:
     def decide(self, suffix_tokens: int, has_pool: bool) -> PDDecision:
         """NOTE 5: the router's decider over this worker's suffix and the pool's loads."""
         loads = (self.prefill_loads() if self.prefill_loads is not None else None) if has_pool else []
-        decision = self.decider.decide(suffix_tokens, [0.0] if has_pool and not loads else loads)
+        decision = self.decider.decide(suffix_tokens, [0.0] if has_pool and not loads else loads,
+                                       decode_batch=self.engine.live_requests())
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision
 

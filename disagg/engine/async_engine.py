@@ -283,7 +283,8 @@ class AsyncEngine:
         """First-token stamps of a finished request (NOTE 3), None when unknown or dropped."""
         return self._traces.get(request_id)
 
-    def num_live(self) -> int:
+    def live_requests(self) -> int:
+        """Requests streaming now (``disagg.flow.FlowEngine``): the batch a local prefill stalls."""
         return len(self._queues)
 
     def shutdown(self) -> None:

@@ -36,6 +36,9 @@ class _StandInEngine:
     async def resident_length(self, tokens, cache_salt=""):
         return 0
 
+    def live_requests(self):
+        return 0
+
     def stats(self):
         return {}
 

@@ -1,11 +1,13 @@
-"""The serving path and the simulator take the same P/D decisions for the same (suffix, loads).
+"""The serving path and the simulator take the same P/D decisions for the same (suffix, loads,
+decode batch).
 
 Serving: a reference ``StatefulWorker`` (tiny CPU model, ``disagg.flow``) whose prefill pool's
 loads come from the Serve request-router adapter (``pool_loads``) over replicas reporting those
 loads. Serve's replica records are stand-ins (``SimpleNamespace``: the Serve controller is the
 system boundary); the remote prefill call is a recorder that fails, so the worker then prefills
-locally (the decision is what it did first). Simulator: the router the simulator builds
-(``disagg.tools.sim.simulator.build_router``) over prefill workers with the same queued tokens.
+locally (the decision is what it did first); the decode batch is real: streams held open on the
+worker's engine while the case decides. Simulator: the router the simulator builds
+(``disagg.tools.sim.simulator.build_router``) over prefill workers with the same queued tokens, and a decode worker reporting as many running decodes.
 Both decide from ``disagg.config``'s router settings.
 """
 
@@ -22,7 +24,7 @@ import torch
 from disagg.config import load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
-from disagg.engine.protocol import SamplingParams
+from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.messages import GenerateParams
 from disagg.router.index import PrefixIndex
 from disagg.router.types import RouteRequest, WorkerState
@@ -31,16 +33,22 @@ from disagg.workers.tiered import StatefulWorker
 
 # thresholds small enough for a CPU prefill: local <= 64; busy pool (min queue >= 1000) keeps <= 192 local
 ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_local_max_tokens": 192}
-CASES = [  # (uncached suffix, the prefill replicas' queued prefill tokens)
-    (40, [0.0]),
-    (100, [0.0, 500.0]),
-    (100, [1500.0, 2000.0]),  # busy pool, medium suffix: local
-    (100, [1500.0, 200.0]),  # one idle replica: not busy
-    (300, [5000.0]),  # busy, but too long to keep local
-    (64, [5000.0, 5000.0]),
-    (65, [999.0]),
-    (192, [1000.0]),
-    (193, [1000.0]),
+# (uncached suffix, the prefill replicas' queued prefill tokens, decodes running on the decode worker);
+# a local prefill weighs suffix x (1 + 4 x running decodes) against the short-suffix limit
+CASES = [
+    (40, [0.0], 0),
+    (100, [0.0, 500.0], 0),
+    (100, [1500.0, 2000.0], 0),  # busy pool, medium suffix: local
+    (100, [1500.0, 200.0], 0),  # one idle replica: not busy
+    (300, [5000.0], 0),  # busy, but too long to keep local
+    (64, [5000.0, 5000.0], 0),
+    (65, [999.0], 0),
+    (192, [1000.0], 0),
+    (193, [1000.0], 0),
+    (40, [0.0], 1),  # 40 x 5 > 64: the decode it would stall sends it to the pool
+    (12, [0.0], 1),  # 12 x 5 <= 64: still local
+    (13, [0.0], 1),
+    (100, [1500.0, 2000.0], 2),  # a busy pool keeps a medium suffix local whatever the batch
 ]
 
 
@@ -68,17 +76,29 @@ def _serving_decisions(cfg) -> list[str]:
         called.append(params.request_id)
         raise ConnectionError("no prefill replica in this test")
 
-    async def run(params):
-        return [c async for c in worker.generate(params, refuse)]
+    async def run(params, batch: int):
+        held = []  # ``batch`` streams generating on the engine while this request decides
+        for j in range(batch):
+            prompt = [rng.randrange(4, 260) for _ in range(8)]
+            stream = engine.generate(EngineRequest(f"{params.request_id}-bg{j}", prompt,
+                                                   SamplingParams(max_tokens=200, ignore_eos=True)))
+            await stream.__anext__()  # admitted and decoding
+            held.append(stream)
+        try:
+            assert engine.live_requests() == batch
+            return [c async for c in worker.generate(params, refuse)]
+        finally:
+            for stream in held:
+                await stream.aclose()  # aborts it
 
     try:
-        for i, (suffix, loads) in enumerate(CASES):
+        for i, (suffix, loads, batch) in enumerate(CASES):
             called: list[str] = []
             worker.flow.prefill_loads = _serve_router(loads).pool_loads
             before = dict(worker.flow.decisions)
             prompt = [rng.randrange(4, 260) for _ in range(suffix)]  # a fresh prompt: nothing cached
             chunks = asyncio.run(run(GenerateParams(f"r{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
-                                                    session_id=f"s{i}")))
+                                                    session_id=f"s{i}"), batch))
             assert chunks[-1].finished and chunks[-1].num_cached_tokens == 0
             (reason,) = [r for r, n in worker.flow.decisions.items() if n != before.get(r, 0)]
             assert (reason == "disagg") == bool(called)  # it asked the prefill pool exactly when it decided to
@@ -93,9 +113,10 @@ def _simulator_decisions(cfg) -> list[str]:
     router = build_router("state_aware", PrefixIndex(), lambda: now,
                           router_config={"decider": cfg.router.decider_params()})
     out = []
-    for i, (suffix, loads) in enumerate(CASES):
+    for i, (suffix, loads, batch) in enumerate(CASES):
         workers = [WorkerState(f"p{j}", "prefill", "n0", queued_prefill_tokens=q, updated_at=now)
-                   for j, q in enumerate(loads)] + [WorkerState("d0", "decode", "n0", updated_at=now)]
+                   for j, q in enumerate(loads)] + [WorkerState("d0", "decode", "n0", running_decode_requests=batch,
+                                                                updated_at=now)]
         effective = router.effective_loads(workers, now)
         assert [effective[f"p{j}"].prefill_tokens for j in range(len(loads))] == loads
         decision = router.route(RouteRequest(f"r{i}", f"s{i}", [], suffix, 64), workers)
@@ -117,4 +138,5 @@ def test_serving_path_and_simulator_decide_alike():
     # the sequence exercises every rule of the decider
     assert set(serving) == {"local_short_suffix", "local_prefill_busy", "disagg"}
     assert serving == ["local_short_suffix", "disagg", "local_prefill_busy", "disagg", "disagg",
-                       "local_short_suffix", "disagg", "local_prefill_busy", "disagg"]
+                       "local_short_suffix", "disagg", "local_prefill_busy", "disagg",
+                       "disagg", "local_short_suffix", "disagg", "local_prefill_busy"]

@@ -197,7 +197,8 @@ class VLLMEngine:
             raise RuntimeError("vLLM engine is not running")
         await self.llm.check_health()
 
-    def num_live_requests(self) -> int:
+    def live_requests(self) -> int:
+        """Requests streaming now (``disagg.flow.FlowEngine``): the batch a local prefill stalls."""
         return self.num_live
 
     def shutdown(self) -> None:
