@@ -21,7 +21,11 @@ NOTES
    whose prompt extends a resident session's tokens adopts its state; one that
    resumes at less than half of a resident (a prefix shared across sessions,
    e.g. a system prompt) copies the pages it needs and leaves the resident to
-   its own session's next turn. Of equal matches the closest session wins.
+   its own session's next turn. So does a prompt that does not go past the
+   resident's tokens (it cannot be that session's next turn: n choices of one
+   prompt, a retry), and one while another queued request resumes from the
+   same resident too (subagents forked together): each copies, the last one
+   queued adopts. Of equal matches the closest session wins.
 3. ``num_computed <= len(token_ids) - 1`` after every step of a live request
    that has sampled: the newest sampled token is not yet computed.
 4. A step launches hundreds of kernels from Python, so the stepping thread
@@ -309,7 +313,10 @@ class ReferenceEngine:
             return
         keep = -(-best_len // self.block_size)
         res = self._residents[best]
-        if 2 * best_len < len(res.tokens) and self.cache.blocks.can_allocate(keep):  # a shared prefix (NOTE 2)
+        n = len(req.token_ids)
+        shared = (2 * best_len < len(res.tokens) or (n <= len(res.tokens) and res.tokens[:n] == req.token_ids)
+                  or self._wanted_by_another(req, res.tokens, best_len))
+        if shared and self.cache.blocks.can_allocate(keep):  # a shared prefix, or wanted by another (NOTE 2)
             req.block_table = self.cache.blocks.allocate(keep)
             self.cache.mla_all[:, req.block_table] = self.cache.mla_all[:, res.block_table[:keep]]
             self._residents.move_to_end(best)
@@ -323,6 +330,13 @@ class ReferenceEngine:
         req.num_computed = req.num_cached = best_len
         req.cached_source = "device"
         self.counters["device_hit_tokens"] += best_len
+
+    def _wanted_by_another(self, req: _Request, tokens: list[int], position: int) -> bool:
+        """Whether another queued request without a state of its own extends ``tokens[:position]``."""
+        last = tokens[position - 1]
+        return any(o is not req and o.resume is None and o.cache_salt == req.cache_salt
+                   and len(o.token_ids) > position and o.token_ids[position - 1] == last
+                   and o.token_ids[:position] == tokens[:position] for o in self._waiting)
 
     def _import(self, req: _Request, state: ResumeState) -> bool:
         if not self._ensure_blocks(req, state.position):

@@ -329,3 +329,40 @@ def test_no_logprobs_unless_asked(model):
 def test_logprobs_beyond_the_engines_limit_are_refused():
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def _resident(eng: ReferenceEngine, tokens: list[int]) -> None:
+    """A finished, released request: its state stays on the device as a resident session."""
+    eng.add_request(EngineRequest("r0", tokens, greedy(1), keep_state=True))
+    while eng.has_work():
+        eng.step()
+    eng.release("r0")
+
+
+def test_requests_that_repeat_a_residents_prompt_each_copy_it(model):
+    """NOTE 2: n choices of one prompt (or retries) cannot be the resident session's next turn:
+    each resumes from a copy at its last full block, token-exact, and the resident stays."""
+    eng = make_engine(model, checkpoint_interval=0)
+    p = prompt(300, seed=60)
+    _resident(eng, p)
+    ref, _, _ = run(make_engine(model, resident_sessions=False), "ref", p, 4)
+    for i in range(3):
+        tokens, last, _ = run(eng, f"c{i}", p, 4)
+        assert (last.num_cached_tokens, last.cached_source) == (256, "device") and tokens == ref
+
+
+def test_queued_requests_resuming_from_one_resident_all_get_it(model):
+    """NOTE 2: two requests queued together that both extend a resident's 256-token checkpoint
+    (subagents forked from one context): the first copies, the second adopts; both resume there."""
+    eng = make_engine(model, checkpoint_interval=0)
+    p = prompt(300, seed=61)
+    _resident(eng, p)
+    forks = [p[:256] + prompt(40, seed=62), p[:256] + prompt(50, seed=63)]
+    for i, tokens in enumerate(forks):
+        eng.add_request(EngineRequest(f"f{i}", tokens, greedy(3)))
+    last = {}
+    while eng.has_work():
+        for out in eng.step():
+            last[out.request_id] = out
+    assert [(last[f"f{i}"].num_cached_tokens, last[f"f{i}"].cached_source) for i in range(2)] == [(256, "device")] * 2
+    assert all(tokens[:300] != p for _, tokens, _ in eng.resident_contents())  # the last one took it over
