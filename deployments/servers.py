@@ -29,6 +29,7 @@ from disagg.config import AppConfig, load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.faults import FaultInjector, exit_process
+from disagg.flow import FlowOptions
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.workers.tiered import StatefulWorker
 from kv_transfer.keys import BlockHasher
@@ -85,10 +86,7 @@ class _ServerBase:
             # other nodes' host tiers over their gRPC state service (transfer.grpc; deployments.node_store)
             peers = PeerStores(self.config, self.node_id, self.store) if self.config.transfer.grpc.enabled else None
             self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
-                                         self.config.router.local_prefill_max_tokens,
-                                         load_deadline_s=self.config.transfer.load_deadline_s, faults=faults,
-                                         peer_stores=peers, decider=self.config.router.decider_params(),
-                                         checkpoint_placement=self.config.engine.learned_checkpoints)
+                                         options=FlowOptions.from_config(self.config), faults=faults, peer_stores=peers)
         self._draining = False
         self._inflight = 0
         self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)

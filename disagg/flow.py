@@ -69,15 +69,19 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.reuse.accounting import ReuseAccounting, ReuseTicket
-from disagg.router.decider import PDDecider, PDDecision
+from disagg.reuse.placement import CheckpointPlacement
+from disagg.router.decider import DeciderConfig, PDDecider, PDDecision
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher
+
+if TYPE_CHECKING:
+    from disagg.config import AppConfig
 
 log = logging.getLogger(__name__)
 
@@ -154,37 +158,55 @@ class FlowState(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class FlowOptions:
+    """The flow's settings, typed once (``from_config`` reads them from the app config)."""
+
+    decider: DeciderConfig = field(default_factory=DeciderConfig)  # the P/D decision (NOTE 5)
+    prefill_retries: int = 2  # remote prefill attempts after the first, then prefill here
+    retry_backoff_s: float = 0.25  # pause before a retry (lets the router see a dead replica)
+    load_deadline_s: float = 5.0  # a lookup + load past this recomputes (NOTE 3)
+    publish_wait_s: float | None = None  # a lookup's wait for an in-flight publish (NOTE 8); None: load_deadline_s
+    learned_checkpoints: bool = True  # prefills keep checkpoints where resumes were seen (NOTE 7)
+
+    @classmethod
+    def from_config(cls, app: AppConfig, **overrides) -> FlowOptions:
+        """The options a Serve replica runs with: ``router`` (decider), ``transfer.load_deadline_s``,
+        ``engine.learned_checkpoints``; ``overrides`` replace any field."""
+        base = {"decider": DeciderConfig(**app.router.decider_params()),
+                "load_deadline_s": app.transfer.load_deadline_s,
+                "learned_checkpoints": app.engine.learned_checkpoints}
+        return cls(**{**base, **overrides})
+
+
 class RequestFlow:
     """The decode-side flow (module docstring) over one engine and one state.
 
     Args:
         engine: a ``FlowEngine``.
         state: a ``FlowState``, or None (no tiers: resume from the device or compute).
-        decider: the P/D decider (NOTE 5).
         replica_id: stamped on every chunk.
+        options: ``FlowOptions`` (default: the defaults).
         prefill_loads: the prefill pool's loads (NOTE 5); None: unknown.
-        reuse: the reuse accounting (NOTE 7); default: accounting without extra checkpoints.
-        publish_wait_s: how long a lookup waits for an in-flight publish (NOTE 8); None: load_deadline_s.
+        reuse: the reuse accounting (NOTE 7); default: accounting, with learned checkpoint
+            placement when ``options.learned_checkpoints``.
     """
 
-    def __init__(self, engine: FlowEngine, state: FlowState | None, decider: PDDecider, replica_id: str = "local",
-                 *, prefill_retries: int = 2, retry_backoff_s: float = 0.25, load_deadline_s: float = 5.0,
-                 prefill_loads: LoadsFn | None = None, counters: dict[str, int] | None = None,
-                 reuse: ReuseAccounting | None = None, publish_wait_s: float | None = None):
+    def __init__(self, engine: FlowEngine, state: FlowState | None, replica_id: str = "local",
+                 options: FlowOptions | None = None, *, prefill_loads: LoadsFn | None = None,
+                 counters: dict[str, int] | None = None, reuse: ReuseAccounting | None = None):
         self.engine = engine
         self.state = state
-        self.decider = decider
         self.replica_id = replica_id
-        self.prefill_retries = prefill_retries
-        self.retry_backoff_s = retry_backoff_s  # pause before a retry (lets the router see a dead replica)
-        self.load_deadline_s = load_deadline_s  # a lookup + load past this recomputes (NOTE 3)
+        self.options = options or FlowOptions()
+        self.decider = PDDecider(self.options.decider)
         self.prefill_loads = prefill_loads
-        self.reuse = reuse or ReuseAccounting(engine.block_size)  # NOTE 7
+        placement = CheckpointPlacement(engine.block_size) if self.options.learned_checkpoints else None
+        self.reuse = reuse or ReuseAccounting(engine.block_size, placement)  # NOTE 7
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
         self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight (NOTE 6)
-        self.publish_wait_s = publish_wait_s  # NOTE 8; None: load_deadline_s
         self._landing = asyncio.Event()  # set (and replaced) whenever a noted publish lands or drops (NOTE 8)
 
     # -- 1 plan ---------------------------------------------------------------------
@@ -194,15 +216,15 @@ class RequestFlow:
         if self.state is None:
             device_len = await resident
             return Resume(None, device_len, "device" if device_len else "computed")
-        deadline = time.monotonic() + self.load_deadline_s  # lookup and load share one deadline
-        lookup = asyncio.wait_for(self.state.lookup(tokens, hasher), self.load_deadline_s)
+        deadline = time.monotonic() + self.options.load_deadline_s  # lookup and load share one deadline
+        lookup = asyncio.wait_for(self.state.lookup(tokens, hasher), self.options.load_deadline_s)
         device_len, point = await asyncio.gather(resident, lookup, return_exceptions=True)
         if isinstance(device_len, BaseException):
             raise device_len
         failure = ""
         if isinstance(point, asyncio.TimeoutError):
             self.counters["load_timeouts"] += 1
-            log.warning("state lookup passed its %.1f s deadline; recomputing", self.load_deadline_s)
+            log.warning("state lookup passed its %.1f s deadline; recomputing", self.options.load_deadline_s)
             point, failure = None, "load_deadline"
         elif isinstance(point, Exception):  # a tier that fails is a miss (NOTE 3)
             self.counters["load_failures"] += 1
@@ -221,14 +243,14 @@ class RequestFlow:
                    deadline: float | None = None, node_id: str | None = None) -> Resume:
         """The state at ``position`` within the deadline; on a miss a ``Resume`` without state that
         says why (recompute, NOTE 3)."""
-        budget = self.load_deadline_s if deadline is None else deadline - time.monotonic()
+        budget = self.options.load_deadline_s if deadline is None else deadline - time.monotonic()
         failure = "load_failed"
         try:
             got = await asyncio.wait_for(self.state.load(tokens, position, hasher, params, node_id),
                                          max(0.0, budget))
         except asyncio.TimeoutError:  # a stalled tier or peer: recompute rather than wait
             self.counters["load_timeouts"] += 1
-            log.warning("state load passed its %.1f s deadline; recomputing", self.load_deadline_s)
+            log.warning("state load passed its %.1f s deadline; recomputing", self.options.load_deadline_s)
             got, failure = None, "load_deadline"
         except Exception:  # a tier that fails is a miss
             log.exception("state load failed; recomputing")
@@ -250,14 +272,14 @@ class RequestFlow:
     # -- 3 remote prefill ---------------------------------------------------------------
     async def remote_prefill(self, params: GenerateParams, prefill_fn: PrefillFn) -> PrefillHandle | None:
         """A prefill replica's handle, retried with backoff; None: prefill here."""
-        for attempt in range(self.prefill_retries + 1):
+        for attempt in range(self.options.prefill_retries + 1):
             try:
                 return await prefill_fn(params)
             except Exception as exc:  # a dead or failing prefill replica: retry, then prefill here
                 self.counters["prefill_failures"] += 1
                 log.warning("remote prefill attempt %d failed (%s)", attempt + 1, exc)
-                if attempt < self.prefill_retries:
-                    await asyncio.sleep(self.retry_backoff_s * (attempt + 1))
+                if attempt < self.options.prefill_retries:
+                    await asyncio.sleep(self.options.retry_backoff_s * (attempt + 1))
         return None
 
     # -- the decode-side flow -------------------------------------------------------------
@@ -268,7 +290,7 @@ class RequestFlow:
         session = session_key(params.cache_salt, params.session_id)
         pending = self._publishing.get(session) if session else None
         if pending:  # NOTE 6
-            await asyncio.wait(list(pending), timeout=self.load_deadline_s)
+            await asyncio.wait(list(pending), timeout=self.options.load_deadline_s)
         tokens = list(params.prompt_token_ids)
         self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
         ticket = self.reuse.begin(tokens, hasher, params.session_id, params.request_id, params.cache_salt)  # reuse
@@ -335,10 +357,10 @@ class RequestFlow:
         opening = self.state.open(handle, tokens, hasher, params, release_fn)
         try:  # a device hand-off is one peer copy (no deadline); a tier load has the load deadline
             got = await (opening if handle.device_state is not None
-                         else asyncio.wait_for(opening, self.load_deadline_s))
+                         else asyncio.wait_for(opening, self.options.load_deadline_s))
         except asyncio.TimeoutError:
             self.counters["load_timeouts"] += 1
-            log.warning("hand-off load passed its %.1f s deadline; recomputing", self.load_deadline_s)
+            log.warning("hand-off load passed its %.1f s deadline; recomputing", self.options.load_deadline_s)
             got = None
         except Exception:
             log.exception("hand-off load failed; recomputing")
@@ -418,7 +440,7 @@ class RequestFlow:
         awaited = self.reuse.awaited(ticket)
         if not awaited:
             return
-        wait_s = self.load_deadline_s if self.publish_wait_s is None else self.publish_wait_s
+        wait_s = self.options.load_deadline_s if self.options.publish_wait_s is None else self.options.publish_wait_s
         deadline = time.monotonic() + wait_s
         while self.reuse.still_pending(ticket, awaited):
             left = deadline - time.monotonic()

@@ -14,6 +14,7 @@ from disagg.config import AppConfig
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine, build_tokenizer, engine_limits
 from disagg.faults import FaultInjector
+from disagg.flow import FlowOptions
 from disagg.messages import GenerateParams, StreamChunk
 from disagg.workers.tiered import StatefulWorker
 
@@ -69,9 +70,7 @@ class InProcessBackend:
         """A worker configured as the Serve deployments configure theirs (deadline, faults)."""
         cfg = self.config
         faults = FaultInjector(cfg.faults, name, role)  # off unless configured; a kill raises InjectedCrash
-        return StatefulWorker(engine, self.store, name, "local", cfg.router.local_prefill_max_tokens,
-                              load_deadline_s=cfg.transfer.load_deadline_s, decider=cfg.router.decider_params(), faults=faults,
-                              checkpoint_placement=cfg.engine.learned_checkpoints)
+        return StatefulWorker(engine, self.store, name, "local", options=FlowOptions.from_config(cfg), faults=faults)
 
     def stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
         fn = self.prefill.prefill if self.prefill is not None else None

@@ -130,6 +130,7 @@ async def _serve_worker(cfg: AppConfig, spec: WorkerSpec, host_socket: str | Non
 
     from disagg.engine.async_engine import AsyncEngine
     from disagg.engine.factory import build_reference_engine
+    from disagg.flow import FlowOptions
     from disagg.workers.tiered import StatefulWorker
 
     if spec.device.startswith("cuda"):
@@ -146,9 +147,8 @@ async def _serve_worker(cfg: AppConfig, spec: WorkerSpec, host_socket: str | Non
         from kv_transfer.transport.device_ipc import DeviceShares
 
         shares = DeviceShares(pool_bytes=spec.pool_mb << 20)
-    worker = StatefulWorker(AsyncEngine(engine), store, spec.name, "local", cfg.router.local_prefill_max_tokens,
-                            load_deadline_s=cfg.transfer.load_deadline_s, decider=cfg.router.decider_params(), device_shares=shares,
-                            checkpoint_placement=cfg.engine.learned_checkpoints)
+    worker = StatefulWorker(AsyncEngine(engine), store, spec.name, "local", options=FlowOptions.from_config(cfg),
+                            device_shares=shares)
     prefill = RpcClient(spec.prefill_socket) if spec.prefill_socket else None
     prefill_fn = (lambda p: prefill.call("prefill", p)) if prefill is not None else None
     release_fn = (lambda h: prefill.call("release", h.device_state.share_id)) if prefill is not None else None

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from disagg.config import LOCAL_PREFILL_MAX_TOKENS
 from disagg.engine.protocol import EngineRequest
 from disagg.faults import FaultInjector, FaultyState
 from disagg.flow import (
+    FlowOptions,
     LoadsFn,
     PrefillFn,
     ReleaseFn,
@@ -51,9 +51,6 @@ from disagg.flow import (
     store_lookup,
 )
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
-from disagg.reuse.accounting import ReuseAccounting
-from disagg.reuse.placement import CheckpointPlacement
-from disagg.router.decider import DeciderConfig, PDDecider
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
 
@@ -183,20 +180,17 @@ class StatefulWorker:
     Args:
         engine: an ``AsyncEngine``.
         store: the node's ``kv_transfer.store.StateStore`` or None.
-        local_prefill_max_tokens: the decider's threshold (its other settings: ``decider``).
-        decider: the P/D decider's config (``disagg.config.RouterConfig.decider_params``).
-        prefill_loads: the prefill pool's effective loads (``disagg.flow`` NOTE 5).
+        options: the flow's settings (``disagg.flow.FlowOptions``; a replica's: ``FlowOptions.from_config``).
+        faults: fault injection (``disagg.faults``), wrapping the flow's interfaces when enabled.
         device_shares: a prefill worker with ``kv_transfer.transport.device_ipc.DeviceShares``
             hands state over device to device (NOTE 1) instead of publishing it.
-        checkpoint_placement: learn where follow-ups diverge and have prefills keep KDA
-            checkpoints there (``disagg.reuse.placement``; ``disagg.flow`` NOTE 7).
+        peer_stores: other nodes' stores by node id (cross-node loads), or None.
+        prefill_loads: the prefill pool's effective loads (``disagg.flow`` NOTE 5).
     """
 
     def __init__(self, engine, store=None, replica_id: str = "local", node_id: str = "local",
-                 local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS, prefill_retries: int = 2,
-                 load_deadline_s: float = 5.0, faults: FaultInjector | None = None, retry_backoff_s: float = 0.25,
-                 device_shares=None, peer_stores: PeerStoresFn | None = None, decider: dict | None = None,
-                 prefill_loads: LoadsFn | None = None, checkpoint_placement: bool = True):
+                 *, options: FlowOptions | None = None, faults: FaultInjector | None = None, device_shares=None,
+                 peer_stores: PeerStoresFn | None = None, prefill_loads: LoadsFn | None = None):
         self.engine = engine  # AsyncEngine
         self.store = store
         self.replica_id = replica_id
@@ -214,27 +208,11 @@ class StatefulWorker:
                 store.warm(load_device)
             except Exception as e:  # noqa: BLE001 - a cold first load is slower, not wrong
                 log.warning("warming direct loads to %s failed: %s", load_device, e)
-        decider_cfg = DeciderConfig(**dict(decider or {}, local_prefill_max_tokens=local_prefill_max_tokens))
-        placement = CheckpointPlacement(engine.block_size) if checkpoint_placement else None
-        self.flow = RequestFlow(engine, None, PDDecider(decider_cfg), replica_id, prefill_retries=prefill_retries,
-                                retry_backoff_s=retry_backoff_s, load_deadline_s=load_deadline_s,
-                                prefill_loads=prefill_loads, reuse=ReuseAccounting(engine.block_size, placement))
+        self.flow = RequestFlow(engine, None, replica_id, options, prefill_loads=prefill_loads)
         self.reuse = self.flow.reuse
         self.counters = self.flow.counters
         state = TierState(store, engine.layout, node_id, load_device, device, peer_stores, self.counters)
         self.flow.state = FaultyState(state, self.faults) if self.faults is not None else state
-
-    @property
-    def load_deadline_s(self) -> float:
-        return self.flow.load_deadline_s
-
-    @property
-    def retry_backoff_s(self) -> float:
-        return self.flow.retry_backoff_s
-
-    @retry_backoff_s.setter
-    def retry_backoff_s(self, value: float) -> None:
-        self.flow.retry_backoff_s = value
 
     # -- decode side: the request flow ------------------------------------------------------
     def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None,
@@ -244,7 +222,7 @@ class StatefulWorker:
         if self.faults is None:
             return self.flow.generate(params, hasher, prefill_fn, release_fn)
         if prefill_fn is not None:
-            prefill_fn = self.faults.guard_prefill_fn(prefill_fn, self.flow.prefill_retries + 1)
+            prefill_fn = self.faults.guard_prefill_fn(prefill_fn, self.flow.options.prefill_retries + 1)
         return self.faults.guard_decode(params, self.flow.generate(params, hasher, prefill_fn, release_fn))
 
     # -- prefill side ------------------------------------------------------------------------

@@ -34,11 +34,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from disagg.config import LOCAL_PREFILL_MAX_TOKENS, AppConfig
+from disagg.config import AppConfig
 from disagg.engine.protocol import EngineRequest
-from disagg.flow import LoadsFn, PrefillFn, RequestFlow, Resume, ResumePoint, store_lookup
+from disagg.flow import (
+    FlowOptions,
+    LoadsFn,
+    PrefillFn,
+    RequestFlow,
+    Resume,
+    ResumePoint,
+    store_lookup,
+)
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
-from disagg.router.decider import DeciderConfig, PDDecider
 from kv_transfer.keys import BlockHasher, KeyExtras
 from kv_transfer.vllm.jobs import StateHandle
 
@@ -76,21 +83,22 @@ class VLLMWorker:
     Args:
         engine: the role's ``VLLMEngine``.
         lookup: a ``StateStore`` over this node's tiers for resumable-length checks (or None).
+        options: the flow's settings (``disagg.flow.FlowOptions``; default: one prefill retry);
+            never learned checkpoints: vLLM's connector saves what vLLM keeps.
         producer_sizes: (TP, DCP) of the prefill engines (their hand-offs are stored that way).
-        decider: the P/D decider's config (``disagg.config.RouterConfig.decider_params``).
     """
 
     def __init__(self, engine, lookup=None, replica_id: str = "local", node_id: str = "local",
-                 local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS, producer_sizes: tuple[int, int] = (1, 1),
-                 prefill_retries: int = 1, decider: dict | None = None, prefill_loads: LoadsFn | None = None):
+                 *, options: FlowOptions | None = None, producer_sizes: tuple[int, int] = (1, 1),
+                 prefill_loads: LoadsFn | None = None):
         self.engine = engine
         self.store = lookup
         self.replica_id, self.node_id = replica_id, node_id
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
-        decider_cfg = DeciderConfig(**dict(decider or {}, local_prefill_max_tokens=local_prefill_max_tokens))
         state = ConnectorState(lookup, engine.model_id, engine.block_size, producer_sizes)
-        self.flow = RequestFlow(engine, state, PDDecider(decider_cfg), replica_id, prefill_retries=prefill_retries,
-                                prefill_loads=prefill_loads)
+        # vLLM's connector saves what vLLM keeps: no learned checkpoint positions to ask for
+        options = replace(options or FlowOptions(prefill_retries=1), learned_checkpoints=False)
+        self.flow = RequestFlow(engine, state, replica_id, options, prefill_loads=prefill_loads)
         self.counters = self.flow.counters
 
     def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
@@ -152,6 +160,6 @@ def build_vllm_worker(app: AppConfig, role: str, host_socket: str | None, replic
         from kv_transfer.tiers.host_ipc import HostTierClient
 
         lookup = lookup_store(app, [HostTierClient(host_socket)])
-    worker = VLLMWorker(engine, lookup, replica_id, node_id, app.router.local_prefill_max_tokens,
-                        producer_sizes=parallel_sizes(app, "prefill"), decider=app.router.decider_params())
+    options = FlowOptions.from_config(app, prefill_retries=1)
+    worker = VLLMWorker(engine, lookup, replica_id, node_id, options=options, producer_sizes=parallel_sizes(app, "prefill"))
     return engine, lookup, worker

@@ -11,10 +11,16 @@ import asyncio
 import inspect
 
 from disagg.engine.protocol import SamplingParams, TokenOutput
+from disagg.flow import FlowOptions
 from disagg.messages import GenerateParams, PrefillHandle
+from disagg.router.decider import DeciderConfig
 from disagg.workers import vllm as vllm_worker
 from disagg.workers.vllm import VLLMWorker
 from kv_transfer.vllm.jobs import StateHandle
+
+
+def _options(local_prefill_max_tokens: int) -> FlowOptions:
+    return FlowOptions(DeciderConfig(local_prefill_max_tokens=local_prefill_max_tokens), prefill_retries=1)
 
 
 class _StandInEngine:
@@ -71,7 +77,7 @@ def _run(worker, params, prefill_fn=None):
 
 def test_a_long_suffix_is_handed_off_with_the_producers_state_handle():
     engine = _StandInEngine()
-    worker = VLLMWorker(engine, _Lookup(0), "d0", producer_sizes=(2, 1), local_prefill_max_tokens=100)
+    worker = VLLMWorker(engine, _Lookup(0), "d0", options=_options(100), producer_sizes=(2, 1))
 
     async def prefill(params):
         return PrefillHandle(300, 7, 0, "computed", "p0", "n0")
@@ -89,7 +95,7 @@ def test_a_long_suffix_is_handed_off_with_the_producers_state_handle():
 def test_the_stored_prefix_shortens_the_suffix_and_the_connector_loads_it():
     engine = _StandInEngine()
     lookup = _Lookup(256)
-    worker = VLLMWorker(engine, lookup, "d0", local_prefill_max_tokens=100)
+    worker = VLLMWorker(engine, lookup, "d0", options=_options(100))
     calls = []
 
     async def prefill(params):
@@ -104,8 +110,8 @@ def test_the_stored_prefix_shortens_the_suffix_and_the_connector_loads_it():
 
 def test_a_failing_prefill_pool_is_retried_then_prefilled_locally():
     engine = _StandInEngine()
-    worker = VLLMWorker(engine, None, "d0", local_prefill_max_tokens=10, prefill_retries=1)
-    worker.flow.retry_backoff_s = 0.0
+    worker = VLLMWorker(engine, None, "d0", options=_options(10))
+    worker.flow.options.retry_backoff_s = 0.0
     attempts = []
 
     async def prefill(params):

@@ -17,8 +17,10 @@ from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.engine.reference.engine import ReferenceEngine
 from disagg.faults import FaultInjector, InjectedCrash, read_ledger
+from disagg.flow import FlowOptions
 from disagg.launch.inprocess import make_local_store
 from disagg.messages import GenerateParams
+from disagg.router.decider import DeciderConfig
 from disagg.workers.tiered import StatefulWorker, continue_params
 
 
@@ -53,10 +55,11 @@ class _Pair:
         self.faults = FaultInjector(FaultConfig(enabled=True, rules=rules, ledger_path=ledger), "decode-0", "decode")
         decode_engine = ReferenceEngine(engine.model, engine.model_id, engine.options)
         prefill_engine = ReferenceEngine(engine.model, engine.model_id, engine.options)
-        self.decode = StatefulWorker(AsyncEngine(decode_engine), self.store, "decode-0", local_prefill_max_tokens=64,
-                                     load_deadline_s=deadline_s, faults=self.faults)
+        self.decode = StatefulWorker(AsyncEngine(decode_engine), self.store, "decode-0",
+                                     options=FlowOptions(DeciderConfig(local_prefill_max_tokens=64), load_deadline_s=deadline_s),
+                                     faults=self.faults)
         self.prefill = StatefulWorker(AsyncEngine(prefill_engine), self.store, "prefill-0",
-                                      local_prefill_max_tokens=64)
+                                      options=FlowOptions(DeciderConfig(local_prefill_max_tokens=64)))
 
     def run(self, params: GenerateParams) -> list[int]:
         async def collect():
@@ -111,7 +114,7 @@ def test_prefill_killed_mid_request_is_retried_and_leaks_nothing(model, tmp_path
     rules = [FaultRule(fault="kill_prefill", nth=1)]
     pair.prefill.faults = FaultInjector(FaultConfig(enabled=True, rules=rules, ledger_path=ledger),
                                         "prefill-0", "prefill")
-    pair.decode.retry_backoff_s = 0.0
+    pair.decode.flow.options.retry_backoff_s = 0.0
     try:
         prompt = _ids(300, 5)
         assert pair.run(_params(prompt, rid="kp-1")) == _reference(model[1], prompt, 8)

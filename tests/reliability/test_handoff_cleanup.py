@@ -19,10 +19,14 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import SamplingParams
 from disagg.engine.reference.engine import ReferenceEngine
+from disagg.flow import FlowOptions
 from disagg.launch.inprocess import InProcessBackend
 from disagg.messages import GenerateParams
+from disagg.router.decider import DeciderConfig
 from disagg.workers.tiered import StatefulWorker
 from kv_transfer.transport.device_ipc import DeviceShares
+
+_OPTIONS = FlowOptions(DeciderConfig(local_prefill_max_tokens=64))
 
 
 def _cfg(mode: str = "disaggregated", **extra):
@@ -84,8 +88,8 @@ def device_pair():
     engine = build_reference_engine(_cfg())
     shares = DeviceShares(pool_bytes=64 << 20)
     prefill = StatefulWorker(AsyncEngine(ReferenceEngine(engine.model, engine.model_id, engine.options)), None,
-                             "prefill-0", local_prefill_max_tokens=64, device_shares=shares)
-    decode = StatefulWorker(AsyncEngine(engine), None, "decode-0", local_prefill_max_tokens=64)
+                             "prefill-0", options=_OPTIONS, device_shares=shares)
+    decode = StatefulWorker(AsyncEngine(engine), None, "decode-0", options=_OPTIONS)
 
     async def release(handle) -> None:
         shares.release(handle.device_state.share_id)
@@ -134,7 +138,7 @@ def test_the_in_process_backend_configures_its_workers_like_the_deployments():
                                               "load_deadline_s": 0.5},
                                     faults={"enabled": True, "rules": [{"fault": "drop", "nth": 1}]}))
     try:
-        assert backend.decode.load_deadline_s == backend.prefill.load_deadline_s == 0.5
+        assert backend.decode.flow.options.load_deadline_s == backend.prefill.flow.options.load_deadline_s == 0.5
         # the first load is dropped: the decode worker recomputes, counted, with the same tokens
         out = asyncio.run(_drain(backend, _params("f", _ids(300, 5), 4, ignore_eos=True)))
         assert backend.decode.counters["remote_prefills"] == 1 and backend.decode.counters["load_failures"] >= 1

@@ -13,6 +13,8 @@ import pytest
 
 from deployments.node_store import advertised_address, grpc_client_config, grpc_server_config
 from disagg.config import GrpcConfig
+from disagg.flow import FlowOptions
+from disagg.router.decider import DeciderConfig
 from kv_transfer.tiers.memory import DictByteStore
 from kv_transfer.transport import RemoteStore, StateServer
 
@@ -188,7 +190,7 @@ def test_decode_worker_loads_a_far_prefill_through_the_peer_store(token_env, mon
 
     far = StatefulWorker(copy(), StateStore([far_tier], engine.layout), "prefill-far", "far")
     here = StatefulWorker(copy(), StateStore([here_tier], engine.layout), "decode-here", "here",
-                          local_prefill_max_tokens=64, peer_stores=lambda node: peer_store if node == "far" else None)
+                          options=FlowOptions(DeciderConfig(local_prefill_max_tokens=64)), peer_stores=lambda node: peer_store if node == "far" else None)
     prompt = [random.Random(91).randrange(4, 260) for _ in range(150)]  # past local_prefill_max_tokens
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)
 

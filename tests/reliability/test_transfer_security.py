@@ -21,7 +21,9 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
 from disagg.engine.reference.engine import ReferenceEngine
+from disagg.flow import FlowOptions
 from disagg.messages import GenerateParams
+from disagg.router.decider import DeciderConfig
 from disagg.workers.tiered import StatefulWorker
 from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
@@ -139,7 +141,8 @@ def test_stalled_or_dead_peer_costs_a_recompute_within_the_deadline():
                               StateStore([peer_tier], engine.layout), "peer")
         here_store = StateStore([HostTier(128 << 20, pin_memory=False), remote], engine.layout, promote=False)
         here = StatefulWorker(AsyncEngine(ReferenceEngine(engine.model, engine.model_id, engine.options)),
-                              here_store, "here", local_prefill_max_tokens=10_000, load_deadline_s=1.0)
+                              here_store, "here",
+                              options=FlowOptions(DeciderConfig(local_prefill_max_tokens=10_000), load_deadline_s=1.0))
         workers = [peer, here]
         first = _ids(300, 31)
         sampling = SamplingParams(max_tokens=4, ignore_eos=True)

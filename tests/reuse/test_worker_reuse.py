@@ -165,7 +165,7 @@ def test_in_flight_and_the_counters(threads):
     from disagg.tools.bench.servermetrics import counter_by_label, counter_total, parse_prometheus
 
     b = backend()
-    b.decode.flow.publish_wait_s = 0.0
+    b.decode.flow.options.publish_wait_s = 0.0
     a = ids(1500, 7)
     try:
         async def go():

@@ -25,6 +25,7 @@ from disagg.config import load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
+from disagg.flow import FlowOptions
 from disagg.messages import GenerateParams
 from disagg.router.index import PrefixIndex
 from disagg.router.types import RouteRequest, WorkerState
@@ -67,8 +68,7 @@ def _serve_router(loads: list[float]):
 
 def _serving_decisions(cfg) -> list[str]:
     engine = AsyncEngine(build_reference_engine(cfg))
-    worker = StatefulWorker(engine, None, "decode-0", local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
-                            prefill_retries=0, decider=cfg.router.decider_params())
+    worker = StatefulWorker(engine, None, "decode-0", options=FlowOptions.from_config(cfg, prefill_retries=0))
     rng = random.Random(0)
     out = []
 

@@ -102,6 +102,8 @@ async def _collect(worker, params, prefill_fn=None):
 
 
 def test_disaggregated_request_through_the_backend_equals_a_local_one():
+    from disagg.flow import FlowOptions
+    from disagg.router.decider import DeciderConfig
     from disagg.workers.vllm import VLLMWorker
 
     assert H.MODEL_ID == "tiny-k3|bfloat16"  # the backend's key space for this app
@@ -110,7 +112,8 @@ def test_disaggregated_request_through_the_backend_equals_a_local_one():
     prefill = VLLMWorker(_backend(app, "prefill", H.Engine(H.vllm_config(tier=name, engine_id="prefill-0"))),
                          replica_id="p0")
     decode = VLLMWorker(_backend(app, "decode", H.Engine(H.vllm_config(tier=name, engine_id="decode-0"))),
-                        replica_id="d0", local_prefill_max_tokens=256)
+                        replica_id="d0",
+                        options=FlowOptions(DeciderConfig(local_prefill_max_tokens=256), prefill_retries=1))
     prompt = H.prompt(700, seed=21)
 
     async def remote(params):
@@ -128,13 +131,16 @@ def test_disaggregated_request_through_the_backend_equals_a_local_one():
 
 
 def test_short_suffix_prefills_locally_and_resumes_from_the_nodes_tier():
+    from disagg.flow import FlowOptions
+    from disagg.router.decider import DeciderConfig
     from disagg.workers.vllm import VLLMWorker, lookup_store
 
     name, tier = H.make_tier()
     app = _app()
     first = H.prompt(600, seed=22)
     eng = H.Engine(H.vllm_config(tier=name, engine_id="decode-0"))
-    decode = VLLMWorker(_backend(app, "decode", eng), lookup=lookup_store(app, [tier]), local_prefill_max_tokens=256)
+    decode = VLLMWorker(_backend(app, "decode", eng), lookup=lookup_store(app, [tier]),
+                        options=FlowOptions(DeciderConfig(local_prefill_max_tokens=256), prefill_retries=1))
     out1, _ = asyncio.run(_collect(decode, _params("t1", first, 3)))
     eng.run()  # the turn-end save lands before the next turn arrives
     calls = []
