@@ -33,8 +33,16 @@ def serve_asgi(app, port: int | None = None) -> Iterator[str]:
 
 @contextlib.contextmanager
 def tiny_aggregated_backend() -> Iterator:
-    """An aggregated ``InProcessBackend`` over the tiny reference model (one torch thread, small
-    cache and host tier); torch's thread count is restored afterwards."""
+    """``tiny_backend("aggregated")``."""
+    with tiny_backend("aggregated") as backend:
+        yield backend
+
+
+@contextlib.contextmanager
+def tiny_backend(mode: str, http: dict | None = None) -> Iterator:
+    """An ``InProcessBackend`` over the tiny reference model (one torch thread, small cache and
+    host tier) in ``mode``; disaggregated, prompts past 64 uncached tokens go to its prefill
+    worker. ``http``: the ``http`` config section. torch's thread count is restored afterwards."""
     import torch
 
     from disagg.config import load_config
@@ -44,7 +52,8 @@ def tiny_aggregated_backend() -> Iterator:
     cfg = load_config({"model": {"name": "tiny"},
                        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1},
                        "transfer": {"host": {"capacity_mb": 64, "pin_memory": False}},
-                       "deployment": {"mode": "aggregated"}})
+                       "deployment": {"mode": mode}, "http": http or {},
+                       **({"router": {"local_prefill_max_tokens": 64}} if mode == "disaggregated" else {})})
     backend = InProcessBackend(cfg)
     try:
         yield backend

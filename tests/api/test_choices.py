@@ -15,10 +15,9 @@ import openai
 import pytest
 
 from disagg.api.app import create_app
-from disagg.config import load_config
 from disagg.messages import StreamChunk
 from tests.api.test_stream_text import OFFSET, Scripted
-from tests.helpers import serve_asgi
+from tests.helpers import serve_asgi, tiny_backend
 
 MODEL = "disagg-tiny"
 PROMPT = [(7 * i) % 250 + 5 for i in range(300)]  # 300 tokens: 4 full blocks of 64 and a tail
@@ -27,23 +26,9 @@ PATHS = ["/v1/completions", "/v1/chat/completions"]
 
 @pytest.fixture(scope="module")
 def url():
-    import torch
-
-    from disagg.launch.inprocess import InProcessBackend
-
-    threads = torch.get_num_threads()
-    cfg = load_config({"model": {"name": "tiny"},
-                       "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1},
-                       "transfer": {"host": {"capacity_mb": 64, "pin_memory": False}},
-                       "router": {"local_prefill_max_tokens": 64}, "deployment": {"mode": "disaggregated"},
-                       "http": {"max_n": 8}})
-    backend = InProcessBackend(cfg)
-    try:
-        with serve_asgi(create_app(backend, cfg.http)) as base:
-            yield base
-    finally:
-        backend.shutdown()
-        torch.set_num_threads(threads)
+    with tiny_backend("disaggregated", http={"max_n": 8}) as backend, \
+            serve_asgi(create_app(backend, backend.config.http)) as base:
+        yield base
 
 
 def _body(path: str, **extra) -> dict:

@@ -18,7 +18,7 @@ import pytest
 from disagg.api.app import _stop_prefix, create_app
 from disagg.config import HTTPConfig
 from tests.api.test_stream_text import OFFSET, Scripted
-from tests.helpers import serve_asgi, tiny_aggregated_backend
+from tests.helpers import serve_asgi, tiny_aggregated_backend, tiny_backend
 
 
 def _text(s: str) -> Scripted:
@@ -129,26 +129,15 @@ def test_a_non_streamed_request_whose_client_leaves_is_aborted():
 def test_a_stop_token_as_the_only_token_finishes_with_stop_after_a_remote_prefill():
     """max_tokens=1 and the first token is a stop token: "stop", as the engine itself answers,
     also when the first token comes from the prefill worker (a prompt above the local limit)."""
-    from disagg.config import load_config
-    from disagg.launch.inprocess import InProcessBackend
-
-    cfg = load_config({"model": {"name": "tiny"},
-                       "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1},
-                       "transfer": {"host": {"capacity_mb": 64, "pin_memory": False}},
-                       "router": {"local_prefill_max_tokens": 64}, "deployment": {"mode": "disaggregated"}})
-    backend = InProcessBackend(cfg)
-    try:
-        with serve_asgi(create_app(backend, cfg.http)) as url:
-            body = {"model": "disagg-tiny", "prompt": list(range(10, 110)), "max_tokens": 1, "temperature": 0,
-                    "return_token_ids": True}
-            first = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
-            assert first["finish_reason"] == "length"
-            again = httpx.post(url + "/v1/completions", timeout=120, json=body | {
-                "stop_token_ids": first["token_ids"], "cache_salt": "fresh"}).json()
-            assert again["disagg"]["cached_source"] == "computed"  # prefilled again, remotely
-            assert again["choices"][0]["finish_reason"] == "stop", again
-    finally:
-        backend.shutdown()
+    with tiny_backend("disaggregated") as backend, serve_asgi(create_app(backend, backend.config.http)) as url:
+        body = {"model": "disagg-tiny", "prompt": list(range(10, 110)), "max_tokens": 1, "temperature": 0,
+                "return_token_ids": True}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert first["finish_reason"] == "length"
+        again = httpx.post(url + "/v1/completions", timeout=120, json=body | {
+            "stop_token_ids": first["token_ids"], "cache_salt": "fresh"}).json()
+        assert again["disagg"]["cached_source"] == "computed"  # prefilled again, remotely
+        assert again["choices"][0]["finish_reason"] == "stop", again
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -12,8 +12,7 @@ import httpx
 import pytest
 
 from disagg.api.app import create_app
-from disagg.config import load_config
-from tests.helpers import serve_asgi
+from tests.helpers import serve_asgi, tiny_backend
 
 MODEL = "disagg-tiny"
 PROMPT_IDS = list(range(10, 110))  # 100 tokens: above the local prefill limit
@@ -21,22 +20,8 @@ PROMPT_IDS = list(range(10, 110))  # 100 tokens: above the local prefill limit
 
 @pytest.fixture(scope="module")
 def url():
-    import torch
-
-    from disagg.launch.inprocess import InProcessBackend
-
-    threads = torch.get_num_threads()
-    cfg = load_config({"model": {"name": "tiny"},
-                       "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1},
-                       "transfer": {"host": {"capacity_mb": 64, "pin_memory": False}},
-                       "router": {"local_prefill_max_tokens": 64}, "deployment": {"mode": "disaggregated"}})
-    backend = InProcessBackend(cfg)
-    try:
-        with serve_asgi(create_app(backend, cfg.http)) as base:
-            yield base
-    finally:
-        backend.shutdown()
-        torch.set_num_threads(threads)
+    with tiny_backend("disaggregated") as backend, serve_asgi(create_app(backend, backend.config.http)) as base:
+        yield base
 
 
 def _body(path: str, **extra) -> dict:
