@@ -10,6 +10,7 @@ from disagg.tools.bench.client import RequestResult
 from disagg.tools.bench.cost import gpu_hour_price, tokens_per_dollar, usd_per_million_tokens
 from disagg.tools.bench.metrics import SLO, percentile, summarize
 from disagg.tools.bench.pareto import (
+    best_meeting,
     compare_fronts,
     front_at,
     monotone_interpolate,
@@ -177,3 +178,11 @@ def test_compare_fronts_ratios() -> None:
     rows = compare_fronts(a, b, [30, 50, 150])
     assert rows[0]["ratio"] == pytest.approx(2.0) and rows[1]["ratio"] == pytest.approx(2.0)
     assert rows[2]["a"] is None and rows[2]["ratio"] is None
+
+
+def test_best_meeting_reads_measured_points_without_interpolation() -> None:
+    # at 30 the front (lowest x 20) would interpolate; best_meeting takes (40, 7000), the best point >= 30
+    assert best_meeting(POINTS, 30) == 7000.0
+    assert best_meeting(POINTS, 10) == 9000.0  # below the front's range: the best point of all
+    assert best_meeting(POINTS, 100) == 1000.0 and best_meeting(POINTS, 101) is None
+    assert best_meeting([(float("nan"), 5e4), (50.0, 10.0)], 0) == 10.0

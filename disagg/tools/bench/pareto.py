@@ -14,7 +14,9 @@ Systems are compared at fixed interactivity targets (30, 50, 150 tok/s/user)
 by interpolating each front with Steffen's monotone cubic Hermite method
 (M. Steffen, A&A 239, 1990): it never overshoots the data, so a monotone
 front gives a monotone curve. Targets outside the front's x range give None
-(no extrapolation).
+(no extrapolation). :func:`best_meeting` is the reading without
+interpolation: the most throughput a measured point delivers at or above the
+target, which also answers below the front's lowest interactivity.
 """
 
 from __future__ import annotations
@@ -95,6 +97,13 @@ def front_at(
     xs = [points[i][0] for i in idx]
     ys = [points[i][1] for i in idx]
     return {t: monotone_interpolate(xs, ys, t) for t in targets}
+
+
+def best_meeting(points: Sequence[tuple[float, float]], target: float) -> float | None:
+    """The highest throughput among the points whose interactivity is at least ``target``
+    (None: no point reaches it)."""
+    ys = [y for x, y in points if math.isfinite(x) and math.isfinite(y) and x >= target]
+    return max(ys) if ys else None
 
 
 def compare_fronts(
