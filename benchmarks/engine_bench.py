@@ -110,9 +110,11 @@ def decoding_engine(model, device, budget_mb, chunk, batch, context, max_tokens,
     return eng
 
 
-def bench_decode(model, device, budget_mb, chunk, batch, context, steps, graphs: bool = True) -> float:
+def bench_decode(model, device, budget_mb, chunk, batch, context, steps, graphs: bool = True,
+                 decode_graphs: bool = True) -> float:
     """Median decode step time (s) with ``batch`` sequences at ``context`` tokens."""
-    eng = decoding_engine(model, device, budget_mb, chunk, batch, context, steps + 8, cuda_graphs=graphs)
+    eng = decoding_engine(model, device, budget_mb, chunk, batch, context, steps + 8, cuda_graphs=graphs,
+                          decode_graphs=decode_graphs)
     times = []
     for _ in range(steps):
         _sync(device)
@@ -260,7 +262,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile-resume", help="write a profiler table of one resumed follow-up at the first --context")
     ap.add_argument("--profile-decode", help="write a profiler table of one decode step at the first --decode-batches")
-    ap.add_argument("--graphs-ab", action="store_true", help="also time each decode batch without CUDA graphs")
+    ap.add_argument("--graphs-ab", action="store_true", help="also time each decode batch without CUDA graphs, and with the token-wise graphs only")
     ap.add_argument("--moe-ab", action="store_true",
                     help="also time each --prefill-lens with the former per-expert nonzero MoE loop (same run)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
@@ -294,6 +296,11 @@ def main() -> None:
             figures[f"decode_step_ms_b{b}_no_graphs"] = round(1000 * eager, 3)
             print(f"decode batch {b:>3} @ {args.decode_context} ctx, no CUDA graphs: step {1000 * eager:8.2f} ms "
                   f"({eager / step:.2f}x the step with graphs)", flush=True)
+            piece = bench_decode(model, args.device, args.budget_mb, args.chunk, b, args.decode_context, 12,
+                                 decode_graphs=False)
+            figures[f"decode_step_ms_b{b}_piecewise"] = round(1000 * piece, 3)
+            print(f"decode batch {b:>3} @ {args.decode_context} ctx, token-wise graphs only (mixing eager): step "
+                  f"{1000 * piece:8.2f} ms ({piece / step:.2f}x the whole-step graph)", flush=True)
     for c in [int(x) for x in args.context.split(",") if x]:
         r = bench_resume(model, args.device, args.budget_mb, args.chunk, c, args.followup, args.reps)
         figures[f"resume_{c}"] = r

@@ -62,6 +62,7 @@ class EngineConfig(_Strict):
     resident_sessions: bool = True  # keep finished sessions on the device (device tier)
     learned_checkpoints: bool = True  # extra KDA checkpoints where prompts diverge (disagg.reuse.placement)
     cuda_graphs: bool = True  # reference engine on CUDA: small steps replay their token-wise work as CUDA graphs
+    decode_graphs: bool = True  # with cuda_graphs: decode-only steps replay as one graph, mixing included
     max_model_len: int | None = None  # cap on prompt + output tokens
     num_threads: int | None = None  # torch intra-op threads per replica (None = torch's default)
     vllm: dict[str, Any] = Field(default_factory=dict)  # extra vLLM engine kwargs (vllm backend)

@@ -44,6 +44,7 @@ def build_reference_engine(app: AppConfig):
         checkpoint_interval=e.checkpoint_interval,
         resident_sessions=e.resident_sessions,
         cuda_graphs=e.cuda_graphs,
+        decode_graphs=e.decode_graphs,
     )
     return ReferenceEngine(model, model_id, opts)
 

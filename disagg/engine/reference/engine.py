@@ -91,6 +91,7 @@ class EngineOptions:
     aligned_checkpoints: bool = True  # keep the KDA state at each prompt's last block boundary (NOTE 5)
     gil_switch_interval_s: float | None = 0.0005  # NOTE 4 (None: leave the interpreter's setting)
     cuda_graphs: bool = True  # on CUDA, small steps replay their token-wise parts as CUDA graphs (model NOTE 6)
+    decode_graphs: bool = True  # with cuda_graphs, decode-only steps replay whole, mixing included (model NOTE 7)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 64:
@@ -471,7 +472,7 @@ class ReferenceEngine:
             view = PagedSeqCache(self.cache, req.block_table, req.slot, req.num_computed)
             seqs.append(SeqInput(ids, req.num_computed, view))
         with torch.inference_mode():
-            logits = self.model.forward(seqs, graphs=self._graphs)
+            logits = self.model.forward(seqs, graphs=self._graphs, decode_graphs=self.options.decode_graphs)
         self.counters["steps"] += 1
         for (req, n), lg in zip(plan, logits, strict=True):
             req.num_computed += n

@@ -38,6 +38,20 @@ NOTES
    outputs. The parts read the tensors bound at capture, as a real graph's
    kernels do, so the runner's buffers, padding and data flow are tested on
    a CPU (a real graph's semantics, pools and streams need CUDA).
+6. A step of single-token sequences only, all in one paged cache (the decode
+   steps of a busy decode worker), replays as ONE graph, mixing included
+   (``_DecodeGraph``): the ``DecodeBatch`` mixing is already shaped by
+   tensors (rows, KDA slots, MLA write rows, padded block tables, key mask),
+   so it captures once its shapes are fixed. Rows pad to a bucket of
+   ``BUCKETS``, block tables to a power of two; a pad row repeats row 0 (its
+   token, slot, write row, table and mask), so it computes row 0's values and
+   its writes to row 0's slot and MLA row are row 0's own, whatever order they
+   land in. A graph binds one cache's pools (they are allocated once and
+   never move), so graphs are keyed by (cache, rows, table width).
+7. Capturing runs the step once (the warm-up before a real capture, the
+   stand-in's first run): its MLA writes are the step's own rows, rewritten
+   with the same values by the replay, but its KDA recurrence would advance
+   the state twice, so the step's slots are saved before and restored after.
 """
 
 from __future__ import annotations
@@ -49,10 +63,12 @@ from collections.abc import Callable
 import torch
 
 from disagg.engine.reference.layers import compute_dtype, state_dtype
+from disagg.engine.reference.paged_cache import DecodeBatch
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+MAX_DECODE_TABLE_BLOCKS = 4096  # NOTE 6: wider decode steps (longer contexts) run piecewise
 
 
 def bucket_for(n: int) -> int | None:
@@ -101,20 +117,88 @@ class _Bucket:
         self.h_out = h
 
     def _capture(self, fn: Callable):
-        if self._stream is None:  # NOTE 5
-            graph = _EagerGraph(fn)
-            self.graphs.append(graph)
-            return graph.out
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):  # warm-up (cuBLAS workspaces, cached weights)
-            fn()
-        torch.cuda.current_stream().wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            out = fn()
-        self._pool = self._pool if self._pool is not None else graph.pool()
-        self.graphs.append(graph)
+        out, self._pool = _capture_into(fn, self.graphs, self._pool, self._stream)
         return out
+
+
+def _capture_into(fn: Callable, graphs: list, pool, stream: torch.cuda.Stream | None):
+    """Capture ``fn`` as a CUDA graph in ``pool`` (or a stand-in without a stream, NOTE 5);
+    append it to ``graphs``; return (its outputs, the pool)."""
+    if stream is None:  # NOTE 5
+        graph = _EagerGraph(fn)
+        graphs.append(graph)
+        return graph.out, pool
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (cuBLAS workspaces, cached weights)
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = fn()
+    graphs.append(graph)
+    return out, pool if pool is not None else graph.pool()
+
+
+def table_bucket(nb: int) -> int | None:
+    """The padded block-table width of a decode step whose longest table has ``nb`` blocks."""
+    width = 1 << max(nb - 1, 0).bit_length()
+    return width if width <= MAX_DECODE_TABLE_BLOCKS else None
+
+
+class _DecodeGraph:
+    """One graph of a whole decode step over one cache (NOTE 6): embed, then every layer's
+    token-wise parts and its ``DecodeBatch`` mixing, into ``h_out``."""
+
+    def __init__(self, model, cache, rows: int, width: int, pool, stream: torch.cuda.Stream | None):
+        dev = model.model.embed_tokens.weight.device
+        bs = cache.layout.block_size
+        self.cache, self.rows, self.width = cache, rows, width
+        self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.batch = DecodeBatch(cache, torch.arange(rows, device=dev),
+                                 torch.zeros(rows, dtype=torch.long, device=dev),
+                                 torch.zeros(rows, dtype=torch.long, device=dev),
+                                 torch.zeros(rows, width, dtype=torch.long, device=dev),
+                                 torch.ones(rows, width * bs, dtype=torch.bool, device=dev))
+        self._model, self._pool, self._stream = model, pool, stream
+        self.graphs: list = []
+        self.h_out: torch.Tensor | None = None
+
+    def load(self, ids: torch.Tensor, decode: DecodeBatch) -> None:
+        """Bind a step: its n rows, then pad rows repeating row 0 (NOTE 6)."""
+        n, b = ids.shape[0], self.batch
+        nb, bs = decode.tables.shape[1], self.cache.layout.block_size
+        self.ids[:n].copy_(ids)
+        b.slots[:n].copy_(decode.slots)
+        b.write_at[:n].copy_(decode.write_at)
+        b.tables[:n, :nb].copy_(decode.tables)
+        b.tables[:n, nb:].zero_()
+        b.masked[:n, : nb * bs].copy_(decode.masked)
+        b.masked[:n, nb * bs:].fill_(True)
+        if n < self.rows:
+            for t in (self.ids, b.slots, b.write_at, b.tables, b.masked):
+                t[n:].copy_(t[:1].expand_as(t[n:]))
+
+    def run(self) -> torch.Tensor:
+        """Replay (capturing on the first call, NOTE 7); the residual stream, all rows."""
+        if self.h_out is None:
+            model, b = self._model, self.batch
+            layers = model.model.layers
+
+            def full(ids=self.ids):
+                h = model.model.embed_tokens(ids)
+                for layer, kind_idx in zip(layers, model._kind_idx, strict=True):
+                    h = layer(h, [], kind_idx, True, b)
+                return h
+
+            c = self.cache
+            saved = c.conv_all[:, b.slots], c.rec_all[:, b.slots]  # NOTE 7
+            try:
+                self.h_out, self._pool = _capture_into(full, self.graphs, self._pool, self._stream)
+            finally:
+                c.conv_all[:, b.slots] = saved[0]
+                c.rec_all[:, b.slots] = saved[1]
+        self.graphs[0].replay()
+        return self.h_out
 
 
 class _EagerGraph:
@@ -150,6 +234,9 @@ class StepGraphs:
         self._lock = threading.Lock()
         self.captures = 0  # buckets captured so far
         self.failed: str | None = None  # why capturing was turned off (NOTE 3)
+        self._decode: dict[tuple[int, int, int], _DecodeGraph] = {}  # NOTE 6: (id(cache), rows, width)
+        self.decode_captures = 0
+        self.decode_failed: str | None = None  # why whole-step decode graphs were turned off (NOTE 3)
 
     def bucket(self, rows: int) -> _Bucket:
         b = self._buckets.get(rows)
@@ -181,3 +268,28 @@ class StepGraphs:
                 layer.mix(b.pre[i], spans, kind_idx, absorbed, decode, out=b.mix[i])
                 b.graphs[i + 1].replay()
             return b.h_out[pick]
+
+    @torch.inference_mode()
+    def forward_decode(self, ids: torch.Tensor, pick: torch.Tensor, decode: DecodeBatch) -> torch.Tensor | None:
+        """A step of single-token sequences of one cache as one graph (NOTE 6): the residual stream
+        at rows ``pick``; None when this runner does not take it (the caller tries ``forward``)."""
+        rows, width = bucket_for(ids.shape[0]), table_bucket(decode.tables.shape[1])
+        if rows is None or width is None or self.failed is not None or self.decode_failed is not None:
+            return None
+        key = (id(decode.cache), rows, width)
+        with self._lock:  # NOTE 1
+            g = self._decode.get(key)
+            if g is None:
+                g = self._decode[key] = _DecodeGraph(self.model, decode.cache, rows, width, self._pool, self._stream)
+            g.load(ids, decode)
+            try:
+                h = g.run()
+            except Exception as e:  # noqa: BLE001 - NOTE 3: degrade, never fail the step
+                self._decode.pop(key, None)
+                self.decode_failed = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture of decode steps failed (%s); they run piecewise from now on",
+                            self.decode_failed)
+                return None
+            self._pool = g._pool  # every graph of the runner shares one pool (NOTE 2)
+            self.decode_captures = len(self._decode)
+            return h[pick]

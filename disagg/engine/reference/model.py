@@ -43,6 +43,12 @@ NOTES
    pre of layer i+1 are one graph) and runs only the mixing eagerly between
    them. Token-wise work is row by row, so pad rows never reach real ones; the
    padded matmuls may round differently (as in NOTE 4).
+7. The mixing of a decode batch (NOTE 5) is shaped by tensors, so a step
+   made only of one cache's single-token sequences (a decode worker's steady
+   state) replays as a single graph, mixing included (graphs NOTE 6): the
+   host launches one graph instead of the mixing's ~460 kernels between the
+   token-wise graphs. Its keys pad to a power of two blocks (masked, as the
+   batch's own padding), so it rounds as NOTE 5 does.
 """
 
 from __future__ import annotations
@@ -186,7 +192,8 @@ class K3ForCausalLM(nn.Module):
 
     # -- forward ---------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, seqs: list[SeqInput], absorbed: bool | None = None, graphs: bool = False) -> list[torch.Tensor]:
+    def forward(self, seqs: list[SeqInput], absorbed: bool | None = None, graphs: bool = False,
+                decode_graphs: bool = True) -> list[torch.Tensor]:
         """Logits per sequence: [1, vocab] for the last new token, or [n, vocab] with ``all_logits``.
 
         Args:
@@ -194,6 +201,8 @@ class K3ForCausalLM(nn.Module):
             absorbed: MLA form; None picks absorbed for 1-token steps, expanded otherwise.
             graphs: on CUDA, replay the token-wise parts of steps of up to ``MAX_GRAPH_TOKENS``
                 tokens from captured CUDA graphs (NOTE 6).
+            decode_graphs: with ``graphs``, a step of single-token sequences of one paged cache
+                replays as one graph, its mixing included (NOTE 7).
         """
         assert seqs, "forward needs at least one sequence"
         device = self.model.embed_tokens.weight.device
@@ -215,7 +224,11 @@ class K3ForCausalLM(nn.Module):
             ]
         ).to(device)
         runner = self.step_graphs() if graphs and offset <= MAX_GRAPH_TOKENS else None
-        h = runner.forward(ids, pick, mixed, absorbed, decode) if runner is not None else None  # NOTE 6
+        h = None
+        if runner is not None and decode_graphs and decode is not None and not mixed:  # NOTE 7
+            h = runner.forward_decode(ids, pick, decode)
+        if runner is not None and h is None:
+            h = runner.forward(ids, pick, mixed, absorbed, decode)  # NOTE 6
         if h is None:
             h = self.model.embed_tokens(ids)
             for layer, kind_idx in zip(self.model.layers, self._kind_idx, strict=True):

@@ -93,6 +93,7 @@ def test_graph_replay_matches_eager_steps(where: str):
     graphs, lg = _run_mix(_engine(model, graphs=True))
     runner = model.step_graphs()
     assert runner.failed is None and runner.captures >= 4  # 300/370-token prefills, 114, 44, decodes
+    assert runner.decode_failed is None and runner.decode_captures >= 1  # the batched decodes, whole
     assert graphs == eager
     tol = dict(rtol=0.05, atol=0.1) if where == "cuda" else dict(rtol=1e-4, atol=1e-4)
     for k in le:
@@ -121,6 +122,42 @@ def test_two_engines_on_one_model_replay_in_turn(where: str):
         t.join()
     assert got == alone
 
+
+
+@RUNNERS
+def test_whole_decode_step_graphs_pad_rows_and_keep_state(where: str):
+    """Decode-only steps replay as one graph (graphs NOTE 6): 3 sequences pad to 4 rows and a
+    longer one joins later (another table width), a kept session sits in the cache meanwhile.
+    Tokens equal the piecewise run's, and so does every slot and block of the cache afterwards:
+    pad rows write nothing of their own, and capturing does not advance a state twice (NOTE 7)."""
+    model = _graph_model(where)
+
+    def run(decode_graphs: bool):
+        eng = _engine(model, graphs=True, decode_graphs=decode_graphs)
+        kept = eng.generate(EngineRequest("k", _prompt(150, 9), SamplingParams(max_tokens=3, ignore_eos=True),
+                                          keep_state=True))[0]
+        for i, n in enumerate((70, 20, 130)):
+            eng.add_request(EngineRequest(f"s{i}", _prompt(n, 10 + i), SamplingParams(max_tokens=20, ignore_eos=True)))
+        out = {"k": kept}
+        steps = 0
+        while eng.has_work():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            steps += 1
+            if steps == 6:  # a long prompt joins: wider tables once it decodes
+                eng.add_request(EngineRequest("late", _prompt(300, 20), SamplingParams(max_tokens=8, ignore_eos=True)))
+        c = eng.cache
+        return out, (c.mla_all.float().cpu(), c.conv_all.float().cpu(), c.rec_all.float().cpu())
+
+    piecewise, cache_p = run(False)
+    runner = model.step_graphs()
+    before = runner.decode_captures
+    whole, cache_w = run(True)
+    assert runner.decode_failed is None and runner.decode_captures >= before + 2  # 4 rows, then 4 rows wider
+    assert whole == piecewise
+    tol = dict(rtol=0.05, atol=0.05) if where == "cuda" else dict(rtol=1e-4, atol=1e-5)
+    for a, b in zip(cache_w, cache_p, strict=True):
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_moving_or_casting_the_weights_drops_the_runner():
