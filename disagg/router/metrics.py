@@ -12,6 +12,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from disagg.messages import GenerateParams
 
 
 @dataclass(slots=True)
@@ -63,3 +67,23 @@ LIVE_POLICIES: dict[str, object] = {}
 # Per deployment name, the effective prefill loads of its replicas as this process's router of
 # that deployment sees them (set by the Serve adapter; read by the decode flow, disagg.flow NOTE 5).
 POOL_LOADS: dict[str, Callable[[], list[float] | None]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The prefill pool as one request's P/D decision sees it (``disagg.flow`` NOTE 5).
+
+    Row i is the pool's i-th healthy replica in both lists (the decider zips them).
+    """
+
+    loads: list[float]  # effective queued prefill tokens per replica
+    uncached: list[float] | None  # prompt tokens each replica could not resume; None: unknown (no digests yet)
+
+    def __post_init__(self) -> None:
+        assert self.uncached is None or len(self.uncached) == len(self.loads), "uncached not aligned with loads"
+
+
+# Per deployment name, the pool view of its replicas for one request (loads, and the request's
+# uncached tokens per replica from that router's prefix index), as this process's router of that
+# deployment sees them (set by the Serve adapter; read by the decode flow, disagg.flow NOTE 5).
+POOL_VIEWS: dict[str, Callable[[GenerateParams], PoolView | None]] = {}
