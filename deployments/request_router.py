@@ -100,12 +100,14 @@ def prefill_pool_loads(deployment: str) -> list[float] | None:
     return None if loads is None else loads()
 
 
-def prefill_pool_view(deployment: str, params: GenerateParams) -> PoolView | None:
+def prefill_pool_view(deployment: str, params: GenerateParams, hasher: BlockHasher | None = None,
+                      hashes: list[bytes] | None = None) -> PoolView | None:
     """``deployment``'s loads and, for ``params``' prompt, each replica's uncached tokens, as this
-    process's router of that deployment sees them (``StateAwareRequestRouter.pool_view``); None
-    before that router exists (no request sent yet) or when it has no replica."""
+    process's router of that deployment sees them (``StateAwareRequestRouter.pool_view``; the
+    caller's prompt digests ``hashes`` under ``hasher`` spare it a hash); None before that router
+    exists (no request sent yet) or when it has no replica."""
     view = router_metrics.POOL_VIEWS.get(deployment)
-    return None if view is None else view(params)
+    return None if view is None else view(params, hasher, hashes)
 
 
 def _params(pending_request) -> GenerateParams | None:
@@ -243,6 +245,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._policy = StateAwareRouter(self._index, RouterConfig.from_dict(policy or {}))
         self._versions: dict[str, int] = {}
         self._snapshots = DeviceSnapshots(self._index)
+        self._last_digests: tuple[list[int], bytes, list[bytes]] | None = None  # (prompt, root, digests)
         self._node_events = NodeEventFeed(self._index, node_events_period_s)  # fed by decode routers only
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
@@ -256,19 +259,21 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         pool = self._pool()
         return None if pool is None else pool[1]
 
-    def pool_view(self, params: GenerateParams) -> PoolView | None:
+    def pool_view(self, params: GenerateParams, hasher: BlockHasher | None = None,
+                  hashes: list[bytes] | None = None) -> PoolView | None:
         """This pool for one request's P/D decision (``disagg.flow`` NOTE 5): per healthy replica,
         its effective queued prefill tokens and the prompt tokens it could not resume, by the
         walk ``choose_replicas`` places with (``PrefixIndex.match`` over the prompt's salted
         digests and tail probes). None: no replica known; ``uncached`` None: no replica has
-        reported its model yet (no digests)."""
+        reported its model yet (no digests). ``hashes``: the prompt's full-block digests under
+        ``hasher`` (the caller's), used when that is this pool's key space (``_route_request``)."""
         pool = self._pool()
         if pool is None:
             return None
         ids, loads = pool
         if self._hasher is None or not ids:
             return PoolView(loads, None)
-        req = self._route_request(params)
+        req = self._route_request(params, hasher, hashes)
         resumable = self._index.match(req, ids).resumable
         return PoolView(loads, [float(req.prompt_len - r) for r in resumable])
 
@@ -282,12 +287,28 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         healthy = [w.worker_id for w in workers if w.healthy]
         return healthy, [loads[wid].prefill_tokens for wid in healthy]
 
-    def _route_request(self, params: GenerateParams) -> RouteRequest:
-        """The policy's view of ``params``: its prompt's digests under its salt, and tail probes."""
+    def _route_request(self, params: GenerateParams, given: BlockHasher | None = None,
+                       given_hashes: list[bytes] | None = None) -> RouteRequest:
+        """The policy's view of ``params``: its prompt's digests under its salt, and tail probes.
+
+        The digests are hashed once per prompt: taken from ``given_hashes`` when ``given`` is
+        this pool's key space for the salt (same root and block size: the decode flow's own
+        digests), else from the last request's when it carried the same prompt list (the
+        placement that follows a pool view of the same request), else computed.
+        """
         assert self._hasher is not None, "no replica has reported its model yet"
         hasher = self._hasher.with_salt(params.cache_salt)
         tokens = params.prompt_token_ids
-        hashes = hasher.block_hashes(tokens)
+        n_full = len(tokens) // hasher.block_size
+        last = self._last_digests
+        if (given_hashes is not None and given is not None and given.block_size == hasher.block_size
+                and given.root == hasher.root and len(given_hashes) == n_full):
+            hashes = given_hashes
+        elif last is not None and last[0] is tokens and last[1] == hasher.root and len(last[2]) == n_full:
+            hashes = last[2]
+        else:
+            hashes = hasher.block_hashes(tokens)
+        self._last_digests = (tokens, hasher.root, hashes)
         return RouteRequest(params.request_id, params.session_id or "", hashes, len(tokens), hasher.block_size,
                             self._snapshots.tail_probes(hasher, tokens, hashes), cache_salt=params.cache_salt,
                             output_len_hint=params.sampling.max_tokens)

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from contextlib import aclosing
+from functools import partial
 
 from ray import serve
 
@@ -157,7 +158,7 @@ class DecodeServer(_ServerBase):
         self.prefill_handle = prefill_handle
         self._timings = RecentTimings()
         if prefill_handle is not None:  # the P/D decision sees the prefill pool (disagg.flow NOTE 5)
-            self.worker.flow.prefill_pool = lambda params: prefill_pool_view(PREFILL_DEPLOYMENT, params)
+            self.worker.flow.prefill_pool = partial(prefill_pool_view, PREFILL_DEPLOYMENT)
 
     @property
     def pool_role(self) -> str:

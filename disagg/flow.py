@@ -36,7 +36,7 @@ NOTES
    so seeded sampling continues where it stopped.
 5. The P/D decision is ``disagg.router.decider.PDDecider``, the object the router and the
    simulator decide with, fed as the simulator feeds it: the suffix is measured here (this
-   worker's real resume point); the prefill pool comes from ``prefill_pool(params)``, a
+   worker's real resume point); the prefill pool comes from ``prefill_pool(params, ...)``, a
    ``disagg.router.metrics.PoolView`` (the Serve adapter's view of the prefill replicas,
    ``deployments.request_router.prefill_pool_view``): per replica its effective loads and
    the prompt tokens it could not resume, by the prefix-index walk that places the prefill
@@ -91,7 +91,8 @@ log = logging.getLogger(__name__)
 
 PrefillFn = Callable[[GenerateParams], Awaitable[PrefillHandle]]
 ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
-PoolFn = Callable[[GenerateParams], "PoolView | None"]  # the prefill pool for one request (NOTE 5)
+# the prefill pool for one request (NOTE 5), given its prompt's digests under the flow's hasher
+PoolFn = Callable[[GenerateParams, BlockHasher, "list[bytes]"], "PoolView | None"]
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
             "publish_waits", "publish_waits_expired")
@@ -265,25 +266,27 @@ class RequestFlow:
         return got
 
     # -- 2 decide -------------------------------------------------------------------
-    def decide(self, suffix_tokens: int, has_pool: bool, params: GenerateParams) -> PDDecision:
-        """NOTE 5: the router's decider over this worker's suffix and the pool's view of ``params``."""
+    def decide(self, suffix_tokens: int, has_pool: bool, params: GenerateParams, ticket: ReuseTicket) -> PDDecision:
+        """NOTE 5: the router's decider over this worker's suffix and the pool's view of ``params``
+        (``ticket``: its prompt's digests, hashed once)."""
         if not has_pool:
             loads, uncached = [], None
         else:
-            view = self.pool_view(params)
+            view = self.pool_view(params, ticket.hasher, ticket.hashes)
             loads, uncached = (view.loads, view.uncached) if view is not None and view.loads else ([0.0], None)
         decision = self.decider.decide(suffix_tokens, loads, pool_uncached=uncached,
                                        decode_batch=self.engine.live_requests())
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision
 
-    def pool_view(self, params: GenerateParams) -> PoolView | None:
-        """The prefill pool as ``prefill_pool`` sees it for ``params``; None: unknown, or the view
-        failed (logged: the decision then goes without it, NOTE 5)."""
+    def pool_view(self, params: GenerateParams, hasher: BlockHasher, hashes: list[bytes]) -> PoolView | None:
+        """The prefill pool as ``prefill_pool`` sees it for ``params`` (whose prompt's digests under
+        ``hasher`` are ``hashes``); None: unknown, or the view failed (logged: the decision then
+        goes without it, NOTE 5)."""
         if self.prefill_pool is None:
             return None
         try:
-            return self.prefill_pool(params)
+            return self.prefill_pool(params, hasher, hashes)
         except Exception:  # noqa: BLE001 - a decision without the pool's figures, not a failed request
             log.warning("prefill pool view failed; deciding without it", exc_info=True)
             return None
@@ -328,7 +331,7 @@ class RequestFlow:
         await self.await_publishes(ticket)  # NOTE 8
         plan = await self.plan_resume(tokens, hasher, params)  # resume planned
         points = self.reuse.checkpoint_at(ticket, plan.position)  # reuse: where the prefill keeps checkpoints
-        decision = self.decide(len(tokens) - plan.position, prefill_fn is not None, params)  # decision taken
+        decision = self.decide(len(tokens) - plan.position, prefill_fn is not None, params, ticket)  # decision taken
         handle = None
         if decision.disaggregate:
             handle = await self.remote_prefill(replace(params, checkpoint_at=points), prefill_fn)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from disagg.messages import GenerateParams
+    from kv_transfer.keys import BlockHasher
 
 
 @dataclass(slots=True)
@@ -86,4 +87,6 @@ class PoolView:
 # Per deployment name, the pool view of its replicas for one request (loads, and the request's
 # uncached tokens per replica from that router's prefix index), as this process's router of that
 # deployment sees them (set by the Serve adapter; read by the decode flow, disagg.flow NOTE 5).
-POOL_VIEWS: dict[str, Callable[[GenerateParams], PoolView | None]] = {}
+# Called as view(params, hasher, hashes): the request, and its prompt's full-block digests under the
+# caller's hasher (both optional; the router hashes the prompt itself when they are not its key space).
+POOL_VIEWS: dict[str, Callable[[GenerateParams, BlockHasher | None, list[bytes] | None], PoolView | None]] = {}

@@ -96,6 +96,39 @@ def test_the_view_and_the_prefill_placement_read_the_same_walk():
     assert rr._policy.metrics.predicted_cached_tokens == len(PROMPT) - view.uncached[int(pick[1:])]
 
 
+def test_the_view_takes_the_callers_digests_only_in_its_own_key_space():
+    rr = _pool()
+    own = H.with_salt(SALT)  # the pool's key space for the request (the decode flow's, same model)
+    elsewhere = [RNG.randrange(1000) for _ in range(len(PROMPT))]
+    # digests of another prompt, passed as this one's: taken as they are (nobody holds them)
+    assert rr.pool_view(_params(list(PROMPT)), own, own.block_hashes(elsewhere)).uncached == [99.0, 99.0, 99.0]
+    for other in (BlockHasher(BS, KeyExtras("other-model", cache_salt=SALT)), H.with_salt(""),
+                  BlockHasher(2 * BS, KeyExtras("m", cache_salt=SALT))):  # not its key space: hashed again
+        view = rr.pool_view(_params(list(PROMPT)), other, other.block_hashes(elsewhere))
+        assert view.uncached == [30.0, 67.0, 99.0]
+    too_few = own.block_hashes(PROMPT)[:-1]
+    assert rr.pool_view(_params(list(PROMPT)), own, too_few).uncached == [30.0, 67.0, 99.0]
+
+
+def test_the_placement_after_a_view_reads_the_digests_of_that_view():
+    """The prefill placement that follows a "disagg" decision (the same prompt list) hashes nothing again."""
+    own = H.with_salt(SALT)
+    rr = _router([_stats(0.0, [SESSION]), _stats(0.0, [SESSION])])  # both resume 69 tokens
+
+    def placed(params: GenerateParams, hashes: list[bytes] | None = None) -> int:
+        if hashes is not None:
+            rr.pool_view(params, own, hashes)
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        before = rr._policy.metrics.predicted_cached_tokens
+        rr._policy.on_finished(params.request_id, 0)
+        return rr._policy.metrics.predicted_cached_tokens - before
+
+    elsewhere = own.block_hashes([RNG.randrange(1000) for _ in range(len(PROMPT))])
+    assert placed(_params(request_id="a")) == 69
+    assert placed(_params(request_id="b"), elsewhere) == 0  # the view's digests, taken as they are
+    assert placed(_params(list(PROMPT), request_id="c")) == 69  # another prompt list: hashed
+
+
 def test_unknown_cache_and_unknown_pool():
     assert _router([]).pool_view(_params()) is None  # no replica known
     no_model = _router([_stats(10.0, [SESSION], model=False), _stats(20.0, model=False)])
@@ -121,7 +154,7 @@ def test_a_failing_view_leaves_the_decision_without_it():
     threads = torch.get_num_threads()
     engine = AsyncEngine(build_reference_engine(cfg))
     try:
-        def broken(params):
+        def broken(params, hasher, hashes):
             raise RuntimeError("index out of step")
 
         asked = []

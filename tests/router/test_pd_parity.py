@@ -38,7 +38,6 @@ from disagg.workers.tiered import StatefulWorker
 from kv_transfer.keys import BlockHasher, KeyExtras
 
 BS = 64  # the engine's and the prefill replicas' block size
-POOL_HASHER = BlockHasher(BS, KeyExtras("m"))  # the digests the prefill replicas report (model "m")
 # thresholds small enough for a CPU prefill: local <= 64; busy pool (min queue >= 1000) keeps <= 192 local
 ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_local_max_tokens": 192}
 # (uncached suffix, the prefill replicas' queued prefill tokens, decodes running on the decode worker,
@@ -74,25 +73,23 @@ def _prompt(i: int, suffix: int, held: int) -> list[int]:
     return [rng.randrange(4, 260) for _ in range(held + suffix)]
 
 
-def _digests(prompt: list[int], salt: str, tokens: int) -> list[bytes]:
-    """The block digests of ``prompt[:tokens]`` (full blocks) that a prefill replica reports."""
-    return POOL_HASHER.with_salt(salt).block_hashes(prompt[:tokens])
+def _digests(prompt: list[int], salt: str, tokens: int, model_id: str = "m") -> list[bytes]:
+    """The block digests of ``prompt[:tokens]`` (full blocks) that a prefill replica of ``model_id`` reports."""
+    return BlockHasher(BS, KeyExtras(model_id, cache_salt=salt)).block_hashes(prompt[:tokens])
 
 
-def _serve_router(loads: list[float], prompt: list[int] | None = None, pool_held: list[int] | None = None,
-                  salt: str = ""):
+def _serve_router(model_id: str, loads: list[float], prompt: list[int], pool_held: list[int], salt: str = ""):
     from deployments.request_router import StateAwareRequestRouter
 
     rr = object.__new__(StateAwareRequestRouter)  # its pure part: no Serve controller
     rr.initialize_state()
     now = time.time()
-    held = pool_held or [0] * len(loads)
     rr._replicas = {f"p{i}": SimpleNamespace(
         replica_id=SimpleNamespace(unique_id=f"p{i}"),
-        routing_stats={"role": "prefill", "node_id": "n0", "time": now, "model_id": "m", "block_size": BS,
+        routing_stats={"role": "prefill", "node_id": "n0", "time": now, "model_id": model_id, "block_size": BS,
                        "load": {"queued_prefill_tokens": q}, "device_version": 1,  # a session resident there:
-                       "device_sessions": [[h.hex() for h in _digests(prompt, salt, k)]] if k else []})
-        for i, (q, k) in enumerate(zip(loads, held, strict=True))}
+                       "device_sessions": [[h.hex() for h in _digests(prompt, salt, k, model_id)]] if k else []})
+        for i, (q, k) in enumerate(zip(loads, pool_held, strict=True))}
     return rr
 
 
@@ -137,7 +134,8 @@ def _serving_decisions(cfg) -> list[str]:
         for i, (suffix, loads, batch, held, pool_held, salt) in enumerate(CASES):
             called: list[str] = []
             prompt = _prompt(i, suffix, held)
-            worker.flow.prefill_pool = _serve_router(loads, prompt, pool_held, salt).pool_view
+            # replicas of the same model: the view takes the flow's prompt digests (its key space)
+            worker.flow.prefill_pool = _serve_router(engine.model_id, loads, prompt, pool_held, salt).pool_view
             before: dict[str, int] = {}
             chunks = asyncio.run(run(GenerateParams(f"r{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
                                                     session_id=f"s{i}", cache_salt=salt), batch, held))
