@@ -7,9 +7,9 @@ adapter's pure part (no Serve controller: replica records are plain objects) wit
 replicas whose device snapshots fill the index with about B blocks, then times, per prompt
 length, alternating call by call over the same requests:
 
-    view (hashes)        pool_view(params)                  hashing the prompt itself
-    view (flow digests)  pool_view(params, hasher, hashes)  what the decode flow calls: its
-                                                            ReuseTicket's digests, same key space
+    view (hashes)        pool_view(PoolQuery(params))       hashing the prompt itself
+    view (flow digests)  pool_view(PoolQuery(params,        what the decode flow calls: its
+                           hasher, hashes))                 ReuseTicket's digests, same key space
     place                choose_replicas(candidates, req)   the prefill placement (hashes the prompt)
     place after view     the same, for the request just viewed (its digests reused)
     loads                pool_loads()                       what the flow called before (loads only)
@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deployments.request_router import StateAwareRequestRouter  # noqa: E402
 from disagg.engine.protocol import SamplingParams  # noqa: E402
 from disagg.messages import GenerateParams  # noqa: E402
+from disagg.router.metrics import PoolQuery  # noqa: E402
 from kv_transfer.keys import BlockHasher, KeyExtras  # noqa: E402
 
 MODEL = "bench-model"
@@ -106,9 +107,9 @@ def measure(rr, hasher: BlockHasher, reqs: list[GenerateParams]) -> dict[str, li
             a, b, c = (replace(params, prompt_token_ids=list(params.prompt_token_ids)) for _ in range(3))
             digests = hasher.block_hashes(b.prompt_token_ids)  # the flow's (ReuseTicket.hashes), not timed
             t0 = clock()
-            rr.pool_view(a)
+            rr.pool_view(PoolQuery(a))
             t1 = clock()
-            rr.pool_view(b, hasher, digests)
+            rr.pool_view(PoolQuery(b, hasher, digests))
             t2 = clock()
             loop.run_until_complete(rr.choose_replicas(candidates, SimpleNamespace(args=[b])))
             t3 = clock()

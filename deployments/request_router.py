@@ -61,7 +61,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 import disagg.router.metrics as router_metrics
 from disagg.messages import GenerateParams
 from disagg.router.index import IndexUpdate, PrefixIndex
-from disagg.router.metrics import PoolView
+from disagg.router.metrics import PoolQuery, PoolView
 from disagg.router.router import RouterConfig, StateAwareRouter
 from disagg.router.types import RouteRequest, TailProbe, WorkerState
 from disagg.session import session_key
@@ -100,14 +100,12 @@ def prefill_pool_loads(deployment: str) -> list[float] | None:
     return None if loads is None else loads()
 
 
-def prefill_pool_view(deployment: str, params: GenerateParams, hasher: BlockHasher | None = None,
-                      hashes: list[bytes] | None = None) -> PoolView | None:
-    """``deployment``'s loads and, for ``params``' prompt, each replica's uncached tokens, as this
-    process's router of that deployment sees them (``StateAwareRequestRouter.pool_view``; the
-    caller's prompt digests ``hashes`` under ``hasher`` spare it a hash); None before that router
-    exists (no request sent yet) or when it has no replica."""
+def prefill_pool_view(deployment: str, query: PoolQuery) -> PoolView | None:
+    """``deployment``'s loads and, for the query's prompt, each replica's uncached tokens, as this
+    process's router of that deployment sees them (``StateAwareRequestRouter.pool_view``); None
+    before that router exists (no request sent yet) or when it has no replica."""
     view = router_metrics.POOL_VIEWS.get(deployment)
-    return None if view is None else view(params, hasher, hashes)
+    return None if view is None else view(query)
 
 
 def _params(pending_request) -> GenerateParams | None:
@@ -259,22 +257,29 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         pool = self._pool()
         return None if pool is None else pool[1]
 
-    def pool_view(self, params: GenerateParams, hasher: BlockHasher | None = None,
-                  hashes: list[bytes] | None = None) -> PoolView | None:
+    def pool_view(self, query: PoolQuery) -> PoolView | None:
         """This pool for one request's P/D decision (``disagg.flow`` NOTE 5): per healthy replica,
-        its effective queued prefill tokens and the prompt tokens it could not resume, by the
-        walk ``choose_replicas`` places with (``PrefixIndex.match`` over the prompt's salted
-        digests and tail probes). None: no replica known; ``uncached`` None: no replica has
-        reported its model yet (no digests). ``hashes``: the prompt's full-block digests under
-        ``hasher`` (the caller's), used when that is this pool's key space (``_route_request``)."""
+        its effective queued prefill tokens and the prompt tokens it could not resume.
+
+        What a replica resumes is what ``choose_replicas`` places by: the walk of this index
+        (``PrefixIndex.match`` over the prompt's salted digests and tail probes; the query's
+        digests when they are this pool's key space, ``_route_request``), at least the query's
+        ``node_resumable`` for a replica on the query's node: that node's shared tiers, which
+        its replicas read and whose events this router does not drain (module docstring).
+        None: no replica known; ``uncached`` None: no replica has reported its model yet.
+        """
         pool = self._pool()
         if pool is None:
             return None
         ids, loads = pool
         if self._hasher is None or not ids:
             return PoolView(loads, None)
-        req = self._route_request(params, hasher, hashes)
+        req = self._route_request(query.params, query.hasher, query.hashes)
         resumable = self._index.match(req, ids).resumable
+        if query.node_resumable > 0 and query.node_id:
+            node_of, held = self._index.node_of, min(query.node_resumable, req.prompt_len)
+            resumable = [max(r, held) if node_of(w) == query.node_id else r
+                         for w, r in zip(ids, resumable, strict=True)]
         return PoolView(loads, [float(req.prompt_len - r) for r in resumable])
 
     def _pool(self) -> tuple[list[str], list[float]] | None:

@@ -71,6 +71,21 @@ POOL_LOADS: dict[str, Callable[[], list[float] | None]] = {}
 
 
 @dataclass(frozen=True, slots=True)
+class PoolQuery:
+    """What the decode side knows of one request when it asks for the prefill pool's view."""
+
+    params: GenerateParams  # the request (its prompt and cache salt)
+    hasher: BlockHasher | None = None  # the asker's key space for the prompt (salted), when it has digests
+    hashes: list[bytes] | None = None  # the prompt's full-block digests under ``hasher`` (spares a hash)
+    node_id: str | None = None  # the asker's node
+    node_resumable: int = 0  # prompt tokens that node's shared tiers resume (its lookup): any replica there can
+
+    def __repr__(self) -> str:
+        return (f"PoolQuery(request_id={self.params.request_id!r}, digests={self.hashes is not None}, "
+                f"node_id={self.node_id!r}, node_resumable={self.node_resumable})")
+
+
+@dataclass(frozen=True, slots=True)
 class PoolView:
     """The prefill pool as one request's P/D decision sees it (``disagg.flow`` NOTE 5).
 
@@ -87,6 +102,4 @@ class PoolView:
 # Per deployment name, the pool view of its replicas for one request (loads, and the request's
 # uncached tokens per replica from that router's prefix index), as this process's router of that
 # deployment sees them (set by the Serve adapter; read by the decode flow, disagg.flow NOTE 5).
-# Called as view(params, hasher, hashes): the request, and its prompt's full-block digests under the
-# caller's hasher (both optional; the router hashes the prompt itself when they are not its key space).
-POOL_VIEWS: dict[str, Callable[[GenerateParams, BlockHasher | None, list[bytes] | None], PoolView | None]] = {}
+POOL_VIEWS: dict[str, Callable[[PoolQuery], PoolView | None]] = {}

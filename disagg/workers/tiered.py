@@ -208,7 +208,7 @@ class StatefulWorker:
                 store.warm(load_device)
             except Exception as e:  # noqa: BLE001 - a cold first load is slower, not wrong
                 log.warning("warming direct loads to %s failed: %s", load_device, e)
-        self.flow = RequestFlow(engine, None, replica_id, options, prefill_pool=prefill_pool)
+        self.flow = RequestFlow(engine, None, replica_id, options, prefill_pool=prefill_pool, node_id=node_id)
         self.reuse = self.flow.reuse
         self.counters = self.flow.counters
         state = TierState(store, engine.layout, node_id, load_device, device, peer_stores, self.counters)

@@ -98,7 +98,7 @@ class VLLMWorker:
         state = ConnectorState(lookup, engine.model_id, engine.block_size, producer_sizes)
         # vLLM's connector saves what vLLM keeps: no learned checkpoint positions to ask for
         options = replace(options or FlowOptions(prefill_retries=1), learned_checkpoints=False)
-        self.flow = RequestFlow(engine, state, replica_id, options, prefill_pool=prefill_pool)
+        self.flow = RequestFlow(engine, state, replica_id, options, prefill_pool=prefill_pool, node_id=node_id)
         self.counters = self.flow.counters
 
     def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
