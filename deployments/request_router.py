@@ -34,7 +34,9 @@ deployment's replicas, so it places within that pool (``disagg.router.router``
 step 3c); the P/D decision is the decode worker's (``disagg.flow`` NOTE 5),
 with the prefill pool as this process's prefill-deployment router sees it
 (``prefill_pool_view``: per replica its effective loads and the request's
-uncached tokens, by the same index walk that places the prefill): the same
+uncached tokens, by the same index walk that places the prefill, plus what the
+asking decode replica's lookup found in its node's shared tiers for the pool's
+replicas on that node, whose events this router does not drain): the same
 figures, and the same ``PDDecider``, the simulator routes with.
 
 ``AffinityRequestRouter`` is the simple baseline (rendezvous hashing of the
