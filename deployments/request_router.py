@@ -32,9 +32,12 @@ Replicas report their real role: "prefill", "decode" (a decode replica with a
 prefill pool) or "both" (aggregated: it prefills everything). A router sees one
 deployment's replicas, so it places within that pool (``disagg.router.router``
 step 3c); the P/D decision is the decode worker's (``disagg.flow`` NOTE 5),
-with the prefill pool's effective loads as this process's prefill-deployment
-router sees them (``prefill_pool_loads``): the same figures, and the same
-``PDDecider``, the simulator routes with.
+with the prefill pool as this process's prefill-deployment router sees it
+(``prefill_pool_view``: per replica its effective loads and the request's
+uncached tokens, by the same index walk that places the prefill, plus what the
+asking decode replica's lookup found in its node's shared tiers for the pool's
+replicas on that node, whose events this router does not drain): the same
+figures, and the same ``PDDecider``, the simulator routes with.
 
 ``AffinityRequestRouter`` is the simple baseline (rendezvous hashing of the
 session id, load-ordered fallback). Requests that carry no ``GenerateParams``
@@ -60,6 +63,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 import disagg.router.metrics as router_metrics
 from disagg.messages import GenerateParams
 from disagg.router.index import IndexUpdate, PrefixIndex
+from disagg.router.metrics import PoolQuery, PoolView
 from disagg.router.router import RouterConfig, StateAwareRouter
 from disagg.router.types import RouteRequest, TailProbe, WorkerState
 from disagg.session import session_key
@@ -96,6 +100,14 @@ def prefill_pool_loads(deployment: str) -> list[float] | None:
     router of that deployment sees them; None before that router exists (no request sent yet)."""
     loads = router_metrics.POOL_LOADS.get(deployment)
     return None if loads is None else loads()
+
+
+def prefill_pool_view(deployment: str, query: PoolQuery) -> PoolView | None:
+    """``deployment``'s loads and, for the query's prompt, each replica's uncached tokens, as this
+    process's router of that deployment sees them (``StateAwareRequestRouter.pool_view``); None
+    before that router exists (no request sent yet) or when it has no replica."""
+    view = router_metrics.POOL_VIEWS.get(deployment)
+    return None if view is None else view(query)
 
 
 def _params(pending_request) -> GenerateParams | None:
@@ -233,21 +245,80 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._policy = StateAwareRouter(self._index, RouterConfig.from_dict(policy or {}))
         self._versions: dict[str, int] = {}
         self._snapshots = DeviceSnapshots(self._index)
+        self._last_digests: tuple[list[int], bytes, list[bytes]] | None = None  # (prompt, root, digests)
         self._node_events = NodeEventFeed(self._index, node_events_period_s)  # fed by decode routers only
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
         deployment = getattr(getattr(self, "_deployment_id", None), "name", None)
         if deployment:  # as LIVE_POLICIES: in a module imported by reference
             router_metrics.POOL_LOADS[deployment] = self.pool_loads
+            router_metrics.POOL_VIEWS[deployment] = self.pool_view
 
     def pool_loads(self) -> list[float] | None:
         """Effective queued prefill tokens per healthy replica of this pool (None: no replica known)."""
+        pool = self._pool()
+        return None if pool is None else pool[1]
+
+    def pool_view(self, query: PoolQuery) -> PoolView | None:
+        """This pool for one request's P/D decision (``disagg.flow`` NOTE 5): per healthy replica,
+        its effective queued prefill tokens and the prompt tokens it could not resume.
+
+        What a replica resumes is what ``choose_replicas`` places by: the walk of this index
+        (``PrefixIndex.match`` over the prompt's salted digests and tail probes; the query's
+        digests when they are this pool's key space, ``_route_request``), at least the query's
+        ``node_resumable`` for a replica on the query's node: that node's shared tiers, which
+        its replicas read and whose events this router does not drain (module docstring).
+        None: no replica known; ``uncached`` None: no replica has reported its model yet.
+        """
+        pool = self._pool()
+        if pool is None:
+            return None
+        ids, loads = pool
+        if self._hasher is None or not ids:
+            return PoolView(loads, None)
+        req = self._route_request(query.params, query.hasher, query.hashes)
+        resumable = self._index.match(req, ids).resumable
+        if query.node_resumable > 0 and query.node_id:
+            node_of, held = self._index.node_of, min(query.node_resumable, req.prompt_len)
+            resumable = [max(r, held) if node_of(w) == query.node_id else r
+                         for w, r in zip(ids, resumable, strict=True)]
+        return PoolView(loads, [float(req.prompt_len - r) for r in resumable])
+
+    def _pool(self) -> tuple[list[str], list[float]] | None:
+        """(ids, effective queued prefill tokens) of the healthy replicas; None: no replica known."""
         replicas = list(self.curr_replicas.values())
         if not replicas:
             return None
         workers = [self._sync(r) for r in replicas]
         loads = self._policy.effective_loads(workers, self._policy.clock())
-        return [loads[w.worker_id].prefill_tokens for w in workers if w.healthy]
+        healthy = [w.worker_id for w in workers if w.healthy]
+        return healthy, [loads[wid].prefill_tokens for wid in healthy]
+
+    def _route_request(self, params: GenerateParams, given: BlockHasher | None = None,
+                       given_hashes: list[bytes] | None = None) -> RouteRequest:
+        """The policy's view of ``params``: its prompt's digests under its salt, and tail probes.
+
+        The digests are hashed once per prompt: taken from ``given_hashes`` when ``given`` is
+        this pool's key space for the salt (same root and block size: the decode flow's own
+        digests), else from the last request's when it carried the same prompt list (the
+        placement that follows a pool view of the same request), else computed.
+        """
+        assert self._hasher is not None, "no replica has reported its model yet"
+        hasher = self._hasher.with_salt(params.cache_salt)
+        tokens = params.prompt_token_ids
+        n_full = len(tokens) // hasher.block_size
+        last = self._last_digests
+        if (given_hashes is not None and given is not None and given.block_size == hasher.block_size
+                and given.root == hasher.root and len(given_hashes) == n_full):
+            hashes = given_hashes
+        elif last is not None and last[0] is tokens and last[1] == hasher.root and len(last[2]) == n_full:
+            hashes = last[2]
+        else:
+            hashes = hasher.block_hashes(tokens)
+        self._last_digests = (tokens, hasher.root, hashes)
+        return RouteRequest(params.request_id, params.session_id or "", hashes, len(tokens), hasher.block_size,
+                            self._snapshots.tail_probes(hasher, tokens, hashes), cache_salt=params.cache_salt,
+                            output_len_hint=params.sampling.max_tokens)
 
     def _sync(self, replica) -> WorkerState:
         rid = replica.replica_id.unique_id
@@ -290,12 +361,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         if self._hasher is None:  # no replica has reported yet: spread by load alone
             self._policy.metrics.record_decision("no_stats", None)
             return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
-        hasher = self._hasher.with_salt(params.cache_salt)
-        tokens = params.prompt_token_ids
-        hashes = hasher.block_hashes(tokens)
-        req = RouteRequest(params.request_id, params.session_id or "", hashes, len(tokens), hasher.block_size,
-                           self._snapshots.tail_probes(hasher, tokens, hashes), cache_salt=params.cache_salt,
-                           output_len_hint=params.sampling.max_tokens)
+        req = self._route_request(params)
         decision = self._policy.route(req, workers)
         self._policy.on_routed(req, decision)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

@@ -19,11 +19,12 @@ import logging
 import os
 import time
 from contextlib import aclosing
+from functools import partial
 
 from ray import serve
 
 from deployments.node_store import PeerStores, connect_node_store
-from deployments.request_router import prefill_pool_loads
+from deployments.request_router import prefill_pool_view
 from deployments.timings import RecentTimings
 from disagg.config import AppConfig, load_config
 from disagg.engine.async_engine import AsyncEngine
@@ -156,8 +157,8 @@ class DecodeServer(_ServerBase):
         super().__init__(config)
         self.prefill_handle = prefill_handle
         self._timings = RecentTimings()
-        if prefill_handle is not None:  # the P/D decision sees the prefill pool's loads (disagg.flow NOTE 5)
-            self.worker.flow.prefill_loads = lambda: prefill_pool_loads(PREFILL_DEPLOYMENT)
+        if prefill_handle is not None:  # the P/D decision sees the prefill pool (disagg.flow NOTE 5)
+            self.worker.flow.prefill_pool = partial(prefill_pool_view, PREFILL_DEPLOYMENT)
 
     @property
     def pool_role(self) -> str:

@@ -9,7 +9,8 @@ interfaces below and run this flow; neither has a decode flow of its own.
       1 plan       resume = longest of (engine.resident_length,          [resume planned]
                                         state.lookup -> state.load)
       2 decide     PDDecider.decide(suffix = prompt - resume,             [decision taken]
-                                    prefill_loads(), engine.live_requests())
+                                    prefill_pool(params): loads, uncached,
+                                    engine.live_requests())
       3 remote     prefill_fn(params), retried with backoff -> PrefillHandle
                    stream its first token; state.open(handle)             [load result]
                    (a miss or a failure: recompute here, never a wrong token)
@@ -34,15 +35,21 @@ NOTES
    ``resumed_output_tokens`` next (plus one after a remote prefill's first token),
    so seeded sampling continues where it stopped.
 5. The P/D decision is ``disagg.router.decider.PDDecider``, the object the router and the
-   simulator decide with: the suffix is measured here (this worker's real resume point),
-   the prefill pool's effective loads come from ``prefill_loads`` (the Serve adapter's view
-   of the prefill replicas, ``deployments.request_router.prefill_pool_loads``), and the
-   decode batch a local prefill would stall is this engine's live requests
-   (``FlowEngine.live_requests``, the figure its replica reports to the router as running
-   decodes, plus any local prefill in progress). A pool whose loads are not known yet
-   counts as one idle replica; no ``prefill_fn``: no pool. The pool's per-replica
-   uncached work (the decider's "local_state" rule) is not known here: that rule is off
-   in serving.
+   simulator decide with, fed as the simulator feeds it: the suffix is measured here (this
+   worker's real resume point); the prefill pool comes from ``prefill_pool(PoolQuery)``, a
+   ``disagg.router.metrics.PoolView`` (the Serve adapter's view of the prefill replicas,
+   ``deployments.request_router.prefill_pool_view``): per replica its effective loads and
+   the prompt tokens it could not resume, by the prefix-index walk that places the prefill
+   (the decider's "local_state" rule). The query carries the prompt's digests (hashed once,
+   ``ReuseTicket.hashes``) and what this worker's lookup found in its node's shared tiers
+   (``Resume.node_position``): a prefill replica on this node reads those tiers too, and
+   the pool's router does not see their events. The decode batch a local prefill would
+   stall is this engine's live requests (``FlowEngine.live_requests``, the figure its
+   replica reports to the router as running decodes, plus any local prefill in progress).
+   A pool not known yet
+   (or whose view fails) counts as one idle replica of unknown cache; a pool whose replicas
+   have not reported their model yet has loads but unknown cache ("local_state" is off for
+   that request); no ``prefill_fn``: no pool.
 6. A session's next turn waits (at most ``load_deadline_s``) for its previous turn end's
    publish, so it takes that state over instead of recomputing it.
 7. Reuse accounting (``disagg.reuse``): the flow notes every prompt in its ledger
@@ -77,6 +84,7 @@ from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.reuse.accounting import ReuseAccounting, ReuseTicket
 from disagg.reuse.placement import CheckpointPlacement
 from disagg.router.decider import DeciderConfig, PDDecider, PDDecision
+from disagg.router.metrics import PoolQuery, PoolView
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher
 
@@ -87,7 +95,7 @@ log = logging.getLogger(__name__)
 
 PrefillFn = Callable[[GenerateParams], Awaitable[PrefillHandle]]
 ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
-LoadsFn = Callable[[], "list[float] | None"]  # the prefill pool's effective queued tokens per replica
+PoolFn = Callable[[PoolQuery], "PoolView | None"]  # the prefill pool for one request (NOTE 5)
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
             "publish_waits", "publish_waits_expired")
@@ -103,6 +111,7 @@ class Resume:
     nbytes: int = 0  # bytes loaded
     seconds: float = 0.0  # load time
     failure: str = ""  # "load_deadline" | "load_failed": why a lookup or load gave nothing (NOTE 7)
+    node_position: int = 0  # what the lookup found in this node's shared tiers (0: nothing), NOTE 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,20 +196,23 @@ class RequestFlow:
         state: a ``FlowState``, or None (no tiers: resume from the device or compute).
         replica_id: stamped on every chunk.
         options: ``FlowOptions`` (default: the defaults).
-        prefill_loads: the prefill pool's loads (NOTE 5); None: unknown.
+        prefill_pool: the prefill pool's loads and uncached tokens for a request (NOTE 5); None: unknown.
+        node_id: this worker's node (its shared tiers are the pool's too on that node, NOTE 5).
         reuse: the reuse accounting (NOTE 7); default: accounting, with learned checkpoint
             placement when ``options.learned_checkpoints``.
     """
 
     def __init__(self, engine: FlowEngine, state: FlowState | None, replica_id: str = "local",
-                 options: FlowOptions | None = None, *, prefill_loads: LoadsFn | None = None,
-                 counters: dict[str, int] | None = None, reuse: ReuseAccounting | None = None):
+                 options: FlowOptions | None = None, *, prefill_pool: PoolFn | None = None,
+                 node_id: str | None = None, counters: dict[str, int] | None = None,
+                 reuse: ReuseAccounting | None = None):
         self.engine = engine
         self.state = state
         self.replica_id = replica_id
         self.options = options or FlowOptions()
         self.decider = PDDecider(self.options.decider)
-        self.prefill_loads = prefill_loads
+        self.prefill_pool = prefill_pool
+        self.node_id = node_id
         placement = CheckpointPlacement(engine.block_size) if self.options.learned_checkpoints else None
         self.reuse = reuse or ReuseAccounting(engine.block_size, placement)  # NOTE 7
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
@@ -232,12 +244,14 @@ class RequestFlow:
             point, failure = None, "load_failed"
         elif isinstance(point, BaseException):  # cancelled: not a failure of the state path
             raise point
+        node_position = point.position if point is not None else 0
         if point is not None and point.position > device_len:
             loaded = await self.load(tokens, point.position, hasher, params, deadline)
             if not loaded.failure:
-                return replace(loaded, source=_source(point.tier))
+                return replace(loaded, source=_source(point.tier), node_position=node_position)
             failure = loaded.failure
-        return Resume(None, device_len, "device" if device_len else "computed", failure=failure)
+        return Resume(None, device_len, "device" if device_len else "computed", failure=failure,
+                      node_position=node_position)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
                    deadline: float | None = None, node_id: str | None = None) -> Resume:
@@ -261,13 +275,30 @@ class RequestFlow:
         return got
 
     # -- 2 decide -------------------------------------------------------------------
-    def decide(self, suffix_tokens: int, has_pool: bool) -> PDDecision:
-        """NOTE 5: the router's decider over this worker's suffix and the pool's loads."""
-        loads = (self.prefill_loads() if self.prefill_loads is not None else None) if has_pool else []
-        decision = self.decider.decide(suffix_tokens, [0.0] if has_pool and not loads else loads,
+    def decide(self, plan: Resume, has_pool: bool, params: GenerateParams, ticket: ReuseTicket) -> PDDecision:
+        """NOTE 5: the router's decider over the suffix after ``plan`` and the pool's view of
+        ``params`` (``ticket``: its prompt's digests, hashed once)."""
+        suffix_tokens = len(params.prompt_token_ids) - plan.position
+        if not has_pool:
+            loads, uncached = [], None
+        else:
+            view = self.pool_view(PoolQuery(params, ticket.hasher, ticket.hashes, self.node_id, plan.node_position))
+            loads, uncached = (view.loads, view.uncached) if view is not None and view.loads else ([0.0], None)
+        decision = self.decider.decide(suffix_tokens, loads, pool_uncached=uncached,
                                        decode_batch=self.engine.live_requests())
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision
+
+    def pool_view(self, query: PoolQuery) -> PoolView | None:
+        """The prefill pool as ``prefill_pool`` sees it for ``query``; None: unknown, or the view
+        failed (logged: the decision then goes without it, NOTE 5)."""
+        if self.prefill_pool is None:
+            return None
+        try:
+            return self.prefill_pool(query)
+        except Exception:  # noqa: BLE001 - a decision without the pool's figures, not a failed request
+            log.warning("prefill pool view failed; deciding without it", exc_info=True)
+            return None
 
     # -- 3 remote prefill ---------------------------------------------------------------
     async def remote_prefill(self, params: GenerateParams, prefill_fn: PrefillFn) -> PrefillHandle | None:
@@ -309,7 +340,7 @@ class RequestFlow:
         await self.await_publishes(ticket)  # NOTE 8
         plan = await self.plan_resume(tokens, hasher, params)  # resume planned
         points = self.reuse.checkpoint_at(ticket, plan.position)  # reuse: where the prefill keeps checkpoints
-        decision = self.decide(len(tokens) - plan.position, prefill_fn is not None)  # decision taken
+        decision = self.decide(plan, prefill_fn is not None, params, ticket)  # decision taken
         handle = None
         if decision.disaggregate:
             handle = await self.remote_prefill(replace(params, checkpoint_at=points), prefill_fn)

@@ -25,11 +25,12 @@ fires only where the decode worker can resume more than the pool: with P/D
 pools on separate nodes the decode workers' tiers hold the sessions they
 decode, and the prefill pool's tiers, a quarter of the cluster, cannot hold
 every live session (docs/router.md, "Router suite"). Without the pool's
-u_p (the decode-side flow in serving, which does not see the pool's cache)
-the rule is off.
+u_p (a pool whose cache is not known, e.g. before its replicas report) the
+rule is off.
 
-The same decider decides in serving (``disagg.flow``, fed with the prefill
-pool's effective loads by the Serve adapter) and in the simulator (through
+The same decider decides in serving (``disagg.flow``, fed by the Serve
+adapter's view of the prefill pool: its effective loads and each replica's
+u_p from the adapter's prefix index) and in the simulator (through
 ``StateAwareRouter``). Its defaults are set once, in ``disagg.config``
 (``router.local_prefill_max_tokens`` and friends).
 

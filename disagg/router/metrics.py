@@ -12,6 +12,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from disagg.messages import GenerateParams
+    from kv_transfer.keys import BlockHasher
 
 
 @dataclass(slots=True)
@@ -63,3 +68,38 @@ LIVE_POLICIES: dict[str, object] = {}
 # Per deployment name, the effective prefill loads of its replicas as this process's router of
 # that deployment sees them (set by the Serve adapter; read by the decode flow, disagg.flow NOTE 5).
 POOL_LOADS: dict[str, Callable[[], list[float] | None]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolQuery:
+    """What the decode side knows of one request when it asks for the prefill pool's view."""
+
+    params: GenerateParams  # the request (its prompt and cache salt)
+    hasher: BlockHasher | None = None  # the asker's key space for the prompt (salted), when it has digests
+    hashes: list[bytes] | None = None  # the prompt's full-block digests under ``hasher`` (spares a hash)
+    node_id: str | None = None  # the asker's node
+    node_resumable: int = 0  # prompt tokens that node's shared tiers resume (its lookup): any replica there can
+
+    def __repr__(self) -> str:
+        return (f"PoolQuery(request_id={self.params.request_id!r}, digests={self.hashes is not None}, "
+                f"node_id={self.node_id!r}, node_resumable={self.node_resumable})")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The prefill pool as one request's P/D decision sees it (``disagg.flow`` NOTE 5).
+
+    Row i is the pool's i-th healthy replica in both lists (the decider zips them).
+    """
+
+    loads: list[float]  # effective queued prefill tokens per replica
+    uncached: list[float] | None  # prompt tokens each replica could not resume; None: unknown (no digests yet)
+
+    def __post_init__(self) -> None:
+        assert self.uncached is None or len(self.uncached) == len(self.loads), "uncached not aligned with loads"
+
+
+# Per deployment name, the pool view of its replicas for one request (loads, and the request's
+# uncached tokens per replica from that router's prefix index), as this process's router of that
+# deployment sees them (set by the Serve adapter; read by the decode flow, disagg.flow NOTE 5).
+POOL_VIEWS: dict[str, Callable[[PoolQuery], PoolView | None]] = {}

@@ -40,7 +40,7 @@ from disagg.engine.protocol import EngineRequest
 from disagg.faults import FaultInjector, FaultyState
 from disagg.flow import (
     FlowOptions,
-    LoadsFn,
+    PoolFn,
     PrefillFn,
     ReleaseFn,
     RequestFlow,
@@ -185,12 +185,12 @@ class StatefulWorker:
         device_shares: a prefill worker with ``kv_transfer.transport.device_ipc.DeviceShares``
             hands state over device to device (NOTE 1) instead of publishing it.
         peer_stores: other nodes' stores by node id (cross-node loads), or None.
-        prefill_loads: the prefill pool's effective loads (``disagg.flow`` NOTE 5).
+        prefill_pool: the prefill pool's loads and uncached tokens per request (``disagg.flow`` NOTE 5).
     """
 
     def __init__(self, engine, store=None, replica_id: str = "local", node_id: str = "local",
                  *, options: FlowOptions | None = None, faults: FaultInjector | None = None, device_shares=None,
-                 peer_stores: PeerStoresFn | None = None, prefill_loads: LoadsFn | None = None):
+                 peer_stores: PeerStoresFn | None = None, prefill_pool: PoolFn | None = None):
         self.engine = engine  # AsyncEngine
         self.store = store
         self.replica_id = replica_id
@@ -208,7 +208,7 @@ class StatefulWorker:
                 store.warm(load_device)
             except Exception as e:  # noqa: BLE001 - a cold first load is slower, not wrong
                 log.warning("warming direct loads to %s failed: %s", load_device, e)
-        self.flow = RequestFlow(engine, None, replica_id, options, prefill_loads=prefill_loads)
+        self.flow = RequestFlow(engine, None, replica_id, options, prefill_pool=prefill_pool, node_id=node_id)
         self.reuse = self.flow.reuse
         self.counters = self.flow.counters
         state = TierState(store, engine.layout, node_id, load_device, device, peer_stores, self.counters)

@@ -38,7 +38,7 @@ from disagg.config import AppConfig
 from disagg.engine.protocol import EngineRequest
 from disagg.flow import (
     FlowOptions,
-    LoadsFn,
+    PoolFn,
     PrefillFn,
     RequestFlow,
     Resume,
@@ -90,7 +90,7 @@ class VLLMWorker:
 
     def __init__(self, engine, lookup=None, replica_id: str = "local", node_id: str = "local",
                  *, options: FlowOptions | None = None, producer_sizes: tuple[int, int] = (1, 1),
-                 prefill_loads: LoadsFn | None = None):
+                 prefill_pool: PoolFn | None = None):
         self.engine = engine
         self.store = lookup
         self.replica_id, self.node_id = replica_id, node_id
@@ -98,7 +98,7 @@ class VLLMWorker:
         state = ConnectorState(lookup, engine.model_id, engine.block_size, producer_sizes)
         # vLLM's connector saves what vLLM keeps: no learned checkpoint positions to ask for
         options = replace(options or FlowOptions(prefill_retries=1), learned_checkpoints=False)
-        self.flow = RequestFlow(engine, state, replica_id, options, prefill_loads=prefill_loads)
+        self.flow = RequestFlow(engine, state, replica_id, options, prefill_pool=prefill_pool, node_id=node_id)
         self.counters = self.flow.counters
 
     def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:

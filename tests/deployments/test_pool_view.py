@@ -1,0 +1,235 @@
+"""The prefill pool's view for the decode side's P/D decision (``disagg.flow`` NOTE 5).
+
+``StateAwareRequestRouter.pool_view`` runs on the adapter's pure part: a real router with its
+real ``PrefixIndex``, fed by replicas' routing-stats reports (device snapshots as real
+``BlockHasher`` digests, turn-end tails included), as ``choose_replicas`` is. Serve's replica
+records are stand-ins (``SimpleNamespace``: the Serve controller is the system boundary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import disagg.router.metrics as router_metrics
+from deployments.request_router import StateAwareRequestRouter, prefill_pool_view
+from disagg.config import load_config
+from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.factory import build_reference_engine
+from disagg.engine.protocol import SamplingParams
+from disagg.flow import FlowOptions
+from disagg.messages import GenerateParams
+from disagg.router.metrics import PoolQuery, PoolView
+from kv_transfer.keys import BlockHasher, KeyExtras
+
+BS = 16
+H = BlockHasher(BS, KeyExtras("m"))  # what the replicas (model "m", block size BS) digest with
+RNG = random.Random(0)
+SESSION = [RNG.randrange(1000) for _ in range(4 * BS + 5)]  # a turn end inside block 5
+PROMPT = SESSION + [RNG.randrange(1000) for _ in range(30)]  # its next turn: 99 tokens
+SALT = "tenant-a"
+
+
+def _stats(queued: float, sessions: list[list[int]] = (), salt: str = SALT, tails: bool = True,
+           model: bool = True, node: str = "n0") -> dict:
+    """A prefill replica's routing stats: its load and its device-resident sessions."""
+    h = H.with_salt(salt)
+    stats = {"role": "prefill", "node_id": node, "time": time.time(), "load": {"queued_prefill_tokens": queued},
+             "device_version": 1, "device_sessions": [[d.hex() for d in h.block_hashes(s)] for s in sessions]}
+    if tails:
+        stats["device_tails"] = [[len(s), h.prefix_digest(s, len(s)).hex()] if len(s) % BS else None
+                                 for s in sessions]
+    if model:
+        stats.update(model_id="m", block_size=BS)
+    return stats
+
+
+def _router(reports: list[dict], deployment: str | None = None) -> StateAwareRequestRouter:
+    rr = object.__new__(StateAwareRequestRouter)  # its pure part: no Serve controller
+    if deployment is not None:
+        rr._deployment_id = SimpleNamespace(name=deployment)
+    rr.initialize_state()
+    rr._replicas = {f"p{i}": SimpleNamespace(replica_id=SimpleNamespace(unique_id=f"p{i}"), routing_stats=stats)
+                    for i, stats in enumerate(reports)}
+    return rr
+
+
+def _params(prompt: list[int] = PROMPT, salt: str = SALT, request_id: str = "r") -> GenerateParams:
+    return GenerateParams(request_id, prompt, SamplingParams(max_tokens=4), session_id="s", cache_salt=salt)
+
+
+def _pool() -> StateAwareRequestRouter:
+    """p0 holds the session to its turn end, p1 its first two blocks, p2 something else."""
+    return _router([_stats(100.0, [SESSION]), _stats(0.0, [SESSION[:2 * BS]]), _stats(50.0, [PROMPT[5:40]])])
+
+
+def test_the_view_gives_each_replica_its_uncached_tokens_aligned_with_its_load():
+    view = _pool().pool_view(PoolQuery(_params()))
+    # p0 resumes at the turn end (its tail probe), p1 at its second block, p2 nothing
+    assert view == PoolView([100.0, 0.0, 50.0], [30.0, 99.0 - 2 * BS, 99.0])
+
+
+def test_without_the_reported_turn_end_the_last_full_block_counts():
+    rr = _router([_stats(0.0, [SESSION], tails=False)])
+    assert rr.pool_view(PoolQuery(_params())) == PoolView([0.0], [99.0 - 4 * BS])
+
+
+def test_the_view_walks_under_the_requests_salt():
+    rr = _pool()
+    assert rr.pool_view(PoolQuery(_params(salt=""))).uncached == [99.0, 99.0, 99.0]  # another tenant resumes nothing
+    assert rr.pool_view(PoolQuery(_params(salt=SALT))).uncached == [30.0, 67.0, 99.0]
+
+
+def test_the_view_and_the_prefill_placement_read_the_same_walk():
+    rr = _pool()
+    params = _params(request_id="placed")
+    view = rr.pool_view(PoolQuery(params))
+    candidates = list(rr._replicas.values())
+    tiers = asyncio.run(rr.choose_replicas(candidates, SimpleNamespace(args=[params])))
+    pick = tiers[0][0].replica_id.unique_id
+    rr._policy.on_finished("placed", 0)  # the prediction of the placed request, now counted
+    assert rr._policy.metrics.predicted_cached_tokens == len(PROMPT) - view.uncached[int(pick[1:])]
+
+
+def test_the_view_takes_the_callers_digests_only_in_its_own_key_space():
+    rr = _pool()
+    own = H.with_salt(SALT)  # the pool's key space for the request (the decode flow's, same model)
+    elsewhere = [RNG.randrange(1000) for _ in range(len(PROMPT))]
+    # digests of another prompt, passed as this one's: taken as they are (nobody holds them)
+    assert rr.pool_view(PoolQuery(_params(list(PROMPT)), own, own.block_hashes(elsewhere))).uncached == [99.0, 99.0, 99.0]
+    for other in (BlockHasher(BS, KeyExtras("other-model", cache_salt=SALT)), H.with_salt(""),
+                  BlockHasher(2 * BS, KeyExtras("m", cache_salt=SALT))):  # not its key space: hashed again
+        view = rr.pool_view(PoolQuery(_params(list(PROMPT)), other, other.block_hashes(elsewhere)))
+        assert view.uncached == [30.0, 67.0, 99.0]
+    too_few = own.block_hashes(PROMPT)[:-1]
+    assert rr.pool_view(PoolQuery(_params(list(PROMPT)), own, too_few)).uncached == [30.0, 67.0, 99.0]
+
+
+def test_the_placement_after_a_view_reads_the_digests_of_that_view():
+    """The prefill placement that follows a "disagg" decision (the same prompt list) hashes nothing again."""
+    own = H.with_salt(SALT)
+    rr = _router([_stats(0.0, [SESSION]), _stats(0.0, [SESSION])])  # both resume 69 tokens
+
+    def placed(params: GenerateParams, hashes: list[bytes] | None = None) -> int:
+        if hashes is not None:
+            rr.pool_view(PoolQuery(params, own, hashes))
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        before = rr._policy.metrics.predicted_cached_tokens
+        rr._policy.on_finished(params.request_id, 0)
+        return rr._policy.metrics.predicted_cached_tokens - before
+
+    elsewhere = own.block_hashes([RNG.randrange(1000) for _ in range(len(PROMPT))])
+    assert placed(_params(request_id="a")) == 69
+    assert placed(_params(request_id="b"), elsewhere) == 0  # the view's digests, taken as they are
+    assert placed(_params(list(PROMPT), request_id="c")) == 69  # another prompt list: hashed
+
+
+def test_a_replica_on_the_askers_node_resumes_what_that_nodes_tiers_hold():
+    """The decode replica's lookup of its node's shared tiers (host, disk) counts for the prefill
+    replicas of that node: they read the same tiers, whose events this router does not drain."""
+    rr = _router([_stats(0.0, [SESSION]), _stats(0.0, node="n1"), _stats(0.0, [SESSION[:2 * BS]])])
+    assert rr.pool_view(PoolQuery(_params())).uncached == [30.0, 99.0, 67.0]
+    assert rr.pool_view(PoolQuery(_params(), node_id="n0", node_resumable=48)).uncached == [30.0, 99.0, 51.0]
+    assert rr.pool_view(PoolQuery(_params(), node_id="n0", node_resumable=80)).uncached == [19.0, 99.0, 19.0]
+    assert rr.pool_view(PoolQuery(_params(), node_id="n2", node_resumable=80)).uncached == [30.0, 99.0, 67.0]
+
+
+def test_unknown_cache_and_unknown_pool():
+    assert _router([]).pool_view(PoolQuery(_params())) is None  # no replica known
+    no_model = _router([_stats(10.0, [SESSION], model=False), _stats(20.0, model=False)])
+    assert no_model.pool_view(PoolQuery(_params())) == PoolView([10.0, 20.0], None)  # loads, but no digests yet
+
+
+def test_the_view_is_registered_for_the_decode_side(monkeypatch):
+    monkeypatch.setattr(router_metrics, "POOL_VIEWS", {})
+    monkeypatch.setattr(router_metrics, "POOL_LOADS", {})
+    assert prefill_pool_view("Prefill", PoolQuery(_params())) is None  # before the prefill router exists
+    rr = _router([_stats(100.0, [SESSION]), _stats(0.0)], deployment="Prefill")
+    assert prefill_pool_view("Prefill", PoolQuery(_params())) == rr.pool_view(PoolQuery(_params())) == PoolView([100.0, 0.0],
+                                                                                          [30.0, 99.0])
+    assert prefill_pool_view("Decode", PoolQuery(_params())) is None
+
+
+def test_a_failing_view_leaves_the_decision_without_it():
+    """The decode flow decides as with an unknown pool (one idle replica) and serves the request."""
+    from disagg.workers.tiered import StatefulWorker
+
+    cfg = load_config({"model": {"name": "tiny"}, "router": {"local_prefill_max_tokens": 64},
+                       "engine": {"cache_budget_mb": 64, "num_threads": 1}})
+    threads = torch.get_num_threads()
+    engine = AsyncEngine(build_reference_engine(cfg))
+    try:
+        def broken(query):
+            raise RuntimeError("index out of step")
+
+        asked = []
+
+        async def refuse(params):  # the remote prefill: recorded, then failed (prefill here)
+            asked.append(params.request_id)
+            raise ConnectionError("no prefill replica in this test")
+
+        worker = StatefulWorker(engine, None, "decode-0",
+                                options=FlowOptions.from_config(cfg, prefill_retries=0), prefill_pool=broken)
+
+        async def run():
+            return [c async for c in worker.generate(GenerateParams("r", [5] * 100, SamplingParams(max_tokens=2)),
+                                                     refuse)]
+
+        chunks = asyncio.run(run())
+        assert chunks[-1].finished and worker.flow.decisions == {"disagg": 1} and asked == ["r"]
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("uncached", [[1.0], [1.0, 2.0, 3.0]])
+def test_a_view_whose_rows_do_not_align_is_refused(uncached):
+    with pytest.raises(AssertionError, match="aligned"):
+        PoolView([0.0, 0.0], uncached)
+
+
+def test_the_decode_flow_asks_with_its_digests_and_its_nodes_tiers():
+    """In process (tiny model, disaggregated, one node's host tier): the decode flow's query for a
+    session's next turn carries the prompt's digests in its key space and the turn end its lookup
+    found in the node's host tier, published by the first turn."""
+    from disagg.launch.inprocess import InProcessBackend
+
+    cfg = load_config({"model": {"name": "tiny"}, "router": {"local_prefill_max_tokens": 64},
+                       "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 256, "num_threads": 1},
+                       "transfer": {"host": {"capacity_mb": 256, "pin_memory": False}},
+                       "deployment": {"mode": "disaggregated"}})
+    threads = torch.get_num_threads()
+    b = InProcessBackend(cfg)
+    asked: list[PoolQuery] = []
+    b.decode.flow.prefill_pool = asked.append  # the pool's view: None (one idle replica, cache unknown)
+    rng = random.Random(3)
+    first = [rng.randrange(4, 260) for _ in range(300)]
+
+    async def send(rid: str, prompt: list[int]):
+        out = [c async for c in b.stream(GenerateParams(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True),
+                                                        session_id="s", cache_salt=SALT))]
+        await b.decode.drain()
+        await b.prefill.drain()
+        return [t for c in out for t in c.token_ids], out[-1]
+
+    try:
+        async def go():
+            tokens, _ = await send("t1", first)
+            return await send("t2", first + tokens + [rng.randrange(4, 260) for _ in range(100)])
+
+        _, last = asyncio.run(go())
+    finally:
+        b.shutdown()
+        torch.set_num_threads(threads)
+    query = asked[-1]
+    prompt = query.params.prompt_token_ids
+    assert query.params.request_id == "t2" and query.node_id == b.decode.node_id
+    assert query.hasher.root == b.decode.hasher.with_salt(SALT).root
+    assert query.hashes == query.hasher.block_hashes(prompt)
+    # the first turn's end (prompt + outputs but the last), in the host tier; the prefill resumed there
+    assert query.node_resumable == len(first) + 2 == last.num_cached_tokens
