@@ -47,7 +47,9 @@ NOTES
    token, slot, write row, table and mask), so it computes row 0's values and
    its writes to row 0's slot and MLA row are row 0's own, whatever order they
    land in. A graph binds one cache's pools (they are allocated once and
-   never move), so graphs are keyed by (cache, rows, table width).
+   never move), so the cache keeps its graphs (``PagedStateCache.decode_graphs``,
+   per runner, by rows and table width): they go when the engine goes, and a
+   runner dropped with moved weights takes its graphs with it.
 7. Capturing runs the step once (the warm-up before a real capture, the
    stand-in's first run): its MLA writes are the step's own rows, rewritten
    with the same values by the replay, but its KDA recurrence would advance
@@ -234,8 +236,7 @@ class StepGraphs:
         self._lock = threading.Lock()
         self.captures = 0  # buckets captured so far
         self.failed: str | None = None  # why capturing was turned off (NOTE 3)
-        self._decode: dict[tuple[int, int, int], _DecodeGraph] = {}  # NOTE 6: (id(cache), rows, width)
-        self.decode_captures = 0
+        self.decode_captures = 0  # whole-step decode graphs captured so far (NOTE 6)
         self.decode_failed: str | None = None  # why whole-step decode graphs were turned off (NOTE 3)
 
     def bucket(self, rows: int) -> _Bucket:
@@ -276,20 +277,21 @@ class StepGraphs:
         rows, width = bucket_for(ids.shape[0]), table_bucket(decode.tables.shape[1])
         if rows is None or width is None or self.failed is not None or self.decode_failed is not None:
             return None
-        key = (id(decode.cache), rows, width)
+        owned = decode.cache.decode_graphs.setdefault(self, {})  # NOTE 6: the cache owns them
         with self._lock:  # NOTE 1
-            g = self._decode.get(key)
+            g = owned.get((rows, width))
             if g is None:
-                g = self._decode[key] = _DecodeGraph(self.model, decode.cache, rows, width, self._pool, self._stream)
+                g = owned[(rows, width)] = _DecodeGraph(self.model, decode.cache, rows, width, self._pool,
+                                                        self._stream)
+                self.decode_captures += 1
             g.load(ids, decode)
             try:
                 h = g.run()
             except Exception as e:  # noqa: BLE001 - NOTE 3: degrade, never fail the step
-                self._decode.pop(key, None)
+                owned.pop((rows, width), None)
                 self.decode_failed = f"{type(e).__name__}: {e}"
                 log.warning("CUDA graph capture of decode steps failed (%s); they run piecewise from now on",
                             self.decode_failed)
                 return None
             self._pool = g._pool  # every graph of the runner shares one pool (NOTE 2)
-            self.decode_captures = len(self._decode)
             return h[pick]

@@ -24,6 +24,7 @@ NOTES
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,8 @@ class PagedStateCache:
         self.rec = list(self.rec_all.unbind(0))
         self.blocks = BlockAllocator(geometry.num_blocks)
         self._free_slots = list(range(geometry.num_slots - 1, -1, -1))
+        # graph runner -> its whole-step decode graphs bound to these pools (graphs NOTE 6)
+        self.decode_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # -- slots ---------------------------------------------------------------
     @property

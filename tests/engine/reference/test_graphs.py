@@ -9,7 +9,9 @@ no-op, and that is checked here too.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -158,6 +160,23 @@ def test_whole_decode_step_graphs_pad_rows_and_keep_state(where: str):
     tol = dict(rtol=0.05, atol=0.05) if where == "cuda" else dict(rtol=1e-4, atol=1e-5)
     for a, b in zip(cache_w, cache_p, strict=True):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_decode_graphs_go_with_their_cache():
+    """A cache keeps the decode graphs bound to its pools (graphs NOTE 6): an engine dropped from a
+    model that lives on frees its cache, graphs included."""
+    model = _graph_model("stand-in")
+    eng = _engine(model, graphs=True)
+    for i in range(2):
+        eng.add_request(EngineRequest(f"r{i}", _prompt(30 + i, i), SamplingParams(max_tokens=4, ignore_eos=True)))
+    while eng.has_work():
+        eng.step()
+    runner = model.step_graphs()
+    assert eng.cache.decode_graphs.get(runner)  # the decodes ran as whole-step graphs
+    cache = weakref.ref(eng.cache)
+    del eng
+    gc.collect()
+    assert cache() is None and runner.decode_captures >= 1
 
 
 def test_moving_or_casting_the_weights_drops_the_runner():
