@@ -34,6 +34,10 @@ BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, suffixes up to t
 # decode replica that resumes more of the prompt than any prefill replica prefills locally when its
 # weighted suffix <= the pool's least queued + uncached tokens (disagg.router.decider)
 LOCAL_HARM_WEIGHT = 4.0
+# "local_idle": an idle decode replica (nothing running there nor routed to it) that resumes at least as
+# much as any prefill replica prefills locally when the pool's least queued + uncached tokens are at
+# least this many times its suffix (the pool's queue would at least quadruple the time to first token)
+LOCAL_IDLE_MARGIN = 4.0
 
 
 class _Strict(BaseModel):
