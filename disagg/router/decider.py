@@ -10,7 +10,7 @@
            and suffix * w <= min_p (q_p + u_p)                          ("local_state")
     local  if u_p is given, C_d = 0 (C_d: decodes running on the decode worker or
            routed to it and not finished), suffix <= min_p u_p
-           and suffix * idle_local_margin <= min_p (q_p + u_p)          ("local_idle")
+           and suffix * local_idle_margin <= min_p (q_p + u_p)          ("local_idle")
     else   disaggregate                                   ("disagg")
 
 A short suffix costs less to compute inside the decode batch than to ship
@@ -34,7 +34,7 @@ the rule is off.
 "local_idle" spreads a burst the pool cannot absorb: an idle decode worker
 (nothing decoding there, nothing on its way) prefills at no decode's expense
 and hands nothing off; it takes the request when the pool's queue would at
-least multiply the time to first token by ``idle_local_margin``. Only then:
+least multiply the time to first token by ``local_idle_margin``. Only then:
 a turn prefilled on the decode side leaves its state there and not in the
 pool, whose next disaggregated turn of that session recomputes it (on
 ``deep_context/64/pd`` of the router suite a margin of 2 left hit/bound at
@@ -53,7 +53,7 @@ pool's effective loads by the Serve adapter) and in the simulator (through
 Config example (YAML, the router policy's ``decider`` key)::
 
     decider: {local_prefill_max_tokens: 256, prefill_busy_tokens: 65536,
-              busy_local_max_tokens: 8192, local_harm_weight: 4, idle_local_margin: 4}
+              busy_local_max_tokens: 8192, local_harm_weight: 4, local_idle_margin: 4}
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class DeciderConfig:
     prefill_busy_tokens: float = PREFILL_BUSY_TOKENS  # least-loaded prefill queue that counts as busy
     busy_local_max_tokens: int = BUSY_LOCAL_MAX_TOKENS  # local prefill limit while the pool is busy
     local_harm_weight: float = LOCAL_HARM_WEIGHT  # local rules: weight of each running decode's wait
-    idle_local_margin: float = LOCAL_IDLE_MARGIN  # "local_idle": pool cost / local suffix at least (0: off)
+    local_idle_margin: float = LOCAL_IDLE_MARGIN  # "local_idle": pool cost / local suffix at least (0: off)
 
     def __post_init__(self) -> None:
         if self.local_prefill_max_tokens < 0 or self.busy_local_max_tokens < 0:
@@ -84,8 +84,8 @@ class DeciderConfig:
             raise ValueError("prefill_busy_tokens must be positive")
         if not self.local_harm_weight >= 0:
             raise ValueError("local_harm_weight must be >= 0")
-        if not self.idle_local_margin >= 0:
-            raise ValueError("idle_local_margin must be >= 0")
+        if not self.local_idle_margin >= 0:
+            raise ValueError("local_idle_margin must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +119,7 @@ class PDDecider:
             if suffix_tokens < least and weighted <= work:
                 return PDDecision(False, "local_state")
             coming = decode_batch if decode_coming is None else decode_coming
-            margin = cfg.idle_local_margin
+            margin = cfg.local_idle_margin
             if margin > 0 and coming <= 0 and suffix_tokens <= least and suffix_tokens * margin <= work:
                 return PDDecision(False, "local_idle")
         return PDDecision(True, "disagg")

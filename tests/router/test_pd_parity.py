@@ -33,7 +33,10 @@ from disagg.tools.sim.simulator import build_router
 from disagg.workers.tiered import StatefulWorker
 
 # thresholds small enough for a CPU prefill: local <= 64; busy pool (min queue >= 1000) keeps <= 192 local
-ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_local_max_tokens": 192}
+# "local_idle" needs the prefill pool's resumable tokens, which serving's flow does not pass: off on both
+# sides here (a fresh prompt ties the pool and the decode worker, where the rule would apply)
+ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_local_max_tokens": 192,
+          "local_idle_margin": 0}
 # (uncached suffix, the prefill replicas' queued prefill tokens, decodes running on the decode worker);
 # a local prefill weighs suffix x (1 + 4 x running decodes) against the short-suffix limit
 CASES = [

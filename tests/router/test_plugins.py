@@ -217,11 +217,11 @@ def test_decider_weighs_the_decodes_a_local_prefill_stalls(suffix, loads, uncach
 )
 def test_decider_idle_decode_worker_absorbs_a_queued_pool(suffix, loads, uncached, batch, coming, margin, disagg,
                                                          reason):
-    d = PDDecider(local_prefill_max_tokens=256, idle_local_margin=margin).decide(suffix, loads, uncached, batch,
+    d = PDDecider(local_prefill_max_tokens=256, local_idle_margin=margin).decide(suffix, loads, uncached, batch,
                                                                                    coming)
     assert (d.disaggregate, d.reason) == (disagg, reason)
     with pytest.raises(ValueError):
-        PDDecider(idle_local_margin=-1.0)
+        PDDecider(local_idle_margin=-1.0)
 
 
 def test_decider_defaults_are_the_app_configs():
