@@ -47,7 +47,7 @@ _K = b"K"
 
 
 class SessionRetention:
-    def __init__(self, policy: str = "session", keep_checkpoints: int = 4):
+    def __init__(self, policy: str = "session", keep_checkpoints: int = 8):
         if policy not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         if keep_checkpoints < 1:
