@@ -5,6 +5,7 @@ for every routed request, reads the router's own index walk at decision time::
 
     decode_held   sum of resumable(D) over requests, D the decode worker picked
     pool_best     sum of max_p resumable(p) over the prefill pool
+    either        sum of the larger of the two (what a perfect P/D decision would resume)
     picked        sum of the resumable tokens at the worker that prefilled
     bound         the suite's capacity bound (Belady, every tier of the cluster pooled)
     pool_bound    the same bound with only the prefill pool's capacity (its devices and
@@ -71,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     bound = sum(belady_hits(prompts, salts, max(pooled - reserve, 0), cluster.checkpoint_every_blocks))
     out = {"cell": args.cell, "bound": bound, "picked": sum(r.cached_tokens for r in done),
            "decode_held": sum(r[0] for r in sim.router.rows), "pool_best": sum(r[1] for r in sim.router.rows),
+           "either": sum(max(r[0], r[1]) for r in sim.router.rows),
            "reasons": dict(Counter(r[2] for r in sim.router.rows))}
     if cluster.num_prefill:
         pre_nodes = -(-cluster.num_prefill // cluster.workers_per_node)
         cap = cluster.num_prefill * cluster.device_blocks + pre_nodes * (cluster.host_blocks + cluster.disk_blocks)
         out["pool_bound"] = sum(belady_hits(prompts, salts, max(cap - reserve, 0), cluster.checkpoint_every_blocks))
     print(json.dumps(out))
-    print(" ".join(f"{k}/bound {out[k] / bound:.3f}" for k in ("picked", "decode_held", "pool_best", "pool_bound")
+    print(" ".join(f"{k}/bound {out[k] / bound:.3f}" for k in ("picked", "either", "decode_held", "pool_best", "pool_bound")
                    if k in out and bound))
     return 0
 

@@ -34,6 +34,10 @@ BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, suffixes up to t
 # decode replica that resumes more of the prompt than any prefill replica prefills locally when its
 # weighted suffix <= the pool's least queued + uncached tokens (disagg.router.decider)
 LOCAL_HARM_WEIGHT = 4.0
+# "local_idle": an idle decode replica (nothing running there nor routed to it) that resumes at least as
+# much as any prefill replica prefills locally when the pool's least queued + uncached tokens are at
+# least this many times its suffix (the pool's queue would at least quadruple the time to first token)
+LOCAL_IDLE_MARGIN = 4.0
 
 
 class _Strict(BaseModel):
@@ -130,6 +134,8 @@ class RouterConfig(_Strict):
     prefill_busy_tokens: float = Field(default=PREFILL_BUSY_TOKENS, gt=0)  # prefill pool busy: min queue >= this
     busy_local_max_tokens: int = Field(default=BUSY_LOCAL_MAX_TOKENS, ge=0)  # ... then suffixes up to this stay local
     local_harm_weight: float = Field(default=LOCAL_HARM_WEIGHT, ge=0)  # weight of a local prefill's stall
+    # "local_idle" (needs the prefill pool's resumable tokens: the router's P/D branch; 0 turns it off)
+    local_idle_margin: float = Field(default=LOCAL_IDLE_MARGIN, ge=0)
     stats_period_s: float = 1.0  # how often replicas report load and device-tier content to routers
 
     def decider_params(self) -> dict[str, float]:
@@ -137,7 +143,8 @@ class RouterConfig(_Strict):
         return {"local_prefill_max_tokens": self.local_prefill_max_tokens,
                 "prefill_busy_tokens": self.prefill_busy_tokens,
                 "busy_local_max_tokens": self.busy_local_max_tokens,
-                "local_harm_weight": self.local_harm_weight}
+                "local_harm_weight": self.local_harm_weight,
+                "local_idle_margin": self.local_idle_margin}
 
 
 class ReplicaConfig(_Strict):

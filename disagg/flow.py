@@ -45,7 +45,9 @@ NOTES
    (``Resume.node_position``): a prefill replica on this node reads those tiers too, and
    the pool's router does not see their events. The decode batch a local prefill would
    stall is this engine's live requests (``FlowEngine.live_requests``, the figure its
-   replica reports to the router as running decodes, plus any local prefill in progress).
+   replica reports to the router as running decodes, plus any local prefill in progress),
+   and the decodes on their way to it are the requests in this flow not finished, the
+   asking one aside (``unfinished``: as the router counts those it routed to a worker).
    A pool not known yet
    (or whose view fails) counts as one idle replica of unknown cache; a pool whose replicas
    have not reported their model yet has loads but unknown cache ("local_state" is off for
@@ -217,6 +219,7 @@ class RequestFlow:
         self.reuse = reuse or ReuseAccounting(engine.block_size, placement)  # NOTE 7
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
         self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)
+        self.unfinished = 0  # requests in this flow, not finished (the decider's "coming", NOTE 5)
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight (NOTE 6)
         self._landing = asyncio.Event()  # set (and replaced) whenever a noted publish lands or drops (NOTE 8)
@@ -284,8 +287,9 @@ class RequestFlow:
         else:
             view = self.pool_view(PoolQuery(params, ticket.hasher, ticket.hashes, self.node_id, plan.node_position))
             loads, uncached = (view.loads, view.uncached) if view is not None and view.loads else ([0.0], None)
-        decision = self.decider.decide(suffix_tokens, loads, pool_uncached=uncached,
-                                       decode_batch=self.engine.live_requests())
+        running = self.engine.live_requests()
+        decision = self.decider.decide(suffix_tokens, loads, pool_uncached=uncached, decode_batch=running,
+                                       decode_coming=max(running, self.unfinished - 1))  # the asking one aside
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision
 
@@ -318,6 +322,16 @@ class RequestFlow:
                        release_fn: ReleaseFn | None = None) -> AsyncIterator[StreamChunk]:
         """Stream one request's chunks. ``hasher`` carries the request's cache salt;
         ``release_fn(handle)`` tells a prefill replica its device hand-off was copied."""
+        self.unfinished += 1
+        try:
+            async with aclosing(self._admitted(params, hasher, prefill_fn, release_fn)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.unfinished -= 1
+
+    async def _admitted(self, params: GenerateParams, hasher: BlockHasher, prefill_fn: PrefillFn | None,
+                        release_fn: ReleaseFn | None) -> AsyncIterator[StreamChunk]:
         session = session_key(params.cache_salt, params.session_id)
         pending = self._publishing.get(session) if session else None
         if pending:  # NOTE 6

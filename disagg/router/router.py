@@ -10,8 +10,9 @@ Per request:
     3b. P/D pools: profile "decode" picks D; the decider compares the uncached
         suffix at D against a threshold, the prefill pool's load and what the
         pool would compute (queued + uncached at its cheapest worker, against
-        the suffix at D plus what it steals from D's running decodes); either
-        prefill locally on D or run profile "prefill" to pick P
+        the suffix at D plus what it steals from D's running decodes; D counts
+        as idle when no request routed to it is unfinished); either prefill
+        locally on D or run profile "prefill" to pick P
     3c. one pool of one role ("prefill" or "decode": a Serve deployment, whose
         router sees only its own replicas): that phase's profile picks one; the
         P/D decision is taken where both pools' figures meet, the decode
@@ -25,7 +26,7 @@ prompt's blocks, see ``disagg.router.index``) plus numpy over the candidates
 (``RoutingContext.view``): O(prompt blocks + workers) with small constants.
 
 Decision reasons are "<pd>/<cache>" with pd in {aggregated, disagg,
-local_short_suffix, local_prefill_busy, local_state, local_no_prefill_pool, prefill_pool,
+local_short_suffix, local_prefill_busy, local_state, local_idle, local_no_prefill_pool, prefill_pool,
 decode_pool} and cache in
 {cache_hit, fallback, cold}: "fallback" means a better-cached eligible
 worker existed but load (guard or scores) sent the request elsewhere.
@@ -106,7 +107,8 @@ class StateAwareRouter:
         self.decider = PDDecider(**cfg.decider)
         self.metrics = RouterMetrics()
         self.loads = LoadTracker(cfg.prediction_tau_s, cfg.session_ttl_s, cfg.queue_avg_tau_s, cfg.area_tau_s)
-        self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (predicted, prompt_len)
+        self._inflight: dict[str, tuple[int, int, str]] = {}  # request id -> (predicted, prompt_len, decode worker)
+        self._to_decode: dict[str, int] = {}  # decode worker -> routed there, not finished
         self._known: list[str] = []  # worker ids registered by the last route() call
 
     # ---- effective state ---------------------------------------------------
@@ -164,7 +166,9 @@ class StateAwareRouter:
         pool_q = pv.prefill.tolist()
         pool_u = (request.prompt_len - pv.resumable).tolist()
         dworker = next((w for w in workers if w.worker_id == decode_id), workers[0])
-        pd = self.decider.decide(suffix, pool_q, pool_u, ctx.load(dworker).decode_requests)
+        running = ctx.load(dworker).decode_requests
+        coming = max(running, self._to_decode.get(decode_id, 0))  # running, or routed there and not finished
+        pd = self.decider.decide(suffix, pool_q, pool_u, running, coming)
         if not pd.disaggregate:
             return self._decision(request, ctx, workers, decode_id, None, pd.reason, dec, "decode")
         pre = self._run("prefill", ctx, workers)
@@ -213,14 +217,21 @@ class StateAwareRouter:
         uncached = max(request.prompt_len - decision.predicted_cached_tokens, 0)
         self.loads.on_routed(_session_key(request), request.prompt_len, uncached, decision.prefill_target,
                              decision.decode_worker, self.index.node_of(decision.decode_worker), now)
-        self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len)
+        self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len,
+                                              decision.decode_worker)
+        self._to_decode[decision.decode_worker] = self._to_decode.get(decision.decode_worker, 0) + 1
         self.metrics.record_decision(decision.reason, decision.source_tier)
 
     def on_finished(self, request_id: str, realized_cached_tokens: int) -> None:
         entry = self._inflight.pop(request_id, None)
         if entry is None:
             return
-        predicted, prompt_len = entry
+        predicted, prompt_len, decode_id = entry
+        left = self._to_decode[decode_id] - 1
+        if left:
+            self._to_decode[decode_id] = left
+        else:
+            del self._to_decode[decode_id]
         self.metrics.record_finished(predicted, realized_cached_tokens, prompt_len)
 
 

@@ -48,8 +48,9 @@ def test_decode_phase_uses_the_hint_and_charges_a_possible_local_prefill():
     # a: 4 decodes running, nothing cached: were the decider to prefill r there, they would wait 1000 tokens
     loads = [EffectiveLoad(decode_requests=4), EffectiveLoad(), EffectiveLoad()]
     cost, scale = DecodeScorer(**CFG, **XFER).costs(_ctx(loads, phase="decode", hint=10), W3)
-    # no prefill nodes known: every candidate waits for the remote hand-off (the same 10 ms)
-    assert cost.tolist() == pytest.approx([10 * (0.015 + 0.001) + 4 * 1000 / 1000 + 0.01, 10 * 0.012 + 0.01,
+    # no prefill nodes known: every candidate waits for the remote hand-off (the same 10 ms); a waits
+    # for half of its step in progress too (0.016 s)
+    assert cost.tolist() == pytest.approx([10 * 0.016 + 4 * 1000 / 1000 + 0.01 + 0.5 * 0.016, 10 * 0.012 + 0.01,
                                            10 * 0.012 + 0.01])
     prefill_phase, _ = DecodeScorer(**CFG, **XFER).costs(_ctx(loads, phase="prefill", hint=10), W3)
     assert prefill_phase.tolist() == pytest.approx([10 * 0.016, 10 * 0.012, 10 * 0.012])  # no prefill harm
@@ -67,6 +68,21 @@ def test_decode_phase_prices_the_hand_off_and_queued_local_prefill():
     assert cost.tolist() == pytest.approx([own + 0.01, own + 0.001, own + 0.001 + 50 / 1000])
     s = DecodeScorer(**CFG, **XFER).score(ctx, ws)
     assert s["b"] == 1.0 and s["a"] == pytest.approx(1 - 0.009 / own) and s["c"] == pytest.approx(1 - 0.05 / own)
+
+
+def test_decode_phase_prices_the_step_in_progress_on_a_busy_worker():
+    """A decode joining a running batch waits for the step in progress: a short output feels it per token."""
+    # a: one decode running over no context; b: idle. Both hold nothing; r has 5 tokens to produce.
+    loads = [EffectiveLoad(decode_requests=1), EffectiveLoad(), EffectiveLoad()]
+    ctx = _ctx(loads, {"a": PrefixMatch(1000, "device", 250), "b": PrefixMatch(1000, "device", 250),
+                       "c": PrefixMatch(1000, "device", 250)}, phase="decode", hint=5)
+    step_a, step_b = 0.01 + 0.002 + 1e-6 * 1000, 0.012
+    for frac in (0.0, 0.5, 1.0):
+        cost, _ = DecodeScorer(**CFG, **XFER, join_step_fraction=frac).costs(ctx, W3)
+        assert cost.tolist() == pytest.approx([5 * step_a + 0.01 + frac * step_a, 5 * step_b + 0.01,
+                                               5 * step_b + 0.01])
+    with pytest.raises(ValueError):
+        DecodeScorer(join_step_fraction=1.5)
 
 
 @pytest.mark.parametrize("phase", ["both", "prefill", "decode"])

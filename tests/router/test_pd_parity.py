@@ -48,7 +48,9 @@ ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_loc
 #  prompt tokens each prefill replica resumes on its device, cache salt, how many of the prefill
 #  replicas (the first ones) share the decode worker's node "n0": the others are on "n1");
 # a local prefill weighs suffix x (1 + 4 x running decodes) against the short-suffix limit, and
-# ("local_state") against the pool's least queued + uncached work when the decode worker resumes more
+# ("local_state") against the pool's least queued + uncached work when the decode worker resumes more;
+# an idle decode worker (no decode running or on its way) takes a suffix the pool would not start on
+# before 4x its length of queued + uncached work ("local_idle", router.local_idle_margin)
 CASES = [
     (40, [0.0], 0, 0, [0], "", 0),
     (100, [0.0, 500.0], 0, 0, [0, 0], "", 0),
@@ -62,6 +64,7 @@ CASES = [
     (40, [0.0], 1, 0, [0], "", 0),  # 40 x 5 > 64: the decode it would stall sends it to the pool
     (12, [0.0], 1, 0, [0], "", 0),  # 12 x 5 <= 64: still local
     (13, [0.0], 1, 0, [0], "", 0),
+    (300, [5000.0], 1, 0, [0], "", 0),  # the pool's queue is 17x the suffix, but a decode runs: disagg
     (100, [1500.0, 2000.0], 2, 0, [0, 0], "", 0),  # a busy pool keeps a medium suffix local whatever the batch
     (150, [0.0], 0, 192, [0], "", 0),  # the pool would compute 342: local_state
     (150, [0.0], 1, 192, [0], "", 0),  # 150 x 5 > 0 + 342: disagg
@@ -140,7 +143,7 @@ def _serving_decisions(cfg) -> list[str]:
             await stream.__anext__()  # admitted and decoding
             held_streams.append(stream)
         try:
-            assert engine.live_requests() == batch
+            assert engine.live_requests() == batch and worker.flow.unfinished == 0  # the earlier turn's is done
             before.update(worker.flow.decisions)
             return [c async for c in worker.generate(params, refuse)]
         finally:
@@ -205,9 +208,9 @@ def test_serving_path_and_simulator_decide_alike():
         torch.set_num_threads(threads)  # the engine factory set one thread for this process
     assert serving == _simulator_decisions(cfg)
     # the sequence exercises every rule of the decider
-    assert set(serving) == {"local_short_suffix", "local_prefill_busy", "local_state", "disagg"}
-    assert serving == ["local_short_suffix", "disagg", "local_prefill_busy", "disagg", "disagg",
-                       "local_short_suffix", "disagg", "local_prefill_busy", "disagg",
-                       "disagg", "local_short_suffix", "disagg", "local_prefill_busy",
+    assert set(serving) == {"local_short_suffix", "local_prefill_busy", "local_state", "local_idle", "disagg"}
+    assert serving == ["local_short_suffix", "disagg", "local_prefill_busy", "disagg", "local_idle",
+                       "local_short_suffix", "local_idle", "local_prefill_busy", "local_idle",
+                       "disagg", "local_short_suffix", "disagg", "disagg", "local_prefill_busy",
                        "local_state", "disagg", "local_state", "disagg", "local_state", "disagg",
                        "disagg", "disagg"]

@@ -189,7 +189,9 @@ def test_decider(suffix, loads, disagg, reason):
         (1000, [0.0, 0.0], [9000.0, 20000.0], 9, True, "disagg"),  # 1000 * 10 > 9000: the batch pays more
         (1000, [4000.0, 0.0], [6000.0, 9000.0], 8, False, "local_state"),  # pool: min(4000 + 6000, 0 + 9000)
         (1000, [0.0], [1000.0], 0, True, "disagg"),  # the pool resumes as much: no state reason to stay
-        (1000, [5000.0], [1000.0], 0, True, "disagg"),  # ... even behind a queue (not the busy rule's case)
+        (1000, [2000.0], [1000.0], 0, True, "disagg"),  # ... behind a queue that does not quadruple TTFT
+        (1000, [3000.0], [1000.0], 0, False, "local_idle"),  # 1000 x 4 <= 3000 + 1000: an idle worker takes it
+        (1000, [3000.0], [1000.0], 1, True, "disagg"),  # ... not one running a decode
         (1000, [0.0], None, 0, True, "disagg"),  # the pool's cache unknown (serving's flow): rule off
         (200, [0.0], None, 0, False, "local_short_suffix"),  # 200 <= 256 with nothing running
         (200, [0.0], None, 1, True, "disagg"),  # 200 * 2 > 256: the running decode would wait too
@@ -200,6 +202,26 @@ def test_decider_weighs_the_decodes_a_local_prefill_stalls(suffix, loads, uncach
     assert (d.disaggregate, d.reason) == (disagg, reason)
     with pytest.raises(ValueError):
         PDDecider(local_harm_weight=-1.0)
+
+
+@pytest.mark.parametrize(
+    "suffix, loads, uncached, batch, coming, margin, disagg, reason",
+    [
+        (1000, [3000.0], [1000.0], 0, 0, 4.0, False, "local_idle"),  # idle, and the pool's queue x4 TTFT
+        (1000, [3000.0], [1000.0], 0, 1, 4.0, True, "disagg"),  # a decode is on its way: it would stall
+        (1000, [3000.0], [1000.0], 0, None, 4.0, False, "local_idle"),  # coming unknown: the running batch
+        (1000, [3000.0], [1000.0], 0, 0, 0.0, True, "disagg"),  # margin 0: the rule is off
+        (1000, [9000.0], [999.0], 0, 0, 4.0, True, "disagg"),  # the pool resumes more: stay with it
+        (1000, [3000.0], None, 0, 0, 4.0, True, "disagg"),  # the pool's cache unknown (serving): off
+    ],
+)
+def test_decider_idle_decode_worker_absorbs_a_queued_pool(suffix, loads, uncached, batch, coming, margin, disagg,
+                                                         reason):
+    d = PDDecider(local_prefill_max_tokens=256, local_idle_margin=margin).decide(suffix, loads, uncached, batch,
+                                                                                   coming)
+    assert (d.disaggregate, d.reason) == (disagg, reason)
+    with pytest.raises(ValueError):
+        PDDecider(local_idle_margin=-1.0)
 
 
 def test_decider_defaults_are_the_app_configs():

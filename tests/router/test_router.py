@@ -103,6 +103,33 @@ def test_pd_prefills_on_the_decode_worker_that_holds_the_state():
     assert (d.decode_worker, d.prefill_worker) == ("d1", "p0") and d.reason == "disagg/cache_hit"
 
 
+def test_pd_idle_decode_worker_absorbs_a_queued_pool_until_a_decode_is_on_its_way():
+    """d1 and p0 hold the same 16K tokens; p0 has 3,000 tokens queued (p1 more): the pool's path costs
+    4,000 >= 4 x the 1,000-token suffix, so an idle d1 prefills locally ("local_idle"). A request routed
+    to d1 and not finished makes it not idle (a local prefill would stall that decode) until it ends."""
+    idx, h = PrefixIndex(), chain(64, "idle")
+    for w in ("d1", "p0"):
+        for x in h:
+            store(idx, "mla", x, "device", w)
+        store(idx, "kda", h[63], "device", w)
+    ws = [WorkerState("p0", "prefill", "n0", queued_prefill_tokens=3000),
+          WorkerState("p1", "prefill", "n0", queued_prefill_tokens=50_000),
+          WorkerState("d0", "decode", "n1"), WorkerState("d1", "decode", "n1")]
+    plen = 64 * 256 + 1000
+    r = StateAwareRouter(idx)
+    a = RouteRequest("a", "s", h, plen, 256)
+    d = r.route(a, ws)
+    assert (d.decode_worker, d.prefill_worker, d.reason) == ("d1", None, "local_idle/cache_hit")
+    r.on_routed(a, d)
+    d = r.route(RouteRequest("b", "s", h, plen, 256), ws)
+    assert (d.decode_worker, d.prefill_worker, d.reason) == ("d1", "p0", "disagg/cache_hit")
+    r.on_finished("a", 16384)
+    d = r.route(RouteRequest("c", "s", h, plen, 256), ws)
+    assert d.reason == "local_idle/cache_hit"
+    ws[0].queued_prefill_tokens = 2999  # 3,999 < 4,000: the queue does not pay for the local prefill
+    assert StateAwareRouter(idx).route(RouteRequest("e", "s", h, plen, 256), ws).reason == "disagg/cache_hit"
+
+
 def _hot_prompt_run(policy: str, workers_n: int = 8):
     cfg = SynthConfig(num_sessions=48, turns=6, system_tokens=8192, first_user_tokens=2048, think_s=2.0)
     reqs = synth_sessions(cfg, seed=3)

@@ -95,6 +95,28 @@ def test_session_end_demotes_tail_first_and_forgets_the_session():
     assert t.keys() == [_d(2), _d(1), _d(0), "live"]
 
 
+def test_a_moved_session_leaves_its_old_device_copy_first_in_line():
+    """A turn stored on other devices than the last: the session's private objects on the devices it
+    left are stale duplicates (shared ones stay); the devices it is on now are untouched."""
+    old, new, pool = LRUTier("device", 16), LRUTier("device", 16), LRUTier("device", 16)
+    r = SessionRetention("session", keep_checkpoints=4)
+    r.on_prompt(("a", 0), [_d(0)], 1, 0, [old, new, pool])
+    r.on_prompt(("s", 0), [_d(0), _d(1), _d(2)], 3, 1, [old, new, pool])  # d0 is shared (a's)
+    for t in (old, new, pool):
+        for k in (_d(0), _d(1), _d(2), _k(2), "other"):
+            t.put(k)
+    r.on_store(("s", 0), [_k(2)], [old, new, pool])
+    r.on_placed(("s", 0), [pool, old])  # prefilled on pool, decoded on old: nothing left yet
+    assert old.keys() == new.keys() == pool.keys() == [_d(0), _d(1), _d(2), _k(2), "other"]
+    r.on_placed(("s", 0), [pool, new])  # the next turn decodes on new: old's private copy goes first
+    assert old.keys() == [_k(2), _d(2), _d(1), _d(0), "other"]  # the end of its context first
+    assert new.keys() == pool.keys() == [_d(0), _d(1), _d(2), _k(2), "other"]
+    r.on_session_end(("s", 0), [old, new, pool])
+    before = [t.keys() for t in (old, new, pool)]
+    r.on_placed(("s", 0), [old])  # a session that ended is not tracked any more
+    assert [t.keys() for t in (old, new, pool)] == before
+
+
 def test_bad_configuration():
     with pytest.raises(ValueError):
         SessionRetention("mru")

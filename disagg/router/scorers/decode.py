@@ -13,10 +13,12 @@ output, its hint or ``default_output_tokens``)::
                                                                         decider's local rules)
     join_w  = q_w / prefill_tokens_per_s                                phase "decode": r's first decode
               + (prompt * bytes_per_token + checkpoint_bytes) / bw_w    step waits for the prefill queued
-              + latency_w                                               on w and for r's state; bw_w: the
-                                                                        host link on a node of the prefill
-                                                                        pool (``ctx.prefill_nodes``), else
-                                                                        the remote link
+              + latency_w                                               on w, for r's state and, when w
+              + [B_w > 0] * join_step_fraction * step_w                 runs a batch, for the step in
+                                                                        progress; bw_w: the host link on a
+                                                                        node of the prefill pool
+                                                                        (``ctx.prefill_nodes``), else the
+                                                                        remote link
     cost_w  = own_w + harm_w + join_w
     scale   = o * min_v step_v + max(prompt - common, 0) / prefill_tokens_per_s   r's own service time
               (phase "decode": o * min_v step_v, the time r's ITL is made of)
@@ -34,7 +36,7 @@ the shared host tier, so a move within the node costs little.
 Config example (YAML)::
 
     decode: {decode_base_s: 0.008, decode_per_seq_s: 1.0e-4, decode_per_ctx_token_s: 2.0e-9,
-             prefill_tokens_per_s: 25000, default_output_tokens: 256}
+             prefill_tokens_per_s: 25000, default_output_tokens: 256, join_step_fraction: 0.5}
 """
 
 from __future__ import annotations
@@ -65,12 +67,15 @@ class DecodeScorerConfig:
     remote_gbps: float = 20.0  # ... across nodes
     host_latency_s: float = 50e-6
     remote_latency_s: float = 1e-3
+    join_step_fraction: float = 0.5  # phase decode: expected wait for w's step in progress, in steps
 
     def __post_init__(self) -> None:
         if min(self.decode_base_s, self.decode_per_seq_s, self.decode_per_ctx_token_s) < 0:
             raise ValueError("decode costs must be >= 0")
         if self.prefill_tokens_per_s <= 0 or self.default_output_tokens <= 0:
             raise ValueError("prefill_tokens_per_s and default_output_tokens must be positive")
+        if not 0.0 <= self.join_step_fraction <= 1.0:
+            raise ValueError("join_step_fraction must be in [0, 1]")
         if min(self.host_gbps, self.remote_gbps) <= 0:
             raise ValueError("host_gbps and remote_gbps must be positive")
         if min(self.bytes_per_token, self.checkpoint_bytes, self.host_latency_s, self.remote_latency_s) < 0:
@@ -99,7 +104,7 @@ class DecodeScorer(ArrayScorer):
         if ctx.phase == "decode":  # r's decode joins after w's local prefills and r's state
             nbytes = req.prompt_len * cfg.bytes_per_token + cfg.checkpoint_bytes
             remote = nbytes / (cfg.remote_gbps * 1e9) + cfg.remote_latency_s
-            join = v.loads[_Q] / cfg.prefill_tokens_per_s + remote
+            join = v.loads[_Q] / cfg.prefill_tokens_per_s + remote + (b > 0) * (cfg.join_step_fraction * step)
             if ctx.prefill_nodes:
                 pn = ctx.prefill_nodes
                 near = np.fromiter((w.node_id in pn for w in workers), bool, len(workers))

@@ -16,6 +16,10 @@ learns what will not be read again::
     shared prefix found  a session's first prompt finds blocks another
                          session left: they (and their checkpoints) are
                          shared from now on and refreshed once
+    session moved        a turn's state is stored on other workers' devices
+                         than the last turn's: the session's private objects
+                         on the devices it left -> evicted first (stale
+                         duplicates: its next turn resumes where it went)
 
 Objects are demoted, never dropped: a demoted object that is read again
 (a rewrite resuming from an older checkpoint) is refreshed like any other.
@@ -28,6 +32,8 @@ NOTES
 2. ``_sessions[skey]`` holds the live session's latest full-block digests
    and its private checkpoint keys in the order stored, of which the first
    ``_demoted[skey]`` have been demoted; both go when the session ends.
+3. ``_devices[skey]`` holds the device tiers the session's latest turn was
+   stored on (the prefill worker's, and the decode worker's when they differ).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ _K = b"K"
 
 
 class SessionRetention:
-    def __init__(self, policy: str = "session", keep_checkpoints: int = 4):
+    def __init__(self, policy: str = "session", keep_checkpoints: int = 8):
         if policy not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         if keep_checkpoints < 1:
@@ -51,6 +57,7 @@ class SessionRetention:
         self.shared: set[bytes] = set()  # NOTE 1
         self._sessions: dict[tuple[str, int], tuple[list[bytes], list[bytes]]] = {}  # NOTE 2
         self._demoted: dict[tuple[str, int], int] = {}
+        self._devices: dict[tuple[str, int], list[LRUTier]] = {}  # NOTE 3
         self.num_demoted = 0  # keys passed to demote (resident or not)
 
     def on_prompt(self, skey: tuple[str, int], digests: list[bytes], num_full: int, lead: int,
@@ -86,12 +93,35 @@ class SessionRetention:
             self._demote(mine[done:upto], tiers)
             self._demoted[skey] = upto
 
+    def on_placed(self, skey: tuple[str, int], devices: list[LRUTier]) -> None:
+        """A turn's state was stored on ``devices``: the session's copies on the devices it left go first."""
+        state = self._sessions.get(skey)
+        if not self.enabled or state is None:
+            return
+        left = [t for t in self._devices.get(skey, ()) if all(t is not d for d in devices)]
+        self._devices[skey] = list(devices)
+        if left:
+            self._demote(self._private(state), left)
+
+    def _private(self, state: tuple[list[bytes], list[bytes]]) -> list[bytes]:
+        """The session's private objects, start to end (the end is demoted last: evicted first)."""
+        digests, mine = state
+        shared = self.shared
+        keys: list[bytes] = []
+        for d in digests:
+            if d not in shared:
+                keys.append(d)
+                keys.append(_K + d)
+        keys.extend(mine)
+        return keys
+
     def on_session_end(self, skey: tuple[str, int], tiers: Iterable[LRUTier | None]) -> None:
         """The session will not come back: its private objects go first (tail first)."""
         if not self.enabled:
             return
         state = self._sessions.pop(skey, None)
         done = self._demoted.pop(skey, 0)
+        self._devices.pop(skey, None)
         if state is None:
             return
         digests, mine = state

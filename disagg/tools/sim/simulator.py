@@ -306,7 +306,9 @@ class Simulator:
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
         job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id])
-        self.retention.on_store((job.record.session_id, job.record.salt), job.ckpts, self._tiers)
+        skey = (job.record.session_id, job.record.salt)
+        self.retention.on_store(skey, job.ckpts, self._tiers)
+        self.retention.on_placed(skey, [w.device] if job.decode_worker is None else [w.device, job.decode_worker.device])
         if self.cluster.checkpoint_prompt_end:
             end = self.state.prompt_end_key(ps)
             if end is not None:
