@@ -177,6 +177,7 @@ class ServeBackend:
         finally:
             if not done:
                 gen.cancel()
+                report_finished(params.request_id, None)  # abandoned or failed: the routers forget it
 
     async def stats(self) -> dict:
         calls = [self.decode.stats.remote()]

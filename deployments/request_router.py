@@ -72,8 +72,9 @@ from kv_transfer.keys import BlockHasher, KeyExtras
 log = logging.getLogger("ray.serve")
 
 
-def report_finished(request_id: str, realized_cached_tokens: int) -> None:
-    """Tell this process's policies how many cached tokens a routed request really reused."""
+def report_finished(request_id: str, realized_cached_tokens: int | None) -> None:
+    """Tell this process's policies how many cached tokens a routed request really reused (None: it
+    ended without a result; they drop its bookkeeping)."""
     for policy in list(router_metrics.LIVE_POLICIES.values()):
         policy.on_finished(request_id, realized_cached_tokens)
 

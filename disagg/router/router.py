@@ -222,7 +222,9 @@ class StateAwareRouter:
         self._to_decode[decision.decode_worker] = self._to_decode.get(decision.decode_worker, 0) + 1
         self.metrics.record_decision(decision.reason, decision.source_tier)
 
-    def on_finished(self, request_id: str, realized_cached_tokens: int) -> None:
+    def on_finished(self, request_id: str, realized_cached_tokens: int | None) -> None:
+        """The request ended: with the cached tokens it reused, or None without a result (abandoned,
+        failed), which drops its bookkeeping and records nothing."""
         entry = self._inflight.pop(request_id, None)
         if entry is None:
             return
@@ -232,7 +234,8 @@ class StateAwareRouter:
             self._to_decode[decode_id] = left
         else:
             del self._to_decode[decode_id]
-        self.metrics.record_finished(predicted, realized_cached_tokens, prompt_len)
+        if realized_cached_tokens is not None:
+            self.metrics.record_finished(predicted, realized_cached_tokens, prompt_len)
 
 
 def _session_key(request: RouteRequest) -> str:

@@ -126,6 +126,10 @@ def test_pd_idle_decode_worker_absorbs_a_queued_pool_until_a_decode_is_on_its_wa
     r.on_finished("a", 16384)
     d = r.route(RouteRequest("c", "s", h, plen, 256), ws)
     assert d.reason == "local_idle/cache_hit"
+    r.on_routed(RouteRequest("c", "s", h, plen, 256), d)
+    r.on_finished("c", None)  # ended without a result (abandoned): d1 is idle again, nothing recorded
+    assert r.route(RouteRequest("c2", "s", h, plen, 256), ws).reason == "local_idle/cache_hit"
+    assert r.metrics.snapshot()["realized_cached_tokens"] == 16384
     ws[0].queued_prefill_tokens = 2999  # 3,999 < 4,000: the queue does not pay for the local prefill
     assert StateAwareRouter(idx).route(RouteRequest("e", "s", h, plen, 256), ws).reason == "disagg/cache_hit"
 

@@ -52,5 +52,5 @@ class NoFeedback:
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
         return None
 
-    def on_finished(self, request_id: str, realized_cached_tokens: int) -> None:
+    def on_finished(self, request_id: str, realized_cached_tokens: int | None) -> None:
         return None
