@@ -54,6 +54,12 @@ NOTES
    stand-in's first run): its MLA writes are the step's own rows, rewritten
    with the same values by the replay, but its KDA recurrence would advance
    the state twice, so the step's slots are saved before and restored after.
+8. A graph keeps the peak of its intermediates reserved in the runner's
+   pool for the model's life, and a decode step's largest is one MLA layer's
+   keys gathered through the padded tables (rows x width x block x latent).
+   Steps whose gather would pass ``MAX_DECODE_GATHER_BYTES`` (2 GiB: 32 rows
+   of 58K tokens of K3's 576-wide bf16 latents) run piecewise, where that
+   memory is freed after the step.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ from disagg.engine.reference.paged_cache import DecodeBatch
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
-MAX_DECODE_TABLE_BLOCKS = 4096  # NOTE 6: wider decode steps (longer contexts) run piecewise
+MAX_DECODE_GATHER_BYTES = 1 << 31  # NOTE 8: a decode step gathering more keys than this runs piecewise
 
 
 def bucket_for(n: int) -> int | None:
@@ -141,10 +147,9 @@ def _capture_into(fn: Callable, graphs: list, pool, stream: torch.cuda.Stream | 
     return out, pool if pool is not None else graph.pool()
 
 
-def table_bucket(nb: int) -> int | None:
+def table_bucket(nb: int) -> int:
     """The padded block-table width of a decode step whose longest table has ``nb`` blocks."""
-    width = 1 << max(nb - 1, 0).bit_length()
-    return width if width <= MAX_DECODE_TABLE_BLOCKS else None
+    return 1 << max(nb - 1, 0).bit_length()
 
 
 class _DecodeGraph:
@@ -275,7 +280,11 @@ class StepGraphs:
         """A step of single-token sequences of one cache as one graph (NOTE 6): the residual stream
         at rows ``pick``; None when this runner does not take it (the caller tries ``forward``)."""
         rows, width = bucket_for(ids.shape[0]), table_bucket(decode.tables.shape[1])
-        if rows is None or width is None or self.failed is not None or self.decode_failed is not None:
+        if rows is None or self.failed is not None or self.decode_failed is not None:
+            return None
+        layout = decode.cache.layout  # NOTE 8: one MLA layer's gathered keys, as padded
+        gathered = rows * width * layout.block_size * layout.latent_dim * decode.cache.mla_all.element_size()
+        if gathered > MAX_DECODE_GATHER_BYTES:
             return None
         owned = decode.cache.decode_graphs.setdefault(self, {})  # NOTE 6: the cache owns them
         with self._lock:  # NOTE 1

@@ -162,6 +162,31 @@ def test_whole_decode_step_graphs_pad_rows_and_keep_state(where: str):
         torch.testing.assert_close(a, b, **tol)
 
 
+def test_decode_steps_over_the_gather_limit_run_piecewise(monkeypatch):
+    """A decode step whose padded key gather passes the limit (graphs NOTE 8) runs piecewise, with
+    the same tokens; under the limit the same steps replay whole."""
+    import disagg.engine.reference.graphs as graphs_mod
+
+    def decode(limit: int) -> tuple[list[int], int]:
+        monkeypatch.setattr(graphs_mod, "MAX_DECODE_GATHER_BYTES", limit)
+        model = _graph_model("stand-in")
+        eng = _engine(model, graphs=True)
+        for i in range(3):
+            eng.add_request(EngineRequest(f"r{i}", _prompt(100, i), SamplingParams(max_tokens=6, ignore_eos=True)))
+        out: list[int] = []
+        while eng.has_work():
+            for o in eng.step():
+                out.extend(o.new_token_ids)
+        return out, model.step_graphs().decode_captures
+
+    # 3 rows pad to 4, tables of 2 blocks to 2: 4 x 2 x 64 x latent x 4 bytes
+    latent = load_preset("tiny").kv_lora_rank + load_preset("tiny").qk_rope_head_dim
+    need = 4 * 2 * 64 * latent * 4
+    whole, captured = decode(need)
+    piecewise, none = decode(need - 1)
+    assert captured >= 1 and none == 0 and whole == piecewise
+
+
 def test_decode_graphs_go_with_their_cache():
     """A cache keeps the decode graphs bound to its pools (graphs NOTE 6): an engine dropped from a
     model that lives on frees its cache, graphs included."""
