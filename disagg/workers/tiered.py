@@ -163,6 +163,17 @@ class TierState:
             stored = tuple(p for p, r in zip(positions, results, strict=True) if not r.num_refused)
         return sum(r.bytes_stored for r in results), stored
 
+    async def demote(self, digests: list[bytes]) -> int:
+        """The node's tiers evict these resume points first (``disagg.flow`` NOTE 9; one round trip
+        to a node's store process): how many of their objects some tier held."""
+        if self.store is None or not digests:
+            return 0
+
+        def demote_all() -> int:
+            return self.store.demote([k for d in digests for k in self.store.checkpoint_keys(d)])
+
+        return await asyncio.to_thread(demote_all)
+
     def _present_blocks(self, tokens: list[int], hasher: BlockHasher) -> int:
         digests = hasher.block_hashes(tokens)
         if not digests:
