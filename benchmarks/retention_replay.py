@@ -13,7 +13,7 @@ same requests run once per ``--keep`` value (``transfer.host.keep_checkpoints``;
 
 Prints, per run: realized / theoretical (prompt tokens reused over the server's
 infinite-cache bound, ``reuse_bound``), the misses by reason, the host tier's
-evictions and demoted objects; the ratio of each run's realized tokens to the
+evictions and demoted objects, the state bytes put; the ratio of each run's realized tokens to the
 first run's; and whether every run's greedy outputs are identical.
 """
 
@@ -82,7 +82,8 @@ async def _replay(b: InProcessBackend, args) -> tuple[dict, list[list[int]]]:
         print(f"  turn {turn + 1}/{args.turns} done", file=sys.stderr, flush=True)
     host = b.store.tiers[0].stats()
     return {"prompt": prompt, "realized": realized, "bound": bound, "misses": misses,
-            "evictions": host["num_evictions"], "demoted": host["num_demoted"]}, outputs
+            "evictions": host["num_evictions"], "demoted": host["num_demoted"],
+            "published_mb": b.store.stats()["bytes_put"] / (1 << 20)}, outputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         outs.append(o)
     base = results[0]["realized"] or 1
     print(f"{'keep':>5} {'realized/theoretical':>21} {'vs first':>9} {'realized':>9} {'bound':>8} {'prompt':>8} "
-          f"{'evictions':>9} {'demoted':>8}  misses (tokens by reason)")
+          f"{'evictions':>9} {'demoted':>8} {'put MiB':>8}  misses (tokens by reason)")
     for keep, r in zip(keeps, results, strict=True):
         ratio = r["realized"] / r["bound"] if r["bound"] else 0.0
         misses = ", ".join(f"{k} {v}" for k, v in sorted(r["misses"].items()))
         print(f"{keep:>5} {ratio:>21.3f} {r['realized'] / base:>8.2f}x {r['realized']:>9} {r['bound']:>8} "
-              f"{r['prompt']:>8} {r['evictions']:>9} {r['demoted']:>8}  {misses}")
+              f"{r['prompt']:>8} {r['evictions']:>9} {r['demoted']:>8} {r['published_mb']:>8.1f}  {misses}")
     print(f"greedy outputs identical across runs: {all(o == outs[0] for o in outs)}")
     return 0
 
