@@ -94,7 +94,7 @@ from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.reuse.accounting import ReuseAccounting, ReuseTicket
 from disagg.reuse.placement import CheckpointPlacement
-from disagg.reuse.retention import SessionCheckpoints
+from disagg.reuse.retention import PublishedPoint, SessionCheckpoints
 from disagg.router.decider import DeciderConfig, PDDecider, PDDecision
 from disagg.router.metrics import PoolQuery, PoolView
 from disagg.session import session_key
@@ -178,9 +178,9 @@ class FlowState(Protocol):
         called) and store the state: (bytes stored, positions whose every piece is stored)."""
         ...
 
-    async def demote(self, digests: list[bytes]) -> int:
-        """Have the tiers evict the resume points named by these prefix digests first (NOTE 9):
-        how many of their objects some tier held."""
+    async def demote(self, points: list[PublishedPoint]) -> int:
+        """Have the tiers evict these resume points' objects first (NOTE 9): how many of them
+        some tier held."""
         ...
 
 
@@ -561,17 +561,17 @@ class RequestFlow:
         demote its superseded ones (background)."""
         if self.state is None or not stored:
             return
-        digests = self.reuse.superseded(session, turn, tokens, hasher, stored, hashes or None)
-        if digests:
-            self.spawn(self._demote(digests))
+        points = self.reuse.superseded(session, turn, tokens, hasher, stored, hashes or None)
+        if points:
+            self.spawn(self._demote(points))
 
-    async def _demote(self, digests: list[bytes]) -> None:
+    async def _demote(self, points: list[PublishedPoint]) -> None:
         try:
-            await self.state.demote(digests)
+            await self.state.demote(points)
         except Exception:  # noqa: BLE001 - a demote that fails leaves eviction by recency (NOTE 3)
-            log.warning("demoting %d superseded checkpoints failed", len(digests), exc_info=True)
+            log.warning("demoting %d superseded checkpoints failed", len(points), exc_info=True)
             return
-        self.counters["checkpoints_demoted"] += len(digests)
+        self.counters["checkpoints_demoted"] += len(points)
 
     # -- background work ---------------------------------------------------------------
     def spawn(self, coro, session: str | None = None) -> None:

@@ -167,13 +167,15 @@ class StateStore:
             todo = [k for k, h in zip(todo, hits, strict=True) if not h]
         return found
 
-    def checkpoint_keys(self, digest: bytes) -> list[str]:
+    def checkpoint_keys(self, digest: bytes, unaligned: bool | None = None) -> list[str]:
         """The keys of the resume point whose prefix digest is ``digest``: every KDA shard, and
-        the tail shards when that digest names a tail this store put (an unaligned point)."""
+        the tail shards when the point is ``unaligned`` (None: when this store put a tail there;
+        another process's store may have put it)."""
         keys = self._shards("kda", digest)
-        with self._lock:
-            is_tail = digest in self._tail_keys
-        return keys + self._shards("tail", digest) if is_tail else keys
+        if unaligned is None:
+            with self._lock:
+                unaligned = digest in self._tail_keys
+        return keys + self._shards("tail", digest) if unaligned else keys
 
     def demote(self, keys: Sequence[ObjectKey | str]) -> int:
         """Have every tier that orders its evictions (``demote``) evict ``keys`` first, the

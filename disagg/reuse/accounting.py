@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from disagg.reuse.ledger import ReuseLedger, ReuseView, _Lru
 from disagg.reuse.misses import MissInputs, classify
 from disagg.reuse.placement import CheckpointPlacement
-from disagg.reuse.retention import SessionCheckpoints
+from disagg.reuse.retention import PublishedPoint, SessionCheckpoints
 from kv_transfer.keys import BlockHasher
 
 HeldFn = Callable[[int], Awaitable[bool]]  # position -> is the state there still resumable (store or device)
@@ -136,10 +136,10 @@ class ReuseAccounting:
         return ticket.misses
 
     def superseded(self, session: str | None, turn: str, tokens: Sequence[int], hasher: BlockHasher,
-                   positions: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[bytes]:
+                   positions: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[PublishedPoint]:
         """``session``'s points at ``positions`` of ``tokens`` (published by request ``turn``)
-        landed: the prefix digests of its superseded checkpoints to demote now
-        (``disagg.reuse.retention``); [] without retention."""
+        landed: its superseded checkpoints to demote now (``disagg.reuse.retention``); []
+        without retention."""
         if self.retention is None or not session:
             return []
         return self.retention.published(session, turn, tokens, hasher, positions, hashes)

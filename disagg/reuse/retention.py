@@ -115,10 +115,9 @@ class SessionCheckpoints:
             self.shared.put(h, None)
 
     def published(self, session: str, turn: str, tokens: Sequence[int], hasher: BlockHasher,
-                  positions: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[bytes]:
+                  positions: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[PublishedPoint]:
         """``session``'s points at ``positions`` of ``tokens``, published by request ``turn``,
-        landed: the prefix digests of its points superseded now (oldest first), each returned
-        once (NOTE 1)."""
+        landed: its points superseded now (oldest first), each returned once (NOTE 1)."""
         bs = self.block_size
         positions = sorted({p for p in positions if 0 < p <= len(tokens)})
         if not self.enabled or not session or not positions:
@@ -136,7 +135,7 @@ class SessionCheckpoints:
         result = superseded(before + new, self.keep, self.shared)
         self._sessions.put(session, result.track)
         self.num_demoted += len(result.demote)
-        return [pt.digest for pt in result.demote]
+        return list(result.demote)
 
     def forget(self, session: str) -> None:
         self._sessions.pop(session, None)

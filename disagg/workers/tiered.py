@@ -163,14 +163,17 @@ class TierState:
             stored = tuple(p for p, r in zip(positions, results, strict=True) if not r.num_refused)
         return sum(r.bytes_stored for r in results), stored
 
-    async def demote(self, digests: list[bytes]) -> int:
-        """The node's tiers evict these resume points first (``disagg.flow`` NOTE 9; one round trip
-        to a node's store process): how many of their objects some tier held."""
-        if self.store is None or not digests:
+    async def demote(self, points: list) -> int:
+        """The node's tiers evict these resume points (``disagg.reuse.retention.PublishedPoint``)
+        first (``disagg.flow`` NOTE 9; one round trip to a node's store process): how many of
+        their objects (KDA shards, and tails of unaligned points) some tier held."""
+        if self.store is None or not points:
             return 0
+        bs = self.layout.block_size
 
         def demote_all() -> int:
-            return self.store.demote([k for d in digests for k in self.store.checkpoint_keys(d)])
+            keys = [k for pt in points for k in self.store.checkpoint_keys(pt.digest, pt.position % bs != 0)]
+            return self.store.demote(keys)
 
         return await asyncio.to_thread(demote_all)
 

@@ -76,7 +76,7 @@ class ConnectorState:
         await engine.release(request_id)  # the connector saves (the engine keeps no finished request for export)
         return 0, ()
 
-    async def demote(self, digests: list[bytes]) -> int:
+    async def demote(self, points: list) -> int:
         return 0  # the connector's saves are not this flow's publishes: nothing of them is demoted here
 
 

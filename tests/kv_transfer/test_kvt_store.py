@@ -203,6 +203,10 @@ def test_demoted_checkpoints_are_evicted_first_and_stay_readable_until_then() ->
             store.put_state(TOKS, make_state(LAYOUT, p), H)
         old = [store.checkpoint_keys(H.prefix_digest(TOKS, p)) for p in (16, 32, 37)]
         assert [len(k) for k in old] == [1, 1, 2]  # the unaligned point names its tail too
+        peer = StateStore([tier], LAYOUT)  # another process's store over the same tier: it put no tail
+        assert peer.checkpoint_keys(H.prefix_digest(TOKS, 37)) == old[2][:1]
+        assert peer.checkpoint_keys(H.prefix_digest(TOKS, 37), unaligned=True) == old[2]
+        assert peer.checkpoint_keys(H.prefix_digest(TOKS, 16), unaligned=False) == old[0]
         assert store.demote([k for keys in old for k in keys] + ["kda:absent"]) == 4
         assert store.stats()["num_retention_demoted"] == 4
         assert store.load_state(TOKS, 32, H) is not None  # demoted, still there; the read refreshes it

@@ -43,15 +43,19 @@ def _digest(tokens: list[int], p: int) -> bytes:
     return H.prefix_digest(tokens, p)
 
 
+def _published(r: SessionCheckpoints, *args) -> list[bytes]:
+    return [pt.digest for pt in r.published(*args)]
+
+
 def test_each_superseded_point_once_oldest_first_and_a_republish_is_newest() -> None:
     toks = list(range(200))
     r = SessionCheckpoints(BS, keep=2)
-    assert r.published("s", "t1", toks, H, [32, 40, 48]) == []  # one turn: nothing superseded
-    assert r.published("s", "t2", toks, H, [64, 70]) == [_digest(toks, 32), _digest(toks, 40), _digest(toks, 48)]
-    assert r.published("s", "t3", toks, H, [64]) == []  # 64 is newest again: 70 is kept with it
-    assert r.published("s", "t4", toks, H, [96]) == [_digest(toks, 70)]
-    assert r.published("other", "t5", toks, H, [96]) == []  # per session
-    assert r.published("", "t6", toks, H, [1, 2, 3]) == [] and r.num_demoted == 4
+    assert _published(r, "s", "t1", toks, H, [32, 40, 48]) == []  # one turn: nothing superseded
+    assert _published(r, "s", "t2", toks, H, [64, 70]) == [_digest(toks, 32), _digest(toks, 40), _digest(toks, 48)]
+    assert _published(r, "s", "t3", toks, H, [64]) == []  # 64 is newest again: 70 is kept with it
+    assert _published(r, "s", "t4", toks, H, [96]) == [_digest(toks, 70)]
+    assert _published(r, "other", "t5", toks, H, [96]) == []  # per session
+    assert _published(r, "", "t6", toks, H, [1, 2, 3]) == [] and r.num_demoted == 4
 
 
 def test_points_on_a_prefix_another_session_started_with_are_never_demoted() -> None:
@@ -60,12 +64,12 @@ def test_points_on_a_prefix_another_session_started_with_are_never_demoted() -> 
     r = SessionCheckpoints(BS, keep=1)
     r.note_shared(H.block_hashes(toks), 3)
     # 16, 32, 48 (aligned on shared blocks) and 50 (its last full block is shared) are shared
-    assert r.published("s", "t1", toks, H, [16, 32, 48, 50, 64, 80]) == []
-    assert r.published("s", "t2", toks, H, [90]) == [_digest(toks, 64), _digest(toks, 80)]
+    assert _published(r, "s", "t1", toks, H, [16, 32, 48, 50, 64, 80]) == []
+    assert _published(r, "s", "t2", toks, H, [90]) == [_digest(toks, 64), _digest(toks, 80)]
 
 
 def test_off_and_bad_config() -> None:
     r = SessionCheckpoints(BS, keep=0)
-    assert not r.enabled and r.published("s", "t", list(range(100)), H, [16, 32, 48]) == []
+    assert not r.enabled and _published(r, "s", "t", list(range(100)), H, [16, 32, 48]) == []
     with pytest.raises(ValueError):
         SessionCheckpoints(BS, keep=-1)
