@@ -74,7 +74,8 @@ NOTES
    replica's, by its handle, or this worker's turn end), the reuse accounting names the
    session's private checkpoints of earlier turns beyond its newest ``keep_checkpoints``
    (``superseded``; a request's prefill and turn end are one turn, its ``request_id``) and
-   the flow has the node's tiers evict them first (``FlowState.demote``, in the background).
+   the flow has the node's tiers evict them first (``FlowState.demote``: in the background
+   after a prefill's hand-off, within the turn end's background publish).
    Points on a prefix another session started with are never demoted. A demote only reorders
    eviction: a demoted point read again is served (and refreshed), one evicted is recomputed.
 """
@@ -388,8 +389,10 @@ class RequestFlow:
             reported = handle.num_cached_tokens, handle.cached_source
             await self.reuse_finish(ticket, reported[0], handle.resume_failure, params)  # reuse: misses
             self.settle(ticket, handle.checkpoints)  # reuse: the prefill's publishes
-            self.retain(session_key(params.cache_salt, params.session_id), params.request_id, ticket.tokens,
-                        hasher, handle.checkpoints, ticket.hashes)  # NOTE 9
+            superseded = self.superseded(session_key(params.cache_salt, params.session_id), params.request_id,
+                                         ticket.tokens, hasher, handle.checkpoints, ticket.hashes)  # NOTE 9
+            if superseded:
+                self.spawn(self.demote(superseded))
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=reported[0],
                                 cached_source=reported[1], replica_id=self.replica_id,
                                 logprobs=[handle.first_logprob] if handle.first_logprob is not None else None)
@@ -550,22 +553,24 @@ class RequestFlow:
         else:
             _, _, stored = await self.publish(request_id, computed, hasher,
                                               earlier_checkpoints(positions, len(computed)))
-            self.retain(session, turn or request_id, computed, hasher, stored)  # NOTE 9
         finally:
             if ticket is not None:
                 self.settle(ticket, stored)
+        if stored:  # part of this (background) publish: the session's next turn waits for it (NOTE 6)
+            await self.demote(self.superseded(session, turn or request_id, computed, hasher, stored))  # NOTE 9
 
-    def retain(self, session: str | None, turn: str, tokens: list[int], hasher: BlockHasher,
-               stored: tuple[int, ...], hashes: list[bytes] | None = None) -> None:
-        """NOTE 9: ``session``'s points at ``stored`` (published by request ``turn``) landed;
-        demote its superseded ones (background)."""
+    def superseded(self, session: str | None, turn: str, tokens: list[int], hasher: BlockHasher,
+                   stored: tuple[int, ...], hashes: list[bytes] | None = None) -> list[PublishedPoint]:
+        """NOTE 9: ``session``'s points at ``stored`` (published by request ``turn``) landed: its
+        points superseded now."""
         if self.state is None or not stored:
-            return
-        points = self.reuse.superseded(session, turn, tokens, hasher, stored, hashes or None)
-        if points:
-            self.spawn(self._demote(points))
+            return []
+        return self.reuse.superseded(session, turn, tokens, hasher, stored, hashes or None)
 
-    async def _demote(self, points: list[PublishedPoint]) -> None:
+    async def demote(self, points: list[PublishedPoint]) -> None:
+        """NOTE 9: the tiers evict ``points`` first; a failure only leaves eviction by recency."""
+        if not points:
+            return
         try:
             await self.state.demote(points)
         except Exception:  # noqa: BLE001 - a demote that fails leaves eviction by recency (NOTE 3)
