@@ -11,11 +11,11 @@ when a turn's checkpoints land (``disagg.flow`` NOTE 9), then demotes what it
 returns in the node's tiers (``StateStore.demote``: evicted first, still
 readable; a demoted point read again is refreshed)::
 
-    session s publishes   p1 p2 p3 | p4 p5 | p6 p7 p8 | p9 p10 p11   (turns, publish order;
-                                                                 positions ascending in a publish)
-    keep = 4                                            |<- newest ->|  (and every point of
-                                                                         the latest turn)
-    demote                p1 p2 p3   p4 p5   p6 p7                 (each point once, oldest first)
+    session s publishes   p1 p2 p3 | p4 p5 | p6 p7 p8 | p9 p10 p11   (turns in publish order;
+                                                                     positions ascending
+    keep = 4                                       |<-- newest 4 -->| in one publish)
+    demote                p1 p2 p3   p4 p5   p6 p7
+    (each point once, oldest first; the latest turn's points are kept past keep)
 
 A turn never supersedes its own points: a prompt's first turn keeps checkpoints
 on its way (every 2^k blocks, the branch point: ``disagg.reuse.placement``) for
