@@ -22,6 +22,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# Session retention (disagg.reuse.retention): a session's newest private KDA checkpoints kept in
+# the tiers' eviction order; older ones are evicted first. The serving path and the simulator's
+# retention (disagg.tools.sim.retention) both default to it.
+KEEP_CHECKPOINTS = 8
+
 # The P/D placement rule's defaults (disagg.router.decider): the one place they are set. The
 # serving path (disagg.flow), the router and the simulator all build their decider from these.
 # Local prefill on a decode replica stalls its whole batch for the prefill's steps: a suffix counts
@@ -83,6 +88,9 @@ class HostTierConfig(_Strict):
     capacity_mb: int = 1024  # hard byte capacity of the node's shared host tier
     policy: Literal["lru", "s3fifo"] = "s3fifo"  # eviction policy
     pin_memory: bool = True  # page-lock for fast device copies where a GPU exists
+    # a session's newest private KDA checkpoints kept in eviction order; older ones are evicted
+    # first (disagg.reuse.retention); 0: off (recency alone)
+    keep_checkpoints: int = Field(default=KEEP_CHECKPOINTS, ge=0)
 
 
 class DiskTierConfig(_Strict):

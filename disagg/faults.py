@@ -370,6 +370,9 @@ class FaultyState:
     async def publish(self, engine, request_id, tokens, hasher, also_at=()):
         return await self.inner.publish(engine, request_id, tokens, hasher, also_at)
 
+    async def demote(self, points):
+        return await self.inner.demote(points)
+
     async def _faulted(self, params, work: Callable):
         fault = self.faults.on_load(params)
         if fault is None:

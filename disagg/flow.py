@@ -17,6 +17,7 @@ interfaces below and run this flow; neither has a decode flow of its own.
       4 decode     engine.generate(EngineRequest(prompt [+ first token]), resume state)
       5 turn end   engine.checkpoint_positions / export_state ->          (background)
                    state.publish, then engine.release
+      6 retain     a session's superseded checkpoints -> state.demote     (background, NOTE 9)
 
 ``FlowEngine`` is what the flow needs of an engine (``disagg.engine.async_engine.AsyncEngine``
 and ``disagg.engine.vllm.engine.VLLMEngine`` implement it); ``FlowState`` is what it needs of
@@ -69,6 +70,14 @@ NOTES
    not come for longer than the bound. A request that prefills locally publishes its points
    only with its turn end, after its whole decode: it drops its in-flight notes as soon as it
    decides (``unpend``), so waiters look up at once instead.
+9. Retention (``disagg.reuse.retention``): whenever a session's checkpoints land (a prefill
+   replica's, by its handle, or this worker's turn end), the reuse accounting names the
+   session's private checkpoints of earlier turns beyond its newest ``keep_checkpoints``
+   (``superseded``; a request's prefill and turn end are one turn, its ``request_id``) and
+   the flow has the node's tiers evict them first (``FlowState.demote``: in the background
+   after a prefill's hand-off, within the turn end's background publish).
+   Points on a prefix another session started with are never demoted. A demote only reorders
+   eviction: a demoted point read again is served (and refreshed), one evicted is recomputed.
 """
 
 from __future__ import annotations
@@ -81,10 +90,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
+from disagg.config import KEEP_CHECKPOINTS
 from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.reuse.accounting import ReuseAccounting, ReuseTicket
 from disagg.reuse.placement import CheckpointPlacement
+from disagg.reuse.retention import PublishedPoint, SessionCheckpoints
 from disagg.router.decider import DeciderConfig, PDDecider, PDDecision
 from disagg.router.metrics import PoolQuery, PoolView
 from disagg.session import session_key
@@ -100,7 +111,7 @@ ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
 PoolFn = Callable[[PoolQuery], "PoolView | None"]  # the prefill pool for one request (NOTE 5)
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
-            "publish_waits", "publish_waits_expired")
+            "publish_waits", "publish_waits_expired", "checkpoints_demoted")
 
 
 @dataclass(slots=True)
@@ -168,6 +179,11 @@ class FlowState(Protocol):
         called) and store the state: (bytes stored, positions whose every piece is stored)."""
         ...
 
+    async def demote(self, points: list[PublishedPoint]) -> int:
+        """Have the tiers evict these resume points' objects first (NOTE 9): how many of them
+        some tier held."""
+        ...
+
 
 @dataclass(slots=True)
 class FlowOptions:
@@ -179,14 +195,16 @@ class FlowOptions:
     load_deadline_s: float = 5.0  # a lookup + load past this recomputes (NOTE 3)
     publish_wait_s: float | None = None  # a lookup's wait for an in-flight publish (NOTE 8); None: load_deadline_s
     learned_checkpoints: bool = True  # prefills keep checkpoints where resumes were seen (NOTE 7)
+    keep_checkpoints: int = KEEP_CHECKPOINTS  # a session's newest private checkpoints not demoted (NOTE 9); 0: off
 
     @classmethod
     def from_config(cls, app: AppConfig, **overrides) -> FlowOptions:
         """The options a Serve replica runs with: ``router`` (decider), ``transfer.load_deadline_s``,
-        ``engine.learned_checkpoints``; ``overrides`` replace any field."""
+        ``engine.learned_checkpoints``, ``transfer.host.keep_checkpoints``; ``overrides`` replace any field."""
         base = {"decider": DeciderConfig(**app.router.decider_params()),
                 "load_deadline_s": app.transfer.load_deadline_s,
-                "learned_checkpoints": app.engine.learned_checkpoints}
+                "learned_checkpoints": app.engine.learned_checkpoints,
+                "keep_checkpoints": app.transfer.host.keep_checkpoints}
         return cls(**{**base, **overrides})
 
 
@@ -201,7 +219,8 @@ class RequestFlow:
         prefill_pool: the prefill pool's loads and uncached tokens for a request (NOTE 5); None: unknown.
         node_id: this worker's node (its shared tiers are the pool's too on that node, NOTE 5).
         reuse: the reuse accounting (NOTE 7); default: accounting, with learned checkpoint
-            placement when ``options.learned_checkpoints``.
+            placement when ``options.learned_checkpoints`` and session retention (NOTE 9)
+            when ``options.keep_checkpoints`` > 0.
     """
 
     def __init__(self, engine: FlowEngine, state: FlowState | None, replica_id: str = "local",
@@ -216,7 +235,9 @@ class RequestFlow:
         self.prefill_pool = prefill_pool
         self.node_id = node_id
         placement = CheckpointPlacement(engine.block_size) if self.options.learned_checkpoints else None
-        self.reuse = reuse or ReuseAccounting(engine.block_size, placement)  # NOTE 7
+        keep = self.options.keep_checkpoints
+        retention = SessionCheckpoints(engine.block_size, keep) if keep > 0 else None  # NOTE 9
+        self.reuse = reuse or ReuseAccounting(engine.block_size, placement, retention=retention)  # NOTE 7
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
         self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)
         self.unfinished = 0  # requests in this flow, not finished (the decider's "coming", NOTE 5)
@@ -368,6 +389,10 @@ class RequestFlow:
             reported = handle.num_cached_tokens, handle.cached_source
             await self.reuse_finish(ticket, reported[0], handle.resume_failure, params)  # reuse: misses
             self.settle(ticket, handle.checkpoints)  # reuse: the prefill's publishes
+            superseded = self.superseded(session_key(params.cache_salt, params.session_id), params.request_id,
+                                         ticket.tokens, hasher, handle.checkpoints, ticket.hashes)  # NOTE 9
+            if superseded:
+                self.spawn(self.demote(superseded))
             first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=reported[0],
                                 cached_source=reported[1], replica_id=self.replica_id,
                                 logprobs=[handle.first_logprob] if handle.first_logprob is not None else None)
@@ -438,7 +463,8 @@ class RequestFlow:
                         mine = ticket if reported is None else None  # a local prefill's points land with it
                         if mine is not None:
                             mine.publishing = True
-                        self.spawn(self.publish_turn_end(rid, hasher, mine), session)  # off the response path
+                        self.spawn(self.publish_turn_end(rid, hasher, mine, session, params.request_id),
+                                   session)  # off the response path
                     chunk = StreamChunk(out.new_token_ids, out.finished, out.finish_reason, n_prompt, cached, source,
                                         out.error, plan.nbytes, plan.seconds, self.replica_id, logprobs=out.logprobs)
                     if out.finished:
@@ -512,9 +538,12 @@ class RequestFlow:
 
         await self.reuse.finish(ticket, realized, failure, held)
 
-    async def publish_turn_end(self, request_id: str, hasher: BlockHasher, ticket: ReuseTicket | None = None) -> None:
+    async def publish_turn_end(self, request_id: str, hasher: BlockHasher, ticket: ReuseTicket | None = None,
+                               session: str | None = None, turn: str = "") -> None:
         """Publish a finished request's turn end and its earlier checkpoints; ``ticket``: the
-        request's own prefill ran here, and this publish settles its points (NOTE 8)."""
+        request's own prefill ran here, and this publish settles its points (NOTE 8); ``session``:
+        the request's session, whose superseded checkpoints are then demoted, ``turn`` the
+        request's id (NOTE 9)."""
         stored: tuple[int, ...] = ()
         try:
             computed = await self.engine.computed_tokens(request_id)
@@ -527,6 +556,27 @@ class RequestFlow:
         finally:
             if ticket is not None:
                 self.settle(ticket, stored)
+        if stored:  # part of this (background) publish: the session's next turn waits for it (NOTE 6)
+            await self.demote(self.superseded(session, turn or request_id, computed, hasher, stored))  # NOTE 9
+
+    def superseded(self, session: str | None, turn: str, tokens: list[int], hasher: BlockHasher,
+                   stored: tuple[int, ...], hashes: list[bytes] | None = None) -> list[PublishedPoint]:
+        """NOTE 9: ``session``'s points at ``stored`` (published by request ``turn``) landed: its
+        points superseded now."""
+        if self.state is None or not stored:
+            return []
+        return self.reuse.superseded(session, turn, tokens, hasher, stored, hashes or None)
+
+    async def demote(self, points: list[PublishedPoint]) -> None:
+        """NOTE 9: the tiers evict ``points`` first; a failure only leaves eviction by recency."""
+        if not points:
+            return
+        try:
+            await self.state.demote(points)
+        except Exception:  # noqa: BLE001 - a demote that fails leaves eviction by recency (NOTE 3)
+            log.warning("demoting %d superseded checkpoints failed", len(points), exc_info=True)
+            return
+        self.counters["checkpoints_demoted"] += len(points)
 
     # -- background work ---------------------------------------------------------------
     def spawn(self, coro, session: str | None = None) -> None:

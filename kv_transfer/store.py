@@ -137,7 +137,7 @@ class StateStore:
         self._counters = dict.fromkeys(
             ("num_put_objects", "num_put_skipped", "num_put_refused", "bytes_put", "num_loads",
              "num_load_hits", "num_load_misses", "num_missing_pieces", "num_corrupt_pieces",
-             "num_promoted", "num_demoted", "num_demote_dropped"), 0)
+             "num_promoted", "num_demoted", "num_demote_dropped", "num_retention_demoted"), 0)
         first = self.tiers[0]
         if write_behind and len(self.tiers) > 1 and getattr(first, "on_evict", False) is None:
             first.on_evict = self._demote
@@ -165,6 +165,30 @@ class StateStore:
             hits = tier.contains(todo)
             found.update((k, i) for k, h in zip(todo, hits, strict=True) if h)
             todo = [k for k, h in zip(todo, hits, strict=True) if not h]
+        return found
+
+    def checkpoint_keys(self, digest: bytes, unaligned: bool | None = None) -> list[str]:
+        """The keys of the resume point whose prefix digest is ``digest``: every KDA shard, and
+        the tail shards when the point is ``unaligned`` (None: when this store put a tail there;
+        another process's store may have put it)."""
+        keys = self._shards("kda", digest)
+        if unaligned is None:
+            with self._lock:
+                unaligned = digest in self._tail_keys
+        return keys + self._shards("tail", digest) if unaligned else keys
+
+    def demote(self, keys: Sequence[ObjectKey | str]) -> int:
+        """Have every tier that orders its evictions (``demote``) evict ``keys`` first, the
+        first key first (host ``HostTier`` NOTE 5: still readable until evicted); tiers
+        without an order (disk) keep theirs. Returns how many keys some tier held."""
+        names = [str(k) for k in keys]
+        found = 0
+        for tier in self.tiers:
+            demote = getattr(tier, "demote", None)
+            if demote is not None and names:
+                found += demote(names)
+        with self._lock:
+            self._counters["num_retention_demoted"] += found
         return found
 
     def contains_keys(self, keys: Sequence[ObjectKey | str]) -> list[bool]:

@@ -37,6 +37,9 @@ class ServingMetrics:
         self.tier_capacity = Gauge("disagg_tier_capacity_bytes", "Capacity per tier", ["tier"], registry=r)
         self.tier_objects = Gauge("disagg_tier_objects", "Objects held per tier", ["tier"], registry=r)
         self.evictions = Gauge("disagg_tier_evictions", "Evictions per tier (cumulative)", ["tier"], registry=r)
+        self.demoted = Gauge("disagg_tier_demoted", "Objects put first in eviction order per tier: superseded "
+                             "checkpoints of sessions (transfer.host.keep_checkpoints; cumulative)", ["tier"],
+                             registry=r)
         self.checksum_failures = Gauge("disagg_checksum_failures", "Objects dropped on checksum failure (cumulative)",
                                        registry=r)
         self.route_cached = Gauge("disagg_route_cached_tokens", "Cached tokens the router predicted vs the "
@@ -100,6 +103,8 @@ class ServingMetrics:
             self.tier_capacity.labels(tier=tier).set(s.get("capacity_bytes", 0))
             self.tier_objects.labels(tier=tier).set(s.get("num_objects", 0))
             self.evictions.labels(tier=tier).set(s.get("evictions", 0))
+            if "num_demoted" in s:
+                self.demoted.labels(tier=tier).set(s["num_demoted"])
         if "checksum_failures" in stats:
             self.checksum_failures.set(stats["checksum_failures"])
         if "resumed_streams" in stats:

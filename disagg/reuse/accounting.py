@@ -15,6 +15,8 @@ The worker calls it at four marked points (``disagg.workers.tiered``, "reuse:"):
     dropped   a publish will not land
     settle    a request's publishes are over: what it noted pending and did not
               store is dropped (a waiter stops waiting for it)
+    superseded  a session's points landed: those of its points to demote now
+              (``disagg.reuse.retention``; the prompt's shared blocks are noted at ``begin``)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from disagg.reuse.ledger import ReuseLedger, ReuseView, _Lru
 from disagg.reuse.misses import MissInputs, classify
 from disagg.reuse.placement import CheckpointPlacement
+from disagg.reuse.retention import PublishedPoint, SessionCheckpoints
 from kv_transfer.keys import BlockHasher
 
 HeldFn = Callable[[int], Awaitable[bool]]  # position -> is the state there still resumable (store or device)
@@ -47,13 +50,15 @@ class ReuseTicket:
 
 
 class ReuseAccounting:
-    """See the module docstring. ``placement=None``: no extra checkpoints (the engine's own only)."""
+    """See the module docstring. ``placement=None``: no extra checkpoints (the engine's own only);
+    ``retention=None``: no session retention (nothing demoted)."""
 
     def __init__(self, block_size: int, placement: CheckpointPlacement | None = None,
-                 ledger: ReuseLedger | None = None):
+                 ledger: ReuseLedger | None = None, retention: SessionCheckpoints | None = None):
         self.block_size = block_size
         self.ledger = ledger or ReuseLedger(block_size)
         self.placement = placement
+        self.retention = retention
         self._last_len = _Lru(1 << 16)  # session -> its previous prompt's length
         self.counters: dict[str, int] = {}  # reason -> missed tokens (this worker)
         self.bound_tokens = 0  # sum of the bounds counted
@@ -71,6 +76,8 @@ class ReuseAccounting:
             self._last_len.put(session, len(tokens))
         self.ledger.note_seen(tokens, hasher, owner, unsalted, hashes)
         bs = self.block_size
+        if self.retention is not None and view.branch:  # its leading blocks are another session's
+            self.retention.note_shared(hashes, view.branch // bs)
         planned = ()
         if self.placement is not None:
             branch = view.branch if view.branch not in view.published else 0
@@ -128,6 +135,15 @@ class ReuseAccounting:
         self.bound_tokens += ticket.bound
         return ticket.misses
 
+    def superseded(self, session: str | None, turn: str, tokens: Sequence[int], hasher: BlockHasher,
+                   positions: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[PublishedPoint]:
+        """``session``'s points at ``positions`` of ``tokens`` (published by request ``turn``)
+        landed: its superseded checkpoints to demote now (``disagg.reuse.retention``); []
+        without retention."""
+        if self.retention is None or not session:
+            return []
+        return self.retention.published(session, turn, tokens, hasher, positions, hashes)
+
     def published(self, tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[int]) -> None:
         self.ledger.note_points(tokens, hasher, positions, "published")
 
@@ -135,4 +151,7 @@ class ReuseAccounting:
         self.ledger.note_points(tokens, hasher, positions, "dropped")
 
     def stats(self) -> dict:
-        return {"miss_tokens": dict(self.counters), "bound_tokens": self.bound_tokens}
+        out = {"miss_tokens": dict(self.counters), "bound_tokens": self.bound_tokens}
+        if self.retention is not None:
+            out["demoted_checkpoints"] = self.retention.num_demoted
+        return out

@@ -163,6 +163,20 @@ class TierState:
             stored = tuple(p for p, r in zip(positions, results, strict=True) if not r.num_refused)
         return sum(r.bytes_stored for r in results), stored
 
+    async def demote(self, points: list) -> int:
+        """The node's tiers evict these resume points (``disagg.reuse.retention.PublishedPoint``)
+        first (``disagg.flow`` NOTE 9; one round trip to a node's store process): how many of
+        their objects (KDA shards, and tails of unaligned points) some tier held."""
+        if self.store is None or not points:
+            return 0
+        bs = self.layout.block_size
+
+        def demote_all() -> int:
+            keys = [k for pt in points for k in self.store.checkpoint_keys(pt.digest, pt.position % bs != 0)]
+            return self.store.demote(keys)
+
+        return await asyncio.to_thread(demote_all)
+
     def _present_blocks(self, tokens: list[int], hasher: BlockHasher) -> int:
         digests = hasher.block_hashes(tokens)
         if not digests:

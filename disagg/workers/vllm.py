@@ -76,6 +76,9 @@ class ConnectorState:
         await engine.release(request_id)  # the connector saves (the engine keeps no finished request for export)
         return 0, ()
 
+    async def demote(self, points: list) -> int:
+        return 0  # the connector's saves are not this flow's publishes: nothing of them is demoted here
+
 
 class VLLMWorker:
     """Prefill / decode over a ``VLLMEngine`` (a ``disagg.flow.FlowEngine``).
@@ -96,8 +99,9 @@ class VLLMWorker:
         self.replica_id, self.node_id = replica_id, node_id
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
         state = ConnectorState(lookup, engine.model_id, engine.block_size, producer_sizes)
-        # vLLM's connector saves what vLLM keeps: no learned checkpoint positions to ask for
-        options = replace(options or FlowOptions(prefill_retries=1), learned_checkpoints=False)
+        # vLLM's connector saves what vLLM keeps: no learned checkpoint positions to ask for, and no
+        # published points of this flow's to demote (NOTE 9 of disagg.flow)
+        options = replace(options or FlowOptions(prefill_retries=1), learned_checkpoints=False, keep_checkpoints=0)
         self.flow = RequestFlow(engine, state, replica_id, options, prefill_pool=prefill_pool, node_id=node_id)
         self.counters = self.flow.counters
 

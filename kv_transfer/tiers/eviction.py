@@ -13,6 +13,12 @@ s3fifo  S3-FIFO (Yang et al., SOSP'23): new keys enter a small FIFO S; keys
         evicting them. Evict from S while bytes(S) > small_ratio * capacity,
         else from M. A one-pass scan only churns S, so it cannot flush M.
 
+``demote(key)`` tells a policy a key will most likely not be read again (a
+session's superseded KDA checkpoint, ``disagg.reuse.retention``): it goes to
+the head of the eviction order (of keys demoted one after another, the last
+demoted is evicted first). A demoted key that is read again is refreshed by
+``on_access`` like any other key: nothing is dropped on a guess.
+
 Config example::
 
     host_tier:
@@ -37,6 +43,9 @@ class EvictionPolicy(Protocol):
 
     def on_remove(self, key: str, evicted: bool) -> None:
         """A key left the tier (evicted by the tier, or deleted)."""
+
+    def demote(self, key: str) -> None:
+        """Evict ``key`` before every key not demoted (no-op for an unknown key)."""
 
     def victims(self) -> Iterator[str]:
         """Keys in eviction order, each at most once per generator."""
@@ -70,6 +79,10 @@ class LRUPolicy:
     def on_remove(self, key: str, evicted: bool) -> None:
         self._order.pop(key, None)
 
+    def demote(self, key: str) -> None:
+        if key in self._order:
+            self._order.move_to_end(key, last=False)
+
     def victims(self) -> Iterator[str]:
         for key in list(self._order):
             if key in self._order:
@@ -80,9 +93,17 @@ class S3FIFOPolicy:
     """S3-FIFO: small FIFO + main FIFO + ghost keys (see module docstring).
 
     NOTES
-    1. Every committed key is in exactly one of ``_small`` / ``_main``.
-    2. ``_small_bytes`` / ``_main_bytes`` equal the sizes of their queues.
+    1. Every committed key is in exactly one of ``_demoted`` / ``_small`` / ``_main``.
+    2. ``_small_bytes`` / ``_main_bytes`` / ``_demoted_bytes`` equal the sizes of their queues.
     3. The ghost list holds keys only and never more than ``max(64, len(self))``.
+    4. Demoted keys (``demote``) sit in their own queue ``_demoted``, evicted before S and
+       M whatever their sizes, the latest demoted first; a demote resets the key's hits
+       (they came before it was superseded). A demoted key read again before its eviction
+       is promoted to M when it reaches the head (as a hit in S is). A demoted key evicted
+       does *not* enter the ghost list: the ghost list means "left S unread, so a quick
+       return proves it recurring (straight into M)"; a demoted key left because we
+       said so, not because it was cold, so its return proves nothing and it starts again
+       in S; and demotes in bulk would flush the ghost list of the signals it exists for.
     """
 
     name = "s3fifo"
@@ -95,16 +116,22 @@ class S3FIFOPolicy:
         self._small: OrderedDict[str, int] = OrderedDict()
         self._main: OrderedDict[str, int] = OrderedDict()
         self._ghost: OrderedDict[str, None] = OrderedDict()
+        self._demoted: OrderedDict[str, int] = OrderedDict()  # NOTE 4: head = evicted first
         self._freq: dict[str, int] = {}
         self._small_bytes = 0
         self._main_bytes = 0
+        self._demoted_bytes = 0
 
     def __len__(self) -> int:
-        return len(self._small) + len(self._main)
+        return len(self._small) + len(self._main) + len(self._demoted)
 
     def queues(self) -> tuple[list[str], list[str], list[str]]:
         """(small, main, ghost) keys, oldest first (for tests and debugging)."""
         return list(self._small), list(self._main), list(self._ghost)
+
+    def demoted(self) -> list[str]:
+        """Demoted keys, next to be evicted first (NOTE 4)."""
+        return list(self._demoted)
 
     def on_insert(self, key: str, nbytes: int) -> None:
         assert key not in self._freq, f"double insert of {key}"
@@ -125,7 +152,9 @@ class S3FIFOPolicy:
         if key not in self._freq:
             return
         del self._freq[key]
-        if key in self._small:
+        if key in self._demoted:  # NOTE 4: no ghost entry
+            self._demoted_bytes -= self._demoted.pop(key)
+        elif key in self._small:
             self._small_bytes -= self._small.pop(key)
             if evicted:
                 self._ghost[key] = None
@@ -133,17 +162,39 @@ class S3FIFOPolicy:
                     self._ghost.popitem(last=False)
         else:
             self._main_bytes -= self._main.pop(key)
-        assert self._small_bytes >= 0 and self._main_bytes >= 0
+        assert self._small_bytes >= 0 and self._main_bytes >= 0 and self._demoted_bytes >= 0
 
-    def _candidate(self, from_small: bool, skip: set[str]) -> str | None:
-        queue = self._small if from_small else self._main
+    def demote(self, key: str) -> None:
+        if key not in self._freq:
+            return
+        if key in self._demoted:
+            nbytes = self._demoted.pop(key)
+            self._demoted_bytes -= nbytes
+        elif key in self._small:
+            nbytes = self._small.pop(key)
+            self._small_bytes -= nbytes
+        else:
+            nbytes = self._main.pop(key)
+            self._main_bytes -= nbytes
+        self._demoted[key] = nbytes
+        self._demoted.move_to_end(key, last=False)
+        self._demoted_bytes += nbytes
+        self._freq[key] = 0
+
+    def _candidate(self, from_small: bool, skip: set[str], queue: OrderedDict[str, int] | None = None) -> str | None:
+        promote = queue is not None or from_small  # a hit in S or among the demoted: promote to M
+        if queue is None:
+            queue = self._small if from_small else self._main
         while True:
             key = next((k for k in queue if k not in skip), None)
             if key is None or self._freq[key] == 0:
                 return key
-            if from_small:  # hit while in S: promote to M, lazily
-                nbytes = self._small.pop(key)
-                self._small_bytes -= nbytes
+            if promote:  # hit while in S (or demoted): promote to M, lazily
+                nbytes = queue.pop(key)
+                if queue is self._small:
+                    self._small_bytes -= nbytes
+                else:
+                    self._demoted_bytes -= nbytes
                 self._main[key] = nbytes
                 self._main_bytes += nbytes
                 self._freq[key] = 0
@@ -154,6 +205,11 @@ class S3FIFOPolicy:
     def victims(self) -> Iterator[str]:
         skip: set[str] = set()
         while True:
+            key = self._candidate(False, skip, self._demoted)  # NOTE 4
+            if key is not None:
+                skip.add(key)
+                yield key
+                continue
             small_first = self._small_bytes > self.small_target or not self._main
             key = self._candidate(small_first, skip)
             if key is None:

@@ -5,6 +5,8 @@ a pluggable eviction policy and reader pins.
     reader:  get_view(key)   -> HostLease (pins; zero-copy memoryview) -> release()
     full:    evict unpinned objects in policy order (slab-aware, see below);
              no room even then -> put returns False (backpressure)
+    demote:  demote(keys) -> those keys go to the head of the policy's order
+             (``kv_transfer.tiers.eviction``: evicted first, still readable)
 
 Eviction, for a request of size class c: (1) victims in policy order until the
 allocation succeeds, for at most one slot's worth of bytes; (2) then only
@@ -120,6 +122,8 @@ class HostTier:
     2. An object with num_pins > 0 is never evicted, deleted or freed.
     3. Committed objects are immutable; a put of an existing key is a no-op (True).
     4. used_bytes == sum of committed object sizes; num_objects == len(index).
+    5. ``demote`` only reorders: a demoted object stays readable until evicted, and a read
+       refreshes it (``on_access``) like any other.
     """
 
     def __init__(
@@ -152,7 +156,8 @@ class HostTier:
         self._used_bytes = 0
         self._counters = dict.fromkeys(
             ("num_puts", "num_duplicate_puts", "num_put_rejected", "num_hits", "num_misses",
-             "num_evictions", "evicted_bytes", "num_deletes", "num_slab_reclaims", "num_evict_errors"), 0)
+             "num_evictions", "evicted_bytes", "num_deletes", "num_slab_reclaims", "num_evict_errors",
+             "num_demoted"), 0)
 
     # ---- writes --------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> Reservation | None:
@@ -290,6 +295,16 @@ class HostTier:
             self._counters["num_deletes"] += 1
         self._emit("evicted", key, entry.alloc.nbytes)
         return True
+
+    def demote(self, keys: Sequence[str]) -> int:
+        """Evict ``keys`` before every other object, ``keys[0]`` first (NOTE 5); absent keys
+        are ignored. Returns how many were present."""
+        with self._lock:
+            present = [k for k in keys if k in self._index]
+            for key in reversed(present):  # each demote goes to the head: the first ends up first
+                self._policy.demote(key)
+            self._counters["num_demoted"] += len(present)
+        return len(present)
 
     # ---- eviction (lock held) -----------------------------------------
     def _new_id(self) -> int:

@@ -27,6 +27,7 @@ Protocol (little-endian), one request then one response per round trip:
     13  GET_MANY      u32 n | n x str key                  n x (u8 status | u64 lease_id | u64 offset | u64 nbytes)
     14  RELEASE_MANY  u32 n | n x u64 lease_id             -
     15  SEAL_MANY     u8 algo | u32 n | n x u64 reservation_id   n x u8
+    16  DEMOTE_MANY   u32 n | n x str key                  u32 num_present   (``HostTier.demote``)
 
 The batch ops (10-14) answer in one round trip what their single forms answer
 per key: a state of 512 blocks is put in two round trips and loaded in two,
@@ -60,7 +61,7 @@ from kv_transfer.tiers.host import HostLease, HostTier, Reservation, put_via_res
 log = logging.getLogger(__name__)
 
 HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
-RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY, SEAL_MANY = range(10, 16)
+RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY, SEAL_MANY, DEMOTE_MANY = range(10, 17)
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
 ERROR = b"\xff"  # first byte of an error reply (statuses are 0-2; HostTierServer NOTE 2)
 
@@ -239,6 +240,9 @@ class HostTierServer:
             return _U8.pack(1) + bytes(int(b) for b in tier.contains(keys))
         if op == DELETE:
             return _U8.pack(int(tier.delete(r.str())))
+        if op == DEMOTE_MANY:
+            keys = [r.str() for _ in range(r.take(_U32))]
+            return _U8.pack(1) + _U32.pack(tier.demote(keys))
         if op == STATS:
             return _U8.pack(1) + _pack_str(json.dumps(tier.stats()))
         raise ValueError(f"unknown op {op}")
@@ -396,6 +400,14 @@ class HostTierClient:
 
     def delete(self, key: str) -> bool:
         return self._call(_U8.pack(DELETE) + _pack_str(key)).take(_U8) == 1
+
+    def demote(self, keys: Sequence[str]) -> int:
+        """``HostTier.demote`` in the owning process (one round trip): how many were present."""
+        if not keys:
+            return 0
+        r = self._call(_U8.pack(DEMOTE_MANY) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
+        r.take(_U8)
+        return r.take(_U32)
 
     def stats(self) -> dict:
         r = self._call(_U8.pack(STATS))

@@ -14,12 +14,14 @@ def _tier(policy: str, num_objects: int) -> HostTier:
 
 
 def _run(tier: HostTier, script: str) -> list[str]:
-    """'+a' puts a, 'a' reads a; returns evicted keys in order."""
+    """'+a' puts a, 'a' reads a, '-a,b' demotes a then b (a evicted first); returns evicted keys in order."""
     evicted: list[str] = []
     tier.on_evict = lambda k, _: evicted.append(k)
     for op in script.split():
         if op.startswith("+"):
             assert tier.put_bytes(op[1:], bytes(OBJ))
+        elif op.startswith("-"):
+            tier.demote(op[1:].split(","))
         else:
             assert tier.get_bytes(op) is not None, op
     return evicted
@@ -114,3 +116,58 @@ def test_s3fifo_resists_a_scan_that_flushes_lru() -> None:
     lru, s3 = _hit_ratio("lru"), _hit_ratio("s3fifo")
     assert lru < 0.1  # every scan pushes the whole hot set out of LRU
     assert s3 > 0.9
+
+
+@pytest.mark.parametrize(
+    "script,expected",
+    [
+        # demoted keys go first, in the order given, before the oldest plain key
+        ("+a +b +c +d -c,b +e +f +g", ["c", "b", "a"]),
+        # a demoted key read again is refreshed like any other: most recent now
+        ("+a +b +c +d -c c +e +f +g +h", ["a", "b", "d", "c"]),
+        # absent keys are ignored; a second demote moves the key to the head again
+        ("+a +b +c +d -x,d,c -d +e +f", ["d", "c"]),
+    ],
+)
+def test_lru_demote_order(script: str, expected: list[str]) -> None:
+    with _tier("lru", 4) as tier:
+        assert _run(tier, script) == expected
+
+
+@pytest.mark.parametrize(
+    "script,expected,queues",
+    [
+        # capacity 10, S target 1 object: +k evicts c from S (a, b were read: now in M); then the
+        # demoted h (S) and a (M) leave before d (S) and b (M), and do not enter the ghost list
+        # (S3FIFOPolicy NOTE 4)
+        ("+a +b +c +d +e +f +g +h +i +j a b +k -h,a +l +m",
+         ["c", "h", "a"], (["d", "e", "f", "g", "i", "j", "k", "l", "m"], ["b"], ["c"])),
+        # a demoted key read before its eviction is promoted to M instead of evicted
+        ("+a +b +c +d +e +f +g +h +i +j -e,f f +k +l",
+         ["e", "a"], (["b", "c", "d", "g", "h", "i", "j", "k", "l"], ["f"], ["a"])),
+        # a demoted key that comes back after its eviction starts again in S, not in M
+        ("+a +b +c +d +e +f +g +h +i +j -e +k +e",
+         ["e", "a"], (["b", "c", "d", "f", "g", "h", "i", "j", "k", "e"], [], ["a"])),
+    ],
+)
+def test_s3fifo_demote_order(script: str, expected: list[str], queues) -> None:
+    with _tier("s3fifo", 10) as tier:
+        assert _run(tier, script) == expected
+        assert tier._policy.queues() == queues
+        assert tier._policy.demoted() == []
+
+
+def test_s3fifo_demote_resets_hits_and_keeps_the_byte_counts() -> None:
+    p = S3FIFOPolicy(capacity_bytes=10 * OBJ)
+    for k in "abc":
+        p.on_insert(k, OBJ)
+    p.on_access("a")
+    p.demote("a")
+    p.demote("b")
+    assert p.demoted() == ["b", "a"] and len(p) == 3
+    assert next(p.victims()) == "b"
+    assert (p._small_bytes, p._main_bytes, p._demoted_bytes) == (OBJ, 0, 2 * OBJ)
+    p.on_remove("a", evicted=False)
+    assert (p._demoted_bytes, p.demoted()) == (OBJ, ["b"])
+    p.demote("zz")  # unknown: ignored
+    assert len(p) == 2

@@ -97,6 +97,22 @@ def test_client_implements_the_byte_store_protocol_in_process() -> None:
             server.close()
 
 
+def test_demote_through_the_client_reorders_the_owners_eviction() -> None:
+    with HostTier(4 * 4 * KiB, slab_bytes=16 * KiB, eviction="s3fifo") as tier:  # 4 one-page slots
+        server = HostTierServer(tier)
+        client = HostTierClient(server.socket_path)
+        try:
+            for k in "abcd":
+                assert client.put_bytes(k, bytes(4 * KiB))
+            assert client.demote(["c", "zz", "b"]) == 2 and client.demote([]) == 0
+            assert tier.stats()["num_demoted"] == 2
+            assert client.put_bytes("e", bytes(4 * KiB)) and client.put_bytes("f", bytes(4 * KiB))
+            assert client.contains(list("abcdef")) == [True, False, False, True, True, True]
+        finally:
+            client.close()
+            server.close()
+
+
 def test_a_bad_request_is_refused_without_dropping_the_connections_leases() -> None:
     """An unknown op (a newer client) or a truncated field gets an error reply; the connection
     and the leases its other threads read through stay, and a truncated key is never served."""

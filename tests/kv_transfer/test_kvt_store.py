@@ -190,3 +190,34 @@ def test_io_threads_put_and_load_like_one_thread(host) -> None:
         assert res.stats()["num_corrupt_pieces"] == 1 and not res.contains_keys([key])[0]
     finally:
         res.tiers[0].close()
+
+
+def test_demoted_checkpoints_are_evicted_first_and_stay_readable_until_then() -> None:
+    """Retention (``StateStore.demote``): superseded checkpoints go before anything else under
+    pressure; one read again after its demote is refreshed and kept."""
+    log = EventLog()
+    tier = HostTier(64 * KiB, slab_bytes=64 * KiB, eviction="lru", event_log=log)  # 16 one-page slots
+    store = StateStore([tier], LAYOUT)
+    try:
+        for p in (16, 32, 37, 48):  # 3 blocks, a tail at 37, 4 KDA checkpoints: 8 objects
+            store.put_state(TOKS, make_state(LAYOUT, p), H)
+        old = [store.checkpoint_keys(H.prefix_digest(TOKS, p)) for p in (16, 32, 37)]
+        assert [len(k) for k in old] == [1, 1, 2]  # the unaligned point names its tail too
+        peer = StateStore([tier], LAYOUT)  # another process's store over the same tier: it put no tail
+        assert peer.checkpoint_keys(H.prefix_digest(TOKS, 37)) == old[2][:1]
+        assert peer.checkpoint_keys(H.prefix_digest(TOKS, 37), unaligned=True) == old[2]
+        assert peer.checkpoint_keys(H.prefix_digest(TOKS, 16), unaligned=False) == old[0]
+        assert store.demote([k for keys in old for k in keys] + ["kda:absent"]) == 4
+        assert store.stats()["num_retention_demoted"] == 4
+        assert store.load_state(TOKS, 32, H) is not None  # demoted, still there; the read refreshes it
+        log.take()
+        other = tokens(200, seed=9)
+        for p in (16, 32, 48, 64, 80, 96):  # 12 objects more than the 8 held: 4 evictions
+            store.put_state(other, make_state(LAYOUT, p, seed=3), H)
+        evicted = [e.key for e in log.take() if e.kind == "evicted"]
+        # the demoted first (in the order given), not kda at 32 (read since), then plain LRU:
+        # block 2, the one object of TOKS neither demoted nor read since its put
+        assert evicted == old[0] + old[2] + [str(ObjectKey("mla", H.block_hashes(TOKS[:48])[2]))]
+        assert store.resumable_length(TOKS, H).position == 32
+    finally:
+        tier.close()

@@ -149,3 +149,30 @@ def test_device_share_fingerprint_rejects_a_torn_copy(pool_mb):
     assert shares.stats()["pooled"] == (3 if pool_mb else 0)
     if pool_mb:  # every range went back to the pool
         assert shares._pool._free == [(0, pool_mb << 20)]
+
+
+def test_retention_demotes_through_the_node_store_process():
+    """A session's superseded checkpoints are demoted in the host tier that the decode process
+    reaches over the node store's socket (``DEMOTE_MANY``), tails the prefill process put included."""
+    cfg = _cfg()
+    cfg.engine.resident_sessions = False  # every follow-up resumes from the host tier
+    cfg.transfer.host.keep_checkpoints = 2
+    backend = ProcessBackend(cfg, ["cpu", "cpu"], layout="1p1d", handoff="host")
+    try:
+        async def go():
+            convo, sources = _ids(200, 1), []
+            for t in range(4):
+                prompt = convo + _ids(150, 10 + t)
+                out, src = await _run(backend, prompt, max_tokens=4, session="s", rid=f"ret{t}")
+                convo, sources = prompt + out, sources + src[:1]
+            return sources, await backend.raw_stats()
+
+        sources, stats = asyncio.run(go())
+    finally:
+        backend.shutdown()
+    decode = stats["decode-0"]
+    assert sources == ["computed", "host", "host", "host"]
+    # turn 2 began after turn 1's publish and its demotes (flow NOTE 6): turn 0's points are demoted
+    points, objects = decode["worker"]["checkpoints_demoted"], decode["store"]["num_retention_demoted"]
+    assert points > 0 and objects > points  # unaligned points' tails (put by the prefill process) too
+    assert decode["store"]["tier:host"]["num_demoted"] >= objects  # a demote may land between the two reads

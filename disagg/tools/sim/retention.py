@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from disagg.config import KEEP_CHECKPOINTS
 from disagg.tools.sim.cache import LRUTier
 
 RETENTION_POLICIES = ("lru", "session")
@@ -47,7 +48,7 @@ _K = b"K"
 
 
 class SessionRetention:
-    def __init__(self, policy: str = "session", keep_checkpoints: int = 8):
+    def __init__(self, policy: str = "session", keep_checkpoints: int = KEEP_CHECKPOINTS):
         if policy not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         if keep_checkpoints < 1:

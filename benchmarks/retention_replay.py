@@ -1,0 +1,130 @@
+"""Session retention in a host tier too small for every session: realized / theoretical hit, off vs on.
+
+Sessions share a system prompt and take turns round-robin (each session's think
+time is every other session's turn); each next prompt is the previous prompt,
+its output and a new message. The replay runs through ``InProcessBackend``
+(tiny reference model on CPU, disaggregated) over a host tier of
+``--host-mb`` (small slabs, so eviction follows the policy), with device-resident
+sessions off: every follow-up resumes from the host tier or recomputes. The
+same requests run once per ``--keep`` value (``transfer.host.keep_checkpoints``;
+0 = off, recency alone), each on a fresh backend::
+
+    PYTHONPATH=. python benchmarks/retention_replay.py --sessions 12 --turns 6 --host-mb 48
+
+Prints, per run: realized / theoretical (prompt tokens reused over the server's
+infinite-cache bound, ``reuse_bound``), the misses by reason, the host tier's
+evictions and demoted objects, the state bytes put; the ratio of each run's realized tokens to the
+first run's; and whether every run's greedy outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+
+import torch
+
+from disagg.config import load_config
+from disagg.engine.protocol import SamplingParams
+from disagg.launch.inprocess import InProcessBackend
+from disagg.messages import GenerateParams
+from kv_transfer.store import StateStore
+from kv_transfer.tiers.host import HostTier
+
+
+def _ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(4, 260) for _ in range(n)]
+
+
+def _backend(args, keep: int) -> InProcessBackend:
+    cfg = load_config({
+        "model": {"name": "tiny"},
+        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 256, "num_threads": 1,
+                   "resident_sessions": False},
+        "transfer": {"host": {"capacity_mb": args.host_mb, "pin_memory": False, "policy": args.policy,
+                              "keep_checkpoints": keep}},
+        "router": {"local_prefill_max_tokens": 64}, "deployment": {"mode": "disaggregated"}})
+    probe = InProcessBackend(cfg, host_tier=False)  # only for the engine's state layout
+    layout = probe.decode.engine.layout
+    probe.shutdown()
+    tier = HostTier(args.host_mb << 20, eviction=args.policy, slab_bytes=1 << 20)
+    return InProcessBackend(cfg, store=StateStore([tier], layout))
+
+
+async def _replay(b: InProcessBackend, args) -> tuple[dict, list[list[int]]]:
+    rng = random.Random(args.seed)
+    system = _ids(args.system_tokens, rng)
+    convos = [system for _ in range(args.sessions)]
+    realized = bound = prompt = 0
+    misses: dict[str, int] = {}
+    outputs = []
+    for turn in range(args.turns):
+        for s in range(args.sessions):
+            tokens = convos[s] + _ids(rng.randrange(args.min_new, args.max_new + 1), rng)
+            p = GenerateParams(f"s{s}-t{turn}", tokens, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+                               session_id=f"s{s}")
+            out, last = [], None
+            async for c in b.stream(p):
+                out += c.token_ids
+                last = c
+            await b.decode.drain()
+            await b.prefill.drain()
+            outputs.append(out)
+            convos[s] = tokens + out
+            prompt += len(tokens)
+            realized += last.num_cached_tokens
+            bound += last.reuse_bound
+            for reason, n in (last.reuse_misses or {}).items():
+                misses[reason] = misses.get(reason, 0) + n
+        print(f"  turn {turn + 1}/{args.turns} done", file=sys.stderr, flush=True)
+    host = b.store.tiers[0].stats()
+    return {"prompt": prompt, "realized": realized, "bound": bound, "misses": misses,
+            "evictions": host["num_evictions"], "demoted": host["num_demoted"],
+            "published_mb": b.store.stats()["bytes_put"] / (1 << 20)}, outputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-tokens", type=int, default=320, help="shared system prompt (5 blocks of 64)")
+    ap.add_argument("--min-new", type=int, default=120, help="new tokens per turn, at least")
+    ap.add_argument("--max-new", type=int, default=260, help="new tokens per turn, at most")
+    ap.add_argument("--max-tokens", type=int, default=4, help="greedy tokens per request")
+    ap.add_argument("--host-mb", type=int, default=48, help="host tier capacity (MiB)")
+    ap.add_argument("--policy", default="s3fifo", choices=("lru", "s3fifo"))
+    ap.add_argument("--keep", default="0,8", help="keep_checkpoints values to run (0: off)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    keeps = [int(k) for k in args.keep.split(",")]
+    results, outs = [], []
+    for keep in keeps:
+        print(f"keep_checkpoints={keep}: {args.sessions} sessions x {args.turns} turns, host {args.host_mb} MiB "
+              f"({args.policy})", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        b = _backend(args, keep)
+        try:
+            r, o = asyncio.run(_replay(b, args))
+        finally:
+            b.shutdown()
+        r["seconds"] = time.perf_counter() - t0
+        results.append(r)
+        outs.append(o)
+    base = results[0]["realized"] or 1
+    print(f"{'keep':>5} {'realized/theoretical':>21} {'vs first':>9} {'realized':>9} {'bound':>8} {'prompt':>8} "
+          f"{'evictions':>9} {'demoted':>8} {'put MiB':>8}  misses (tokens by reason)")
+    for keep, r in zip(keeps, results, strict=True):
+        ratio = r["realized"] / r["bound"] if r["bound"] else 0.0
+        misses = ", ".join(f"{k} {v}" for k, v in sorted(r["misses"].items()))
+        print(f"{keep:>5} {ratio:>21.3f} {r['realized'] / base:>8.2f}x {r['realized']:>9} {r['bound']:>8} "
+              f"{r['prompt']:>8} {r['evictions']:>9} {r['demoted']:>8} {r['published_mb']:>8.1f}  {misses}")
+    print(f"greedy outputs identical across runs: {all(o == outs[0] for o in outs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The retention policy (``disagg.reuse.retention``): exact points demoted, shared ones never."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.reuse.retention import PublishedPoint, SessionCheckpoints, superseded
+from kv_transfer.keys import BlockHasher, KeyExtras
+
+BS = 16
+H = BlockHasher(BS, KeyExtras("tiny"))
+
+
+def pt(p: int, turn: str = "") -> PublishedPoint:
+    return PublishedPoint(p, f"d{p}".encode(), f"a{p}".encode(), turn or f"t{p}")
+
+
+@pytest.mark.parametrize(
+    "positions,keep,shared,demoted,kept",
+    [
+        ([10, 20, 30], 2, set(), [10], [20, 30]),
+        ([10, 20, 30], 3, set(), [], [10, 20, 30]),
+        ([10, 20, 30, 40], 1, {b"a20"}, [10, 30], [40]),  # shared: in neither list
+        ([10, 20, 30], 0, set(), [], [10, 20, 30]),  # off
+        ([], 2, set(), [], []),
+    ],
+)
+def test_superseded_keeps_the_newest_private_points(positions, keep, shared, demoted, kept) -> None:
+    got = superseded([pt(p) for p in positions], keep, shared)
+    assert [p.position for p in got.demote] == demoted
+    assert [p.position for p in got.track] == kept
+
+
+def test_the_latest_turn_never_supersedes_its_own_points() -> None:
+    points = [pt(10, "a"), pt(20, "a"), pt(30, "b"), pt(40, "b"), pt(50, "b")]
+    got = superseded(points, 1, set())
+    assert [p.position for p in got.demote] == [10, 20]
+    assert [p.position for p in got.track] == [30, 40, 50]
+    assert superseded(points[:2], 1, set()).demote == ()  # a first turn keeps all its points
+
+
+def _digest(tokens: list[int], p: int) -> bytes:
+    return H.prefix_digest(tokens, p)
+
+
+def _published(r: SessionCheckpoints, *args) -> list[bytes]:
+    return [pt.digest for pt in r.published(*args)]
+
+
+def test_each_superseded_point_once_oldest_first_and_a_republish_is_newest() -> None:
+    toks = list(range(200))
+    r = SessionCheckpoints(BS, keep=2)
+    assert _published(r, "s", "t1", toks, H, [32, 40, 48]) == []  # one turn: nothing superseded
+    assert _published(r, "s", "t2", toks, H, [64, 70]) == [_digest(toks, 32), _digest(toks, 40), _digest(toks, 48)]
+    assert _published(r, "s", "t3", toks, H, [64]) == []  # 64 is newest again: 70 is kept with it
+    assert _published(r, "s", "t4", toks, H, [96]) == [_digest(toks, 70)]
+    assert _published(r, "other", "t5", toks, H, [96]) == []  # per session
+    assert _published(r, "", "t6", toks, H, [1, 2, 3]) == [] and r.num_demoted == 4
+
+
+def test_points_on_a_prefix_another_session_started_with_are_never_demoted() -> None:
+    system = list(range(100, 148))  # 3 blocks
+    toks = system + list(range(60))
+    r = SessionCheckpoints(BS, keep=1)
+    r.note_shared(H.block_hashes(toks), 3)
+    # 16, 32, 48 (aligned on shared blocks) and 50 (its last full block is shared) are shared
+    assert _published(r, "s", "t1", toks, H, [16, 32, 48, 50, 64, 80]) == []
+    assert _published(r, "s", "t2", toks, H, [90]) == [_digest(toks, 64), _digest(toks, 80)]
+
+
+def test_off_and_bad_config() -> None:
+    r = SessionCheckpoints(BS, keep=0)
+    assert not r.enabled and _published(r, "s", "t", list(range(100)), H, [16, 32, 48]) == []
+    with pytest.raises(ValueError):
+        SessionCheckpoints(BS, keep=-1)

@@ -1,0 +1,86 @@
+"""Retention through the serving path (in process, disaggregated, tiny model on CPU): a multi-turn
+session's superseded private checkpoints are demoted in the host tier, exactly those, none on the
+system prompt it shares; a rewind resumes token-exact through a demoted checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+
+from disagg.api.metrics import ServingMetrics, merge_replica_stats
+from kv_transfer.keys import ObjectKey
+from tests.reuse.test_worker_reuse import BS, backend, ids, send, threads  # noqa: F401 - threads is a fixture
+
+KEEP = 2
+
+
+def _positions(tokens: list[int], hasher) -> dict[bytes, int]:
+    """Prefix digest -> position, for every position of ``tokens``."""
+    out: dict[bytes, int] = {}
+    hashes = hasher.block_hashes(tokens)
+    for k in range(len(tokens) // BS + 1):
+        parent = hashes[k - 1] if k else hasher.root
+        if k:
+            out[parent] = k * BS
+        block = tokens[k * BS : (k + 1) * BS][: BS - 1]
+        for t, d in enumerate(hasher.tail_digests(parent, block), start=1):
+            out[d] = k * BS + t
+    return out
+
+
+def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads):  # noqa: F811
+    # 2 GiB (sparse; 32 slabs): room for every size class, so nothing is evicted in this test
+    b = backend(engine={"resident_sessions": False}, transfer={"host": {"capacity_mb": 2048, "pin_memory": False,
+                                                                        "keep_checkpoints": KEEP}})
+    system = ids(5 * BS, 99)
+    try:
+        async def go():
+            await send(b, "s0", system + ids(300, 10), "s0")  # sends the system prompt first
+            prompts, convo = [], system
+            for turn in range(4):
+                prompt = convo + ids(150 + 10 * turn, turn)
+                out, _ = await send(b, f"s1-{turn}", prompt, "s1")
+                prompts.append(prompt)
+                convo = prompt + out
+            return prompts, convo
+        prompts, convo = asyncio.run(go())
+        turn3_starts = len(prompts[2]) + 3  # turn 2's conversation end: later points are turn 3's
+        tier = b.store.tiers[0]
+        demoted = tier._policy.demoted()  # s3fifo: its demoted queue (nothing was evicted)
+        held = [ObjectKey.parse(k) for k in tier.keys()]
+        hasher = b.decode.hasher
+        at = _positions(convo, hasher)
+        mine = sorted(at[k.digest] for k in held if k.kind == "kda" and k.digest in at)
+        shared_end = 6 * BS  # s1's first prompt starts with s0's 5 blocks: points before block 6 are shared
+        private = [p for p in mine if p >= shared_end]
+        gone = sorted(at.get(ObjectKey.parse(k).digest, -1) for k in demoted if k.startswith("kda:"))
+        tails = sorted(at.get(ObjectKey.parse(k).digest, -1) for k in demoted if k.startswith("tail:"))
+        stats = b.decode.stats()
+
+        # the rewind: back to turn 2's prompt, a new message; its checkpoint there was demoted
+        rewind = prompts[1] + ids(100, 42)
+        assert len(prompts[1]) in gone
+        toks, last = asyncio.run(send(b, "s1-rewind", rewind, "s1"))
+    finally:
+        b.shutdown()
+    assert any(p < shared_end for p in mine), "the shared prefix has checkpoints of its own"
+    latest = [p for p in private if p >= turn3_starts]
+    assert len(latest) >= KEEP  # the latest turn alone fills KEEP: every earlier private point goes
+    # exactly s1's private points of turns 0-2: none on the shared system prompt, none of s0's
+    # (a first turn keeps its points), none of the latest turn
+    assert gone == [p for p in private if p < turn3_starts], (gone, private)
+    assert tails == [p for p in gone if p % BS]  # an unaligned point's tail goes with it
+    assert stats["worker"]["checkpoints_demoted"] == len(gone)
+    assert stats["store"]["tier:host"]["num_demoted"] == len(demoted)
+    assert stats["store"]["tier:host"]["num_evictions"] == 0
+    metrics = ServingMetrics()  # /metrics: the tier's demoted objects, the flow's demoted points
+    metrics.observe_stats(merge_replica_stats([dict(stats, role="decode")]))
+    text = metrics.render()[0].decode()
+    assert f'disagg_tier_demoted{{tier="host"}} {float(len(demoted))}' in text
+    assert f'disagg_worker_events{{event="checkpoints_demoted",role="decode"}} {float(len(gone))}' in text
+    assert last.num_cached_tokens == len(prompts[1]) and last.cached_source == "host"
+    ref = backend()
+    try:
+        expect, _ = asyncio.run(send(ref, "r", rewind, "x"))
+    finally:
+        ref.shutdown()
+    assert toks == expect
