@@ -66,12 +66,7 @@ async def _replay(b: InProcessBackend, args) -> tuple[dict, list[list[int]]]:
             tokens = convos[s] + _ids(rng.randrange(args.min_new, args.max_new + 1), rng)
             p = GenerateParams(f"s{s}-t{turn}", tokens, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
                                session_id=f"s{s}")
-            out, last = [], None
-            async for c in b.stream(p):
-                out += c.token_ids
-                last = c
-            await b.decode.drain()
-            await b.prefill.drain()
+            out, last = await b.complete(p)
             outputs.append(out)
             convos[s] = tokens + out
             prompt += len(tokens)

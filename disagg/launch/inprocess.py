@@ -76,6 +76,20 @@ class InProcessBackend:
         fn = self.prefill.prefill if self.prefill is not None else None
         return self.decode.generate(params, fn)
 
+    async def complete(self, params: GenerateParams) -> tuple[list[int], StreamChunk]:
+        """Stream a request to its end, then wait for both workers' background work (its
+        publishes): (its tokens, its last chunk)."""
+        tokens: list[int] = []
+        last = None
+        async for chunk in self.stream(params):
+            tokens += chunk.token_ids
+            last = chunk
+        await self.decode.drain()
+        if self.prefill is not None:
+            await self.prefill.drain()
+        assert last is not None, "a stream ends with a finished chunk"
+        return tokens, last
+
     async def stats(self) -> dict:
         parts = [dict(self.decode.stats(), role="decode")]
         if self.prefill is not None:

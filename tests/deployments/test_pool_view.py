@@ -147,7 +147,6 @@ def test_unknown_cache_and_unknown_pool():
 
 def test_the_view_is_registered_for_the_decode_side(monkeypatch):
     monkeypatch.setattr(router_metrics, "POOL_VIEWS", {})
-    monkeypatch.setattr(router_metrics, "POOL_LOADS", {})
     assert prefill_pool_view("Prefill", PoolQuery(_params())) is None  # before the prefill router exists
     rr = _router([_stats(100.0, [SESSION]), _stats(0.0)], deployment="Prefill")
     assert prefill_pool_view("Prefill", PoolQuery(_params())) == rr.pool_view(PoolQuery(_params())) == PoolView([100.0, 0.0],
@@ -211,11 +210,8 @@ def test_the_decode_flow_asks_with_its_digests_and_its_nodes_tiers():
     first = [rng.randrange(4, 260) for _ in range(300)]
 
     async def send(rid: str, prompt: list[int]):
-        out = [c async for c in b.stream(GenerateParams(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True),
-                                                        session_id="s", cache_salt=SALT))]
-        await b.decode.drain()
-        await b.prefill.drain()
-        return [t for c in out for t in c.token_ids], out[-1]
+        return await b.complete(GenerateParams(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True),
+                                               session_id="s", cache_salt=SALT))
 
     try:
         async def go():

@@ -42,15 +42,8 @@ def threads():
 
 
 async def send(b: InProcessBackend, rid: str, prompt: list[int], session: str, salt: str = ""):
-    p = GenerateParams(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True), session_id=session,
-                       cache_salt=salt)
-    toks, last = [], None
-    async for c in b.stream(p):
-        toks += c.token_ids
-        last = c
-    await b.decode.drain()
-    await b.prefill.drain()
-    return toks, last
+    return await b.complete(GenerateParams(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True),
+                                           session_id=session, cache_salt=salt))
 
 
 def adds_up(last) -> None:
