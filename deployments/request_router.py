@@ -96,13 +96,6 @@ def router_stats() -> dict:
 _POOL_ROLES = ("prefill", "decode", "both")
 
 
-def prefill_pool_loads(deployment: str) -> list[float] | None:
-    """The effective queued prefill tokens of ``deployment``'s healthy replicas, as this process's
-    router of that deployment sees them; None before that router exists (no request sent yet)."""
-    loads = router_metrics.POOL_LOADS.get(deployment)
-    return None if loads is None else loads()
-
-
 def prefill_pool_view(deployment: str, query: PoolQuery) -> PoolView | None:
     """``deployment``'s loads and, for the query's prompt, each replica's uncached tokens, as this
     process's router of that deployment sees them (``StateAwareRequestRouter.pool_view``); None
@@ -252,7 +245,6 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
         deployment = getattr(getattr(self, "_deployment_id", None), "name", None)
         if deployment:  # as LIVE_POLICIES: in a module imported by reference
-            router_metrics.POOL_LOADS[deployment] = self.pool_loads
             router_metrics.POOL_VIEWS[deployment] = self.pool_view
 
     def pool_loads(self) -> list[float] | None:

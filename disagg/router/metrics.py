@@ -65,9 +65,6 @@ class RouterMetrics:
 # Policies alive in this process, by name (set by serving adapters), so the process can
 # report finished requests to them and export their counters.
 LIVE_POLICIES: dict[str, object] = {}
-# Per deployment name, the effective prefill loads of its replicas as this process's router of
-# that deployment sees them (set by the Serve adapter; read by the decode flow, disagg.flow NOTE 5).
-POOL_LOADS: dict[str, Callable[[], list[float] | None]] = {}
 
 
 @dataclass(frozen=True, slots=True)
