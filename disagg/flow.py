@@ -343,30 +343,24 @@ class RequestFlow:
                        release_fn: ReleaseFn | None = None) -> AsyncIterator[StreamChunk]:
         """Stream one request's chunks. ``hasher`` carries the request's cache salt;
         ``release_fn(handle)`` tells a prefill replica its device hand-off was copied."""
-        self.unfinished += 1
+        self.unfinished += 1  # NOTE 5: until this request ends, whatever way it ends
         try:
-            async with aclosing(self._admitted(params, hasher, prefill_fn, release_fn)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            session = session_key(params.cache_salt, params.session_id)
+            pending = self._publishing.get(session) if session else None
+            if pending:  # NOTE 6
+                await asyncio.wait(list(pending), timeout=self.options.load_deadline_s)
+            tokens = list(params.prompt_token_ids)
+            self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
+            ticket = self.reuse.begin(tokens, hasher, params.session_id, params.request_id, params.cache_salt)  # reuse
+            try:
+                async with aclosing(self._generate(params, hasher, prefill_fn, release_fn, ticket)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+            finally:  # reuse: a request that ends without a publish to come drops what it noted (NOTE 8)
+                if not ticket.settled and not ticket.publishing:
+                    self.settle(ticket, ())
         finally:
             self.unfinished -= 1
-
-    async def _admitted(self, params: GenerateParams, hasher: BlockHasher, prefill_fn: PrefillFn | None,
-                        release_fn: ReleaseFn | None) -> AsyncIterator[StreamChunk]:
-        session = session_key(params.cache_salt, params.session_id)
-        pending = self._publishing.get(session) if session else None
-        if pending:  # NOTE 6
-            await asyncio.wait(list(pending), timeout=self.options.load_deadline_s)
-        tokens = list(params.prompt_token_ids)
-        self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
-        ticket = self.reuse.begin(tokens, hasher, params.session_id, params.request_id, params.cache_salt)  # reuse
-        try:
-            async with aclosing(self._generate(params, hasher, prefill_fn, release_fn, ticket)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        finally:  # reuse: a request that ends without a publish to come drops what it noted (NOTE 8)
-            if not ticket.settled and not ticket.publishing:
-                self.settle(ticket, ())
 
     async def _generate(self, params: GenerateParams, hasher: BlockHasher, prefill_fn: PrefillFn | None,
                         release_fn: ReleaseFn | None, ticket: ReuseTicket) -> AsyncIterator[StreamChunk]:
