@@ -78,6 +78,16 @@ NOTES
    after a prefill's hand-off, within the turn end's background publish).
    Points on a prefix another session started with are never demoted. A demote only reorders
    eviction: a demoted point read again is served (and refreshed), one evicted is recomputed.
+10. Peer resume: a request this worker sends to the prefill pool names this node and what its
+   lookup found in the node's shared tiers (``GenerateParams.state_node`` / ``state_position``:
+   the session's hand-offs and turn ends land here, where its prefill replica, on another node,
+   does not look). A prefill replica on another node whose own device and tiers resume less
+   loads that prefix through the named node's state service (``FlowState.load`` with its
+   ``node_id``), within the same load deadline; a miss there (evicted since, no state service
+   for that node, a failed checksum) resumes what its own node holds. With the router
+   policy's ``peer_reads`` the pool view also credits it to the pool for the P/D decision, as
+   the simulator's router then does (``disagg.router.match.credit_node_state``; off by
+   default: docs/router.md "Round 5").
 """
 
 from __future__ import annotations
@@ -111,7 +121,7 @@ ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
 PoolFn = Callable[[PoolQuery], "PoolView | None"]  # the prefill pool for one request (NOTE 5)
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
-            "publish_waits", "publish_waits_expired", "checkpoints_demoted")
+            "publish_waits", "publish_waits_expired", "checkpoints_demoted", "peer_resumes", "peer_resume_misses")
 
 
 @dataclass(slots=True)
@@ -272,10 +282,32 @@ class RequestFlow:
         if point is not None and point.position > device_len:
             loaded = await self.load(tokens, point.position, hasher, params, deadline)
             if not loaded.failure:
-                return replace(loaded, source=_source(point.tier), node_position=node_position)
+                loaded = replace(loaded, source=_source(point.tier), node_position=node_position)
+                if params.state_position > loaded.position and self._names_peer(params):
+                    return await self._peer_resume(tokens, hasher, params, deadline, loaded)
+                return loaded
             failure = loaded.failure
-        return Resume(None, device_len, "device" if device_len else "computed", failure=failure,
+        plan = Resume(None, device_len, "device" if device_len else "computed", failure=failure,
                       node_position=node_position)
+        if params.state_position > device_len and self._names_peer(params):
+            return await self._peer_resume(tokens, hasher, params, deadline, plan)
+        return plan
+
+    def _names_peer(self, params: GenerateParams) -> bool:
+        """Whether ``params`` names another node's tiers to resume from (NOTE 10)."""
+        return (bool(params.state_node) and params.state_node != self.node_id
+                and 0 < params.state_position < len(params.prompt_token_ids))
+
+    async def _peer_resume(self, tokens: list[int], hasher: BlockHasher, params: GenerateParams, deadline: float,
+                           fallback: Resume) -> Resume:
+        """NOTE 10: the prefix ``params`` names in another node's tiers, loaded through that node's
+        state service within the deadline; ``fallback`` (what this node resumes) when it misses."""
+        got = await self.load(tokens, params.state_position, hasher, params, deadline, node_id=params.state_node)
+        if got.failure:
+            self.counters["peer_resume_misses"] += 1
+            return fallback
+        self.counters["peer_resumes"] += 1
+        return replace(got, source="peer", node_position=fallback.node_position)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
                    deadline: float | None = None, node_id: str | None = None) -> Resume:
@@ -372,7 +404,9 @@ class RequestFlow:
         decision = self.decide(plan, prefill_fn is not None, params, ticket)  # decision taken
         handle = None
         if decision.disaggregate:
-            handle = await self.remote_prefill(replace(params, checkpoint_at=points), prefill_fn)
+            named = {"state_node": self.node_id, "state_position": plan.node_position} \
+                if self.node_id and plan.node_position > 0 else {}  # NOTE 10
+            handle = await self.remote_prefill(replace(params, checkpoint_at=points, **named), prefill_fn)
         first_index = params.resumed_output_tokens  # NOTE 4
         reported = None  # (cached, source) of the prefill replica, when one ran (NOTE 2)
         if handle is None:

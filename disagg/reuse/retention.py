@@ -70,6 +70,24 @@ class PublishedPoint:
     turn: str = ""  # the request that published it (a prefill and its turn end share one)
 
 
+def points_at(tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[int], turn: str = "",
+              hashes: Sequence[bytes] | None = None) -> list[PublishedPoint]:
+    """The resume points of ``tokens`` at ``positions`` (ascending, each in ``(0, len(tokens)]``),
+    named as a store names them; ``hashes``: the tokens' block digests when known."""
+    bs = hasher.block_size
+    if not positions:
+        return []
+    if hashes is None or len(hashes) < positions[-1] // bs:
+        hashes = hasher.block_hashes(tokens[: positions[-1] // bs * bs])
+    out = []
+    for p in positions:
+        n = p // bs
+        anchor = hashes[n - 1] if n else hasher.root
+        digest = hasher.tail_digest(anchor, tokens[n * bs : p]) if p % bs else anchor
+        out.append(PublishedPoint(p, digest, anchor, turn))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class RetentionResult:
     demote: tuple[PublishedPoint, ...]  # superseded private points, oldest first
@@ -118,18 +136,10 @@ class SessionCheckpoints:
                   positions: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[PublishedPoint]:
         """``session``'s points at ``positions`` of ``tokens``, published by request ``turn``,
         landed: its points superseded now (oldest first), each returned once (NOTE 1)."""
-        bs = self.block_size
         positions = sorted({p for p in positions if 0 < p <= len(tokens)})
         if not self.enabled or not session or not positions:
             return []
-        if hashes is None or len(hashes) < positions[-1] // bs:
-            hashes = hasher.block_hashes(tokens[: positions[-1] // bs * bs])
-        new = []
-        for p in positions:
-            n = p // bs
-            anchor = hashes[n - 1] if n else hasher.root
-            digest = hasher.tail_digest(anchor, tokens[n * bs : p]) if p % bs else anchor
-            new.append(PublishedPoint(p, digest, anchor, turn))
+        new = points_at(tokens, hasher, positions, turn, hashes)
         digests = {pt.digest for pt in new}
         before = [pt for pt in self._sessions.get(session, ()) if pt.digest not in digests]  # a re-publish is newest
         result = superseded(before + new, self.keep, self.shared)

@@ -23,6 +23,11 @@ NOTES
    ``peer_stores(handle.node_id)`` (this node's tiers, then that node's gRPC state
    service); with no peer store for that node, from this node's tiers (a miss
    there is a recompute, ``disagg.flow`` NOTE 3).
+3. A prefill that resumed from another node's tiers (a peer resume, ``disagg.flow`` NOTE 10)
+   publishes its turn here for the hand-off, then has this node's tiers evict those
+   checkpoints first (``FlowState.demote``): the session's state lives on the decode
+   replica's node, which its next turn names again; a copy here would only push out the
+   sessions this node serves. A demoted point is still read until evicted (the hand-off).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from disagg.flow import (
     store_lookup,
 )
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.reuse.retention import points_at
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
 
@@ -272,6 +278,8 @@ class StatefulWorker:
                     positions = []
                 nbytes, pub_s, stored = await self.flow.publish(rid, tokens, hasher,
                                                                 earlier_checkpoints(positions, len(tokens)))
+                if plan.source == "peer" and stored:  # NOTE 3: the session lives on the node it came from
+                    self.flow.spawn(self.flow.demote(points_at(tokens, hasher, sorted(stored), params.request_id)))
         except BaseException:  # cancelled (the client left) or failed before the release: the held
             self.flow.spawn(_quietly(self.engine.release(rid), f"release of {rid}"))  # blocks go back
             if shared is not None:
