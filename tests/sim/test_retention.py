@@ -142,3 +142,20 @@ def test_session_retention_raises_the_hit_under_capacity_pressure():
         assert res.summary["requests"] == len(reqs)
         hits[policy] = res.summary["hit_rate"]
     assert hits["session"] > hits["lru"] + 0.1, hits
+
+
+def test_a_borrowed_turn_leaves_the_prefill_tiers_first_in_line():
+    """A prefill that read the session from its decode worker's node (a peer read) stored the turn's
+    checkpoints in its own tiers for the hand-off: the private ones go first there; a shared
+    checkpoint (on another session's prefix) stays, and nothing happens for an unknown session."""
+    dev, host = LRUTier("device", 16), LRUTier("host", 16)
+    r = SessionRetention("session", keep_checkpoints=4)
+    r.on_prompt(("a", 0), [_d(0)], 1, 0, [dev, host])
+    r.on_prompt(("s", 0), [_d(0), _d(1), _d(2)], 3, 1, [dev, host])  # d0 is shared (a's)
+    for t in (dev, host):
+        for k in (_d(0), _k(0), _d(1), _d(2), _k(2), "other"):
+            t.put(k)
+    r.on_borrowed(("s", 0), [_k(0), _k(2)], [dev, host, None])
+    assert dev.keys() == host.keys() == [_k(2), _d(0), _k(0), _d(1), _d(2), "other"]
+    r.on_borrowed(("x", 0), [_k(1)], [dev, host])
+    assert dev.keys() == [_k(2), _d(0), _k(0), _d(1), _d(2), "other"]

@@ -8,6 +8,7 @@ from disagg.tools.sim.cache import LRUTier
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.profile import cost_profile
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
+from disagg.tools.sim.state import PromptState
 from disagg.tools.sim.workload import (
     SimRequest,
     SynthConfig,
@@ -204,3 +205,49 @@ def test_compute_sharing_cuts_macro_decode_steps_by_work_done():
     c_first = 0.7 + (0.23 - (0.7 - (b_end + 0.01))) * 2 / 1.3
     c = next(x for x in out[1] if x[0] == "c")
     assert c[1] == pytest.approx(c_first)
+
+
+def test_a_prefill_reads_its_decode_workers_node_when_that_resumes_further():
+    """P/D, the pool on node n0, decode workers on n1: a prompt whose state only n1's host tier
+    holds resumes there over the remote link (``peer_reads``), charged at the remote bandwidth;
+    without peer reads, or when the pool's own tiers resume as far, it reads its own node."""
+    reqs = synth_sessions(SynthConfig(num_sessions=1, turns=1, block_size=64), seed=1)
+    for peer in (True, False):
+        c = ClusterConfig(num_prefill=2, num_decode=2, workers_per_node=2, peer_reads=peer)
+        sim = Simulator(reqs, "round_robin", c, lanes=1)
+        p, d = sim.workers["w00"], sim.workers["w02"]
+        bs = sim.block_size
+        digests = list(range(1, 9))
+        ps = PromptState([bytes([i]) * 16 for i in digests], 8 * bs + 5, bs, [])
+        sim.state.store(ps, 0, LRUTier("device", 64), sim.host[d.node_id])  # only n1's host tier holds it
+        got = sim._resume(ps, p, d)
+        if not peer:
+            assert got.tokens == 0
+            continue
+        assert (got.tokens, got.tier) == (8 * bs, "remote")
+        assert got.load_s == pytest.approx(sim.cost.transfer_time(got.nbytes, "remote"))
+        sim.state.store(ps, 0, p.device, sim.host[p.node_id])  # now the pool's node holds it too
+        assert sim._resume(ps, p, d).tier == "device"
+        assert sim._resume(ps, p, p).tokens == 8 * bs  # a local prefill reads its own node
+
+
+def test_peer_read_credit_sends_a_decode_nodes_sessions_to_the_pool_at_the_same_reuse():
+    """The pool on node n0, decode workers on n1, n2, tiers too small for the pool to keep every
+    session: a turn whose state only its decode worker's node still holds is prefilled there
+    (``local_state``); with the router's ``peer_reads`` credit it goes to the pool, which reads
+    that node's host tier over the remote link: the same tokens reused, as the router predicted."""
+    reqs = synth_sessions(SynthConfig(num_sessions=8, turns=4, system_tokens=512, first_user_tokens=4096,
+                                      think_s=1.0), seed=3)
+    c = ClusterConfig(num_prefill=2, num_decode=4, workers_per_node=2, device_blocks=24, host_blocks=96,
+                      retention="session")
+    runs = {}
+    for credit in (False, True):
+        res = Simulator(reqs, "state_aware", c, lanes=8, router_config={"peer_reads": credit}).run()
+        runs[credit] = [r for r in res.records if r.finish >= 0]
+    assert len(runs[False]) == len(runs[True]) == len(reqs)
+    assert any(r.reason.startswith("local_state") for r in runs[False])
+    far = [r for r in runs[True] if r.cached_tier == "remote"]
+    assert far and not any(r.reason.startswith("local_state") for r in runs[True])
+    assert all(r.reason.startswith("disagg") and r.prefill_worker in ("w00", "w01") for r in far)
+    assert all(r.predicted_tokens == r.cached_tokens > 0 for r in far)
+    assert sum(r.cached_tokens for r in runs[True]) == sum(r.cached_tokens for r in runs[False])

@@ -103,3 +103,22 @@ def test_index_sees_what_the_tiers_hold():
     rr = RouteRequest("r", "s", first.full(), first.prompt_len, BS)
     assert index.resumable(rr, "w0") == (0, None)  # the index saw the eviction of block 0
     assert sm.num_events == 4 + 2 + 1
+
+
+def test_a_peer_resume_is_charged_at_the_remote_link_and_a_dry_one_copies_nothing():
+    """``remote``: the node tiers given are another node's; ``dry``: measured, not copied."""
+    cost = CostModel(bytes_per_token=100.0, checkpoint_bytes=3 * 64 * 100.0,
+                     bandwidth_gbps={"host": 10.0, "disk": 0.1, "remote": 1.0},
+                     latency_s={"host": 0.0, "disk": 0.0, "remote": 0.0})
+    sm = StateModel(cost, CheckpointPolicy(every_blocks=2, last_full_block=False), BS, PrefixIndex())
+    far_dev, far_host, dev = LRUTier("device", 100), LRUTier("host", 100), LRUTier("device", 100)
+    first = prompt(list(range(5)), 5 * BS)
+    sm.store(first, 0, far_dev, far_host)
+    nxt = prompt(list(range(5)) + [7], 6 * BS)
+    dry = sm.resume(nxt, dev, far_host, None, remote=True, dry=True)
+    assert (dry.tokens, dry.tier) == (4 * BS, "remote") and len(dev) == 0
+    got = sm.resume(nxt, dev, far_host, None, remote=True)
+    nbytes = 4 * BS * 100.0 + cost.checkpoint_bytes
+    assert (got.tokens, got.tier, got.nbytes) == (4 * BS, "remote", nbytes)
+    assert got.load_s == pytest.approx(nbytes / 1e9)  # the remote link, not the host's 10 GB/s
+    assert all(d in dev for d in nxt.digests[:4])

@@ -98,6 +98,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--retention", default="lru", choices=["lru", "session"],
                    help="tier eviction order: plain LRU, or session-aware (ended sessions' and superseded "
                         "checkpoints go first; disagg.tools.sim.retention)")
+    g.add_argument("--no-peer-reads", action="store_true",
+                   help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
     g.add_argument("--stats-period", type=float, default=0.0, help="seconds between worker stats (0 = live)")
     g.add_argument("--node-compute-slots", type=float,
                    help="engines a node runs at full speed at once (default: the profile's; 0 = no sharing)")
@@ -182,7 +184,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_every_blocks=args.checkpoint_every,
                             checkpoint_last_full_block=not args.no_last_full_block,
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
-                            retention=args.retention,
+                            retention=args.retention, peer_reads=not args.no_peer_reads,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None
                             else float((prof.limits if prof else {}).get("node_compute_slots", 0.0)))
     return cluster, cost

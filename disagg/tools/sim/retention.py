@@ -20,6 +20,10 @@ learns what will not be read again::
                          than the last turn's: the session's private objects
                          on the devices it left -> evicted first (stale
                          duplicates: its next turn resumes where it went)
+    state borrowed       a prefill read the session's state from its decode
+                         worker's node (a peer read): the private checkpoints
+                         it stored in the prefill worker's device and node
+                         tiers -> evicted first (its home is the decode node)
 
 Objects are demoted, never dropped: a demoted object that is read again
 (a rewrite resuming from an older checkpoint) is refreshed like any other.
@@ -103,6 +107,15 @@ class SessionRetention:
         self._devices[skey] = list(devices)
         if left:
             self._demote(self._private(state), left)
+
+    def on_borrowed(self, skey: tuple[str, int], ckpts: list[bytes], tiers: Iterable[LRUTier | None]) -> None:
+        """A prefill read the session's state from another node (a peer read) and stored its
+        turn's checkpoints ``ckpts`` in ``tiers`` for the hand-off: the session's home stays the
+        decode worker's node, so these copies (the private ones) go first."""
+        if not self.enabled or skey not in self._sessions:
+            return
+        shared = self.shared
+        self._demote([k for k in ckpts if k[1:] not in shared], tiers)
 
     def _private(self, state: tuple[list[bytes], list[bytes]]) -> list[bytes]:
         """The session's private objects, start to end (the end is demoted last: evicted first)."""

@@ -8,7 +8,7 @@ A request's path (the real system's, with costs from ``CostModel``):
 
     send --request_overhead--> route --> prefill worker P: resume (blocks and a
     checkpoint from device / host / disk: bytes / bw + latency, off the engine's
-    critical path) -> chunked prefill -> store blocks + checkpoints (device,
+    critical path; NOTE 1) -> chunked prefill -> store blocks + checkpoints (device,
     write-through to the node's host tier)
       local (P == D):  first token at prefill end, join P's decode batch
       disagg (P != D): P publishes the state to its host tier and returns the
@@ -26,6 +26,13 @@ Scale: per request the simulator does a few C-speed passes over the
 prompt's blocks (digests are extended incrementally per session), and a
 decode event costs O(log batch), so a run's cost is dominated by the
 router's own decision time (see docs/sim.md for measured rates).
+
+NOTES
+1. Peer reads (``ClusterConfig.peer_reads``, P/D): a prefill for decode worker D on
+   another node may resume from D's node tiers (host, disk) over the remote link,
+   as the serving prefill reads the node that the decode replica names
+   (``GenerateParams.state_node``); it does when they resume further than P's own
+   tiers. D's node keeps its sessions: every hand-off to D is stored there.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -55,7 +62,7 @@ from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import Driver, ReplayConfig
 from disagg.tools.sim.metrics import RequestRecord, bench_summary, summarize
 from disagg.tools.sim.retention import RETENTION_POLICIES, SessionRetention
-from disagg.tools.sim.state import TIER_NAMES, CheckpointPolicy, PromptState, StateModel
+from disagg.tools.sim.state import TIER_NAMES, CheckpointPolicy, PromptState, Resume, StateModel
 from disagg.tools.sim.worker import SimJob, SimWorker
 from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
 
@@ -79,6 +86,7 @@ class ClusterConfig:
     macro_steps: int = 64  # decode steps per event at most
     node_compute_slots: float = 0.0  # engines a node runs at full speed at once (0: no sharing; CPU nodes)
     retention: str = "lru"  # tier eviction order: "lru" or "session" (disagg.tools.sim.retention)
+    peer_reads: bool = True  # P/D: a prefill reads its decode worker's node tiers (Simulator NOTE 1)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -293,7 +301,7 @@ class Simulator:
         self.router.on_routed(rr, decision)
         target = self.workers[decision.prefill_target]
         dec = self.workers[decision.decode_worker]
-        res = self.state.resume(ps, target.device, self.host[target.node_id], self.disk[target.node_id])
+        res = self._resume(ps, target, dec)
         rec.predicted_tokens, rec.cached_tokens, rec.cached_tier = decision.predicted_cached_tokens, res.tokens, res.tier
         rec.prefill_worker, rec.decode_worker, rec.reason = target.worker_id, dec.worker_id, decision.reason
         job = SimJob(rec.request_id, plen, req.output_length, ps, rec, req, res.tokens, res.tokens,
@@ -303,12 +311,31 @@ class Simulator:
         else:
             target.enqueue_prefill(now, job)
 
+    def _resume(self, ps: PromptState, target: SimWorker, dec: SimWorker) -> Resume:
+        """Where ``target`` resumes ``ps``: its device and node tiers or, for a prefill of another
+        node's decode worker with ``peer_reads``, that node's tiers over the remote link, whichever
+        resumes further (NOTE 1)."""
+        tiers = self.host[target.node_id], self.disk[target.node_id]
+        if self.cluster.peer_reads and dec is not target and dec.node_id != target.node_id:
+            peer_tiers = self.host[dec.node_id], self.disk[dec.node_id]
+            if any(t is not None for t in peer_tiers):
+                own = self.state.resume(ps, target.device, *tiers, dry=True)
+                peer = self.state.resume(ps, target.device, *peer_tiers, remote=True, dry=True)
+                if peer.tokens > own.tokens:
+                    return self.state.resume(ps, target.device, *peer_tiers, remote=True)
+        return self.state.resume(ps, target.device, *tiers)
+
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
         job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id])
         skey = (job.record.session_id, job.record.salt)
         self.retention.on_store(skey, job.ckpts, self._tiers)
-        self.retention.on_placed(skey, [w.device] if job.decode_worker is None else [w.device, job.decode_worker.device])
+        if job.record.cached_tier == "remote":  # a peer read (NOTE 1): the session lives on its decode node
+            self.retention.on_borrowed(skey, job.ckpts, [w.device, self.host[w.node_id], self.disk[w.node_id]])
+            self.retention.on_placed(skey, [job.decode_worker.device])
+        else:
+            self.retention.on_placed(skey, [w.device] if job.decode_worker is None
+                                     else [w.device, job.decode_worker.device])
         if self.cluster.checkpoint_prompt_end:
             end = self.state.prompt_end_key(ps)
             if end is not None:

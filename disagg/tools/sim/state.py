@@ -166,7 +166,13 @@ class StateModel:
         return ps.prompt_len, tail_digest(ps.digests[nb], off)
 
     # ---- resume ----------------------------------------------------------------------
-    def resume(self, ps: PromptState, device: LRUTier, host: LRUTier | None, disk: LRUTier | None) -> Resume:
+    def resume(self, ps: PromptState, device: LRUTier, host: LRUTier | None, disk: LRUTier | None,
+               remote: bool = False, dry: bool = False) -> Resume:
+        """Resume ``ps`` on ``device`` from it and the node tiers ``host`` / ``disk``.
+
+        ``remote``: those tiers are another node's (a peer read): their host objects come over
+        the remote link. ``dry``: measure only, copy nothing into ``device``.
+        """
         bs, plen = self.block_size, ps.prompt_len
         full = ps.full()
         tiers = [t for t in (device, host, disk) if t is not None]
@@ -213,10 +219,13 @@ class StateModel:
         if ck_tier:
             nbytes_tier[ck_tier] += self.cost.checkpoint_bytes
             slowest = max(slowest, ck_tier)
-        load_s = sum(self.cost.transfer_time(nb, TIER_NAMES[i]) for i, nb in enumerate(nbytes_tier) if nb)
+        names = ("device", "remote", "disk") if remote else TIER_NAMES
+        load_s = sum(self.cost.transfer_time(nb, names[i]) for i, nb in enumerate(nbytes_tier) if nb)
+        if dry:
+            return Resume(best_p, names[slowest], load_s, sum(nbytes_tier))
         device.put_many(full[:m])
         device.put(best_key, self.ckpt_units)
-        return Resume(best_p, TIER_NAMES[slowest], load_s, sum(nbytes_tier))
+        return Resume(best_p, names[slowest], load_s, sum(nbytes_tier))
 
     # ---- store -------------------------------------------------------------------------
     def store(self, ps: PromptState, from_pos: int, device: LRUTier, host: LRUTier | None,
