@@ -63,6 +63,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 import disagg.router.metrics as router_metrics
 from disagg.messages import GenerateParams
 from disagg.router.index import IndexUpdate, PrefixIndex
+from disagg.router.match import credit_node_state
 from disagg.router.metrics import PoolQuery, PoolView
 from disagg.router.router import RouterConfig, StateAwareRouter
 from disagg.router.types import RouteRequest, TailProbe, WorkerState
@@ -260,7 +261,9 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         (``PrefixIndex.match`` over the prompt's salted digests and tail probes; the query's
         digests when they are this pool's key space, ``_route_request``), at least the query's
         ``node_resumable`` for a replica on the query's node: that node's shared tiers, which
-        its replicas read and whose events this router does not drain (module docstring).
+        its replicas read and whose events this router does not drain (module docstring); with
+        the policy's ``peer_reads``, for a replica on another node too, which reads them through
+        that node's state service (``disagg.flow`` NOTE 10, ``credit_node_state``).
         None: no replica known; ``uncached`` None: no replica has reported its model yet.
         """
         pool = self._pool()
@@ -270,12 +273,11 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         if self._hasher is None or not ids:
             return PoolView(loads, None)
         req = self._route_request(query.params, query.hasher, query.hashes)
-        resumable = self._index.match(req, ids).resumable
+        match = self._index.match(req, ids)
         if query.node_resumable > 0 and query.node_id:
-            node_of, held = self._index.node_of, min(query.node_resumable, req.prompt_len)
-            resumable = [max(r, held) if node_of(w) == query.node_id else r
-                         for w, r in zip(ids, resumable, strict=True)]
-        return PoolView(loads, [float(req.prompt_len - r) for r in resumable])
+            match = credit_node_state(match, set(ids), self._index.node_of, query.node_id,
+                                      min(query.node_resumable, req.prompt_len), self._policy.config.peer_reads)
+        return PoolView(loads, [float(req.prompt_len - r) for r in match.resumable])
 
     def _pool(self) -> tuple[list[str], list[float]] | None:
         """(ids, effective queued prefill tokens) of the healthy replicas; None: no replica known."""

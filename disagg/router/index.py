@@ -257,6 +257,28 @@ class PrefixIndex:
         masks = table.int_masks(row)
         return tuple(-1 if t in self._global_tiers and m else m for t, m in enumerate(masks))  # type: ignore[return-value]
 
+    def node_holds_point(self, request: RouteRequest, position: int, node_id: str) -> bool:
+        """Whether ``node_id``'s shared tiers (host, disk) hold the request's resume point at
+        ``position``: its KDA checkpoint (with the MLA tail when unaligned), its last MLA block
+        and the one halfway. A few lookups, not a walk: a session's blocks are evicted from its
+        context's end first (LRU touches a prefix with every later point; retention demotes a
+        session's private objects end first), so the last block stands for the rest."""
+        bs = request.block_size
+        k = position // bs
+        if position <= 0 or k > len(request.block_hashes):
+            return False
+        hashes = request.block_hashes
+        if position % bs == 0:
+            point = self.tier_masks("kda", hashes[k - 1])
+        else:
+            digest = next((t.digest for t in request.tail_probes if t.position == position), None)
+            point = self.tier_masks("tail", digest) if digest is not None else None
+        node = self._node_mask.get(node_id, 0)
+        for masks in (point, *(self.tier_masks("mla", hashes[i]) for i in {k - 1, k // 2} if 0 <= i < k)):
+            if masks is None or not any(m == -1 or m & node for m in masks[1:3]):  # host, disk
+                return False
+        return True
+
     # ---- updates ------------------------------------------------------------
     def _scope_mask(self, tier: str, reporter: str) -> int:
         scope = self.scopes.get(tier, "worker")

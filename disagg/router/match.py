@@ -164,3 +164,34 @@ class _IntLengths:
 
     def __eq__(self, other: object) -> bool:
         return list(self) == list(other)  # type: ignore[call-overload]
+
+
+def credit_node_state(m: MatchResult, candidates: set[str], node_of, state_node: str, held: int,
+                      peer_reads: bool) -> MatchResult:
+    """``m`` with the prompt's state held in ``state_node``'s shared tiers (``held`` tokens resumable
+    there: a decode worker's node, where its hand-offs and turn ends land) credited to ``candidates``.
+
+    A candidate on that node reads those tiers as its own (tier "host"); one on another node reads
+    them through that node's state service (tier "remote") when ``peer_reads``. A candidate
+    resuming at least as much by itself keeps its own row::
+
+        resumable'(w) = max(resumable(w), held)    w on state_node, or any w with peer_reads
+
+    Only the rows of ``candidates`` change (the prefill pool: what the P/D decider and the
+    prefill placement read); ``m`` is left as it is.
+    """
+    if held <= 0 or not state_node:
+        return m
+    res, tiers = list(m.resumable), list(m.tiers)
+    changed = False
+    for i, wid in enumerate(m.worker_ids):
+        if wid not in candidates or res[i] >= held:
+            continue
+        same = node_of(wid) == state_node
+        if same or peer_reads:
+            res[i], tiers[i] = held, TIER_INDEX["host" if same else "remote"]
+            changed = True
+    if not changed:
+        return m
+    return MatchResult(common_blocks=m.common_blocks, worker_ids=m.worker_ids, resumable=res, tiers=tiers,
+                       mla_blocks=m.mla_blocks)

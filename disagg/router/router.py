@@ -7,7 +7,10 @@ Per request:
        of the n healthy workers, and by at least common_min_workers)
     2. effective loads = live stats + own in-flight predictions
     3a. aggregated pool (every role "both"): profile "both" picks one worker
-    3b. P/D pools: profile "decode" picks D; the decider compares the uncached
+    3b. P/D pools: profile "decode" picks D (with ``peer_reads``, the prefill
+        pool on other nodes is then credited with what D's node tiers hold, which
+        a prefill reads through that node's state service: ``credit_node_state``;
+        off by default, docs/router.md "Round 5"); the decider compares the uncached
         suffix at D against a threshold, the prefill pool's load and what the
         pool would compute (queued + uncached at its cheapest worker, against
         the suffix at D plus what it steals from D's running decodes; D counts
@@ -46,6 +49,7 @@ from disagg.router.decider import PDDecider
 from disagg.router.filters.role import ALLOWED_ROLES
 from disagg.router.index import PrefixIndex
 from disagg.router.loads import LoadTracker
+from disagg.router.match import credit_node_state
 from disagg.router.metrics import RouterMetrics
 from disagg.router.profile import ProfileResult
 from disagg.router.registry import build_profiles
@@ -67,6 +71,7 @@ class RouterConfig:
     session_ttl_s: float = 120.0  # a session counts as active this long after its last turn
     queue_avg_tau_s: float = 60.0  # time constant of the time-averaged queued prefill
     area_tau_s: float = math.inf  # decay of the booked prefill area (inf: none)
+    peer_reads: bool = False  # P/D: credit the pool with the decode worker's node tiers (3b)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.common_fraction <= 1.0:
@@ -160,8 +165,17 @@ class StateAwareRouter:
         decode_id = dec.picked
         if decode_id is None:  # no healthy decode-capable worker: degrade to any healthy worker
             decode_id = ids[0] if ids else workers[0].worker_id
-        suffix = request.prompt_len - ctx.match.resume(decode_id)[0]
+        held = ctx.match.resume(decode_id)[0]
+        suffix = request.prompt_len - held
         pool = [w for w in workers if w.healthy and w.role in ALLOWED_ROLES["prefill"] and w.role != "both"]
+        dnode = self.index.node_of(decode_id)
+        far = {w.worker_id for w in pool if w.node_id != dnode}  # the walk already reads dnode's tiers for the rest
+        if cfg.peer_reads and held and far and self.index.node_holds_point(request, held, dnode):
+            # the pool reads the state the decode worker's node tiers hold (not its device)
+            m = credit_node_state(ctx.match, far, self.index.node_of, dnode, held, True)
+            if m is not ctx.match:
+                ctx = RoutingContext(request=request, match=m, loads=ctx.loads, session_worker=ctx.session_worker,
+                                     session_node=ctx.session_node, now=now, prefill_nodes=ctx.prefill_nodes)
         pv = ctx.view(pool)  # the pool's effective loads and resumable tokens, as columns
         pool_q = pv.prefill.tolist()
         pool_u = (request.prompt_len - pv.resumable).tolist()

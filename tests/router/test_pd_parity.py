@@ -94,11 +94,11 @@ def _nodes(loads: list[float], near: int) -> list[str]:
 
 
 def _serve_router(model_id: str, loads: list[float], prompt: list[int], pool_held: list[int], salt: str,
-                  near: int):
+                  near: int, peer_reads: bool):
     from deployments.request_router import StateAwareRequestRouter
 
     rr = object.__new__(StateAwareRequestRouter)  # its pure part: no Serve controller
-    rr.initialize_state()
+    rr.initialize_state({"peer_reads": peer_reads})
     now = time.time()
     rr._replicas = {f"p{i}": SimpleNamespace(
         replica_id=SimpleNamespace(unique_id=f"p{i}"),
@@ -109,7 +109,7 @@ def _serve_router(model_id: str, loads: list[float], prompt: list[int], pool_hel
     return rr
 
 
-def _serving_decisions(cfg) -> list[str]:
+def _serving_decisions(cfg, peer_reads: bool) -> list[str]:
     reference = build_reference_engine(cfg)
     engine = AsyncEngine(reference)
     store = make_local_store(cfg, reference.layout)  # the decode node's host tier: turn ends are published there
@@ -155,7 +155,7 @@ def _serving_decisions(cfg) -> list[str]:
             called: list[str] = []
             prompt = _prompt(i, suffix, held)
             # replicas of the same model: the view takes the flow's prompt digests (its key space)
-            pool = _serve_router(engine.model_id, loads, prompt, pool_held, salt, near)
+            pool = _serve_router(engine.model_id, loads, prompt, pool_held, salt, near, peer_reads)
             worker.flow.prefill_pool = pool.pool_view
             before: dict[str, int] = {}
             chunks = asyncio.run(run(GenerateParams(f"r{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
@@ -169,10 +169,11 @@ def _serving_decisions(cfg) -> list[str]:
     return out
 
 
-def _simulator_decisions(cfg) -> list[str]:
+def _simulator_decisions(cfg, peer_reads: bool) -> list[str]:
     now = 100.0
     index = PrefixIndex()
-    router = build_router("state_aware", index, lambda: now, router_config={"decider": cfg.router.decider_params()})
+    router = build_router("state_aware", index, lambda: now,
+                          router_config={"decider": cfg.router.decider_params(), "peer_reads": peer_reads})
     out = []
     for i, (suffix, loads, batch, held, pool_held, salt, near) in enumerate(CASES):
         prompt = _prompt(i, suffix, held)
@@ -197,20 +198,29 @@ def _simulator_decisions(cfg) -> list[str]:
     return out
 
 
+EXPECTED = ["local_short_suffix", "disagg", "local_prefill_busy", "disagg", "local_idle",
+            "local_short_suffix", "local_idle", "local_prefill_busy", "local_idle",
+            "disagg", "local_short_suffix", "disagg", "disagg", "local_prefill_busy",
+            "local_state", "disagg", "local_state", "disagg", "local_state", "disagg",
+            "disagg", "disagg"]
+
+
 @pytest.mark.timeout(300)
-def test_serving_path_and_simulator_decide_alike():
+@pytest.mark.parametrize("peer_reads", [False, True])
+def test_serving_path_and_simulator_decide_alike(peer_reads):
+    """With ``peer_reads`` a prefill replica on another node resumes what the decode worker's node
+    holds (``disagg.flow`` NOTE 10), so the decode worker never resumes more than the pool: the
+    ``local_state`` cases go to the pool."""
     cfg = load_config({"model": {"name": "tiny"}, "router": ROUTER,
                        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1}})
     threads = torch.get_num_threads()
     try:
-        serving = _serving_decisions(cfg)
+        serving = _serving_decisions(cfg, peer_reads)
     finally:
         torch.set_num_threads(threads)  # the engine factory set one thread for this process
-    assert serving == _simulator_decisions(cfg)
-    # the sequence exercises every rule of the decider
-    assert set(serving) == {"local_short_suffix", "local_prefill_busy", "local_state", "local_idle", "disagg"}
-    assert serving == ["local_short_suffix", "disagg", "local_prefill_busy", "disagg", "local_idle",
-                       "local_short_suffix", "local_idle", "local_prefill_busy", "local_idle",
-                       "disagg", "local_short_suffix", "disagg", "disagg", "local_prefill_busy",
-                       "local_state", "disagg", "local_state", "disagg", "local_state", "disagg",
-                       "disagg", "disagg"]
+    assert serving == _simulator_decisions(cfg, peer_reads)
+    if not peer_reads:  # the sequence exercises every rule of the decider
+        assert set(serving) == {"local_short_suffix", "local_prefill_busy", "local_state", "local_idle", "disagg"}
+        assert serving == EXPECTED
+    else:
+        assert serving == [r.replace("local_state", "disagg") for r in EXPECTED]
