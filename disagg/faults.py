@@ -359,13 +359,15 @@ class FaultyState:
     async def lookup(self, tokens, hasher, limit=None):
         return await self.inner.lookup(tokens, hasher, limit)
 
-    async def load(self, tokens, position, hasher, params, node_id=None):
-        return await self._faulted(params, lambda: self.inner.load(tokens, position, hasher, params, node_id))
+    async def load(self, tokens, position, hasher, params, node_id=None, first_block=0):
+        return await self._faulted(params, lambda: self.inner.load(tokens, position, hasher, params, node_id,
+                                                                   first_block))
 
-    async def open(self, handle, tokens, hasher, params, release_fn):
+    async def open(self, handle, tokens, hasher, params, release_fn, first_block=0):
         if handle.device_state is not None:
-            return await self.inner.open(handle, tokens, hasher, params, release_fn)
-        return await self._faulted(params, lambda: self.inner.open(handle, tokens, hasher, params, release_fn))
+            return await self.inner.open(handle, tokens, hasher, params, release_fn, first_block)
+        return await self._faulted(params, lambda: self.inner.open(handle, tokens, hasher, params, release_fn,
+                                                                   first_block))
 
     async def publish(self, engine, request_id, tokens, hasher, also_at=()):
         return await self.inner.publish(engine, request_id, tokens, hasher, also_at)

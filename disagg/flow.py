@@ -88,6 +88,15 @@ NOTES
    policy's ``peer_reads`` the pool view also credits it to the pool for the P/D decision, as
    the simulator's router then does (``disagg.router.match.credit_node_state``; off by
    default: docs/router.md "Round 5").
+11. Delta loads: the engine's resident sessions often hold most of a prompt's rows (the
+   decode replica decoded the session's last turn; a prefill replica prefilled it). The plan
+   asks the engine, in the same hop as its resident resume point, for the leading full blocks
+   it holds (``resident_extent``), and every load of this request (a resume from the tiers,
+   a peer resume, the prefill's hand-off) skips their rows (``first_block``): the state moves
+   only the blocks after them, plus the tail and KDA state at its position. The engine takes
+   the rows it skipped from its resident session at admission, or computes them if that
+   session was evicted in between (reference engine NOTE 8). A device hand-off (one peer copy
+   on the host) carries the whole state.
 """
 
 from __future__ import annotations
@@ -135,6 +144,7 @@ class Resume:
     seconds: float = 0.0  # load time
     failure: str = ""  # "load_deadline" | "load_failed": why a lookup or load gave nothing (NOTE 7)
     node_position: int = 0  # what the lookup found in this node's shared tiers (0: nothing), NOTE 5
+    resident_blocks: int = 0  # leading full blocks the engine holds resident (NOTE 11)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +167,8 @@ class FlowEngine(Protocol):
 
     async def resident_length(self, tokens: list[int], cache_salt: str) -> int: ...
 
+    async def resident_extent(self, tokens: list[int], cache_salt: str) -> tuple[int, int]: ...  # NOTE 11
+
     def live_requests(self) -> int: ...  # requests streaming now: the batch a local prefill stalls (NOTE 5)
 
     async def checkpoint_positions(self, request_id: str) -> list[int]: ...  # KeyError: not held
@@ -178,10 +190,10 @@ class FlowState(Protocol):
                      ) -> ResumePoint | None: ...  # limit: furthest position asked (default: the last token's)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
-                   node_id: str | None = None) -> Resume | None: ...
+                   node_id: str | None = None, first_block: int = 0) -> Resume | None: ...  # NOTE 11
 
     async def open(self, handle: PrefillHandle, tokens: list[int], hasher: BlockHasher, params: GenerateParams,
-                   release_fn: ReleaseFn | None) -> Resume | None: ...
+                   release_fn: ReleaseFn | None, first_block: int = 0) -> Resume | None: ...
 
     async def publish(self, engine: FlowEngine, request_id: str, tokens: list[int], hasher: BlockHasher,
                       also_at: tuple[int, ...] = ()) -> tuple[int, tuple[int, ...]]:
@@ -258,15 +270,16 @@ class RequestFlow:
     # -- 1 plan ---------------------------------------------------------------------
     async def plan_resume(self, tokens: list[int], hasher: BlockHasher, params: GenerateParams) -> Resume:
         """The longest of the device-resident session and the tiers' resumable prefix (loaded)."""
-        resident = self.engine.resident_length(tokens, params.cache_salt)  # both lookups at once
+        resident = self.engine.resident_extent(tokens, params.cache_salt)  # both lookups at once
         if self.state is None:
-            device_len = await resident
+            device_len, _ = await resident
             return Resume(None, device_len, "device" if device_len else "computed")
         deadline = time.monotonic() + self.options.load_deadline_s  # lookup and load share one deadline
         lookup = asyncio.wait_for(self.state.lookup(tokens, hasher), self.options.load_deadline_s)
-        device_len, point = await asyncio.gather(resident, lookup, return_exceptions=True)
-        if isinstance(device_len, BaseException):
-            raise device_len
+        extent, point = await asyncio.gather(resident, lookup, return_exceptions=True)
+        if isinstance(extent, BaseException):
+            raise extent
+        device_len, blocks = extent
         failure = ""
         if isinstance(point, asyncio.TimeoutError):
             self.counters["load_timeouts"] += 1
@@ -280,15 +293,16 @@ class RequestFlow:
             raise point
         node_position = point.position if point is not None else 0
         if point is not None and point.position > device_len:
-            loaded = await self.load(tokens, point.position, hasher, params, deadline)
+            loaded = await self.load(tokens, point.position, hasher, params, deadline, first_block=blocks)
             if not loaded.failure:
-                loaded = replace(loaded, source=_source(point.tier), node_position=node_position)
+                loaded = replace(loaded, source=_source(point.tier), node_position=node_position,
+                                 resident_blocks=blocks)
                 if params.state_position > loaded.position and self._names_peer(params):
                     return await self._peer_resume(tokens, hasher, params, deadline, loaded)
                 return loaded
             failure = loaded.failure
         plan = Resume(None, device_len, "device" if device_len else "computed", failure=failure,
-                      node_position=node_position)
+                      node_position=node_position, resident_blocks=blocks)
         if params.state_position > device_len and self._names_peer(params):
             return await self._peer_resume(tokens, hasher, params, deadline, plan)
         return plan
@@ -302,21 +316,25 @@ class RequestFlow:
                            fallback: Resume) -> Resume:
         """NOTE 10: the prefix ``params`` names in another node's tiers, loaded through that node's
         state service within the deadline; ``fallback`` (what this node resumes) when it misses."""
-        got = await self.load(tokens, params.state_position, hasher, params, deadline, node_id=params.state_node)
+        got = await self.load(tokens, params.state_position, hasher, params, deadline, node_id=params.state_node,
+                              first_block=fallback.resident_blocks)
         if got.failure:
             self.counters["peer_resume_misses"] += 1
             return fallback
         self.counters["peer_resumes"] += 1
-        return replace(got, source="peer", node_position=fallback.node_position)
+        return replace(got, source="peer", node_position=fallback.node_position,
+                       resident_blocks=fallback.resident_blocks)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
-                   deadline: float | None = None, node_id: str | None = None) -> Resume:
-        """The state at ``position`` within the deadline; on a miss a ``Resume`` without state that
-        says why (recompute, NOTE 3)."""
+                   deadline: float | None = None, node_id: str | None = None, first_block: int = 0) -> Resume:
+        """The state at ``position`` within the deadline, without the rows of its first
+        ``first_block`` blocks when the engine holds them (NOTE 11); on a miss a ``Resume`` without
+        state that says why (recompute, NOTE 3)."""
         budget = self.options.load_deadline_s if deadline is None else deadline - time.monotonic()
         failure = "load_failed"
+        first_block = min(first_block, position // self.engine.block_size)
         try:
-            got = await asyncio.wait_for(self.state.load(tokens, position, hasher, params, node_id),
+            got = await asyncio.wait_for(self.state.load(tokens, position, hasher, params, node_id, first_block),
                                          max(0.0, budget))
         except asyncio.TimeoutError:  # a stalled tier or peer: recompute rather than wait
             self.counters["load_timeouts"] += 1
@@ -437,7 +455,7 @@ class RequestFlow:
             finally:  # done, or closed after the first token: a device hand-off is released unopened
                 if not going_on and handle.device_state is not None and release_fn is not None:
                     self.spawn(_quietly(release_fn(handle), f"device hand-off {handle.device_state.share_id}"))
-            plan = await self.open(handle, tokens, hasher, params, release_fn)  # load result
+            plan = await self.open(handle, tokens, hasher, params, release_fn, plan.resident_blocks)  # load result
             tokens = tokens + [handle.first_token]
             sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
             first_index += 1
@@ -447,12 +465,14 @@ class RequestFlow:
             yield chunk
 
     async def open(self, handle: PrefillHandle, tokens: list[int], hasher: BlockHasher, params: GenerateParams,
-                   release_fn: ReleaseFn | None) -> Resume:
-        """The prefill's state by handle (within the deadline), or a recompute from scratch (NOTE 3)."""
+                   release_fn: ReleaseFn | None, resident_blocks: int = 0) -> Resume:
+        """The prefill's state by handle (within the deadline), without the rows of the
+        ``resident_blocks`` the engine holds (NOTE 11), or a recompute from scratch (NOTE 3)."""
         if self.state is None:  # nowhere to load from
             self.counters["load_failures"] += 1
             return Resume(None, 0, "computed")
-        opening = self.state.open(handle, tokens, hasher, params, release_fn)
+        first_block = min(resident_blocks, handle.position // self.engine.block_size)
+        opening = self.state.open(handle, tokens, hasher, params, release_fn, first_block)
         try:  # a device hand-off is one peer copy (no deadline); a tier load has the load deadline
             got = await (opening if handle.device_state is not None
                          else asyncio.wait_for(opening, self.options.load_deadline_s))

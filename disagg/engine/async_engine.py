@@ -257,6 +257,14 @@ class AsyncEngine:
         _, n = await self.call(self.engine.resident_match, tokens, cache_salt)
         return n
 
+    async def resident_extent(self, tokens: list[int], cache_salt: str = "") -> tuple[int, int]:
+        """(``resident_length``, leading full blocks of ``tokens`` whose MLA rows a resident session
+        holds) in one hop: a load may skip those rows (``ResumeState.first_block``, reference
+        engine NOTE 8)."""
+        eng = self.engine
+        return await self.call(lambda: (eng.resident_match(tokens, cache_salt)[1],
+                                        eng.resident_blocks(tokens, cache_salt)[1]))
+
     async def checkpoint_positions(self, request_id: str) -> list[int]:
         """KDA checkpoint positions a held request keeps (KeyError: not held)."""
         fn = getattr(self.engine, "checkpoint_positions", None)

@@ -102,12 +102,13 @@ class TierState:
         return await store_lookup(self.store, tokens, hasher, limit)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
-                   node_id: str | None = None) -> Resume | None:
+                   node_id: str | None = None, first_block: int = 0) -> Resume | None:
         t0 = time.perf_counter()
         remote = self.peer_stores is not None and node_id is not None and node_id != self.node_id
         state = None
         try:
-            state = await asyncio.to_thread(self._load, tokens, position, hasher, node_id if remote else None)
+            state = await asyncio.to_thread(self._load, tokens, position, hasher, node_id if remote else None,
+                                            first_block)
         finally:  # a failed or cancelled (deadline) peer load counts as one
             if remote:
                 self.counters["peer_loads" if state is not None else "peer_load_failures"] += 1
@@ -117,20 +118,22 @@ class TierState:
         nbytes += sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
         return Resume(state, position, "host", nbytes, time.perf_counter() - t0)
 
-    def _load(self, tokens: list[int], position: int, hasher: BlockHasher, node_id: str | None):
+    def _load(self, tokens: list[int], position: int, hasher: BlockHasher, node_id: str | None, first_block: int):
         store = self.peer_stores(node_id) if node_id is not None else None
         if store is None:
             store = self.store
         elif self._wrap is not None:
             self._wrap(store)  # injected transfer faults reach peer loads too
-        return store.load_state(tokens, position, hasher, self.layout, contiguous=True, device=self.load_device)
+        return store.load_state(tokens, position, hasher, self.layout, first_block=first_block, contiguous=True,
+                                device=self.load_device)
 
     async def open(self, handle: PrefillHandle, tokens: list[int], hasher: BlockHasher, params: GenerateParams,
-                   release_fn: ReleaseFn | None) -> Resume | None:
-        """A prefill's state: copied from its device (NOTE 1), else loaded from its node's host tier."""
+                   release_fn: ReleaseFn | None, first_block: int = 0) -> Resume | None:
+        """A prefill's state: copied from its device (NOTE 1), else loaded from its node's host tier
+        from block ``first_block`` on (``disagg.flow`` NOTE 11)."""
         desc = handle.device_state
         if desc is None:
-            return await self.load(tokens, handle.position, hasher, params, handle.node_id)
+            return await self.load(tokens, handle.position, hasher, params, handle.node_id, first_block)
         from kv_transfer.transport.device_ipc import open_shared
 
         t0 = time.perf_counter()

@@ -63,10 +63,10 @@ class ConnectorState:
     async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
         return await store_lookup(self.store, tokens, hasher, limit)
 
-    async def load(self, tokens, position, hasher, params, node_id=None) -> Resume:
+    async def load(self, tokens, position, hasher, params, node_id=None, first_block=0) -> Resume:
         return Resume(None, position, "host")  # the connector loads it (NOTE 2)
 
-    async def open(self, handle: PrefillHandle, tokens, hasher, params, release_fn) -> Resume:
+    async def open(self, handle: PrefillHandle, tokens, hasher, params, release_fn, first_block=0) -> Resume:
         tp, dcp = self.producer_sizes
         kv_params = StateHandle(handle.position, tp, dcp, self.model_id, self.block_size,
                                 producer=handle.replica_id, saved_at=StateHandle.now()).to_params()

@@ -42,6 +42,9 @@ class _StandInEngine:
     async def resident_length(self, tokens, cache_salt=""):
         return 0
 
+    async def resident_extent(self, tokens, cache_salt=""):
+        return 0, 0
+
     def live_requests(self):
         return 0
 

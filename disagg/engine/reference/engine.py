@@ -56,6 +56,13 @@ NOTES
    ``disagg.reuse.placement``). Chunks stop there as at NOTE 5's point, in any
    step, whatever else the step carries; the positions are checked at
    admission (block-aligned, inside the prompt).
+8. Delta imports: a ``ResumeState`` with ``first_block`` k > 0 carries the MLA rows from
+   block k on (and the tail and KDA state at its position); the rows before come from the
+   resident session holding the most leading blocks of the prompt (``resident_blocks``, the
+   caller's lookup before it loaded: a hand-off to the decode replica that decoded the
+   session's last turn moves only the new turn's blocks). Those pages are copied or adopted as
+   NOTE 2's. A base evicted between the lookup and the admission is no error: the request
+   resumes what the device still holds and computes the rest (``delta_base_misses``).
 """
 
 from __future__ import annotations
@@ -159,7 +166,7 @@ class ReferenceEngine:
         self.last_logits: dict[str, torch.Tensor] = {}
         self.resident_version = 0  # bumped whenever the set of resident sessions changes
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "device_hit_tokens": 0,
-                         "resident_evictions": 0, "preemptions": 0}
+                         "resident_evictions": 0, "preemptions": 0, "delta_base_misses": 0}
         gil = self.options.gil_switch_interval_s
         if gil is not None and gil < sys.getswitchinterval():  # NOTE 4
             sys.setswitchinterval(gil)
@@ -207,13 +214,13 @@ class ReferenceEngine:
             raise ValueError("resume state was produced for another model layout")
         if not 0 < state.position < len(prompt):
             raise ValueError(f"resume position {state.position} must be inside the prompt (len {len(prompt)})")
-        if state.first_block != 0:
-            raise ValueError("resume state must carry every MLA block from position 0")
-        bs = self.block_size
-        if len(state.mla_blocks) != state.position // bs:
-            raise ValueError(f"resume state at {state.position} carries {len(state.mla_blocks)} MLA blocks, "
-                             f"not {state.position // bs}")
-        if any(b.start != i * bs or b.span != bs for i, b in enumerate(state.mla_blocks)):
+        bs, k = self.block_size, state.first_block
+        if not 0 <= k <= state.position // bs:
+            raise ValueError(f"resume state's first block {k} is outside its {state.position // bs} full blocks")
+        if len(state.mla_blocks) != state.position // bs - k:
+            raise ValueError(f"resume state at {state.position} from block {k} carries {len(state.mla_blocks)} "
+                             f"MLA blocks, not {state.position // bs - k}")
+        if any(b.start != (k + i) * bs or b.span != bs for i, b in enumerate(state.mla_blocks)):
             raise ValueError("resume state's MLA blocks are out of place")
         if state.tail is not None and (state.tail.start != state.position // bs * bs
                                        or state.tail.span != state.position % bs):
@@ -308,24 +315,41 @@ class ReferenceEngine:
                 best, best_len, best_common = rid, p, common  # session (its own), not another's shared prefix
         return best, best_len
 
+    def resident_blocks(self, tokens: list[int], cache_salt: str = "") -> tuple[int | None, int]:
+        """(resident id, n) of the resident session holding the most leading full blocks of
+        ``tokens``' MLA rows, n of them (NOTE 8: a delta import needs the rows, not a checkpoint)."""
+        bs, best, best_n = self.block_size, None, 0
+        for rid, res in self._residents.items():
+            if res.cache_salt == cache_salt:
+                n = min(_common_prefix(res.tokens, tokens), len(res.tokens)) // bs
+                if n > best_n:
+                    best, best_n = rid, n
+        return best, best_n
+
+    def _take_pages(self, req: _Request, rid: int, keep: int, position: int) -> None:
+        """``req``'s first ``keep`` pages from resident ``rid``, whose rows it repeats up to
+        ``position``: a copy when the resident is a prefix others share (or wanted by another),
+        else adopted, its later pages freed (NOTE 2)."""
+        res = self._residents[rid]
+        n = len(req.token_ids)
+        shared = (2 * position < len(res.tokens) or (n <= len(res.tokens) and res.tokens[:n] == req.token_ids)
+                  or self._wanted_by_another(req, res.tokens, position))
+        if shared and self.cache.blocks.can_allocate(keep):  # a shared prefix, or wanted by another (NOTE 2)
+            req.block_table = self.cache.blocks.allocate(keep)
+            self.cache.mla_all[:, req.block_table] = self.cache.mla_all[:, res.block_table[:keep]]
+            self._residents.move_to_end(rid)
+        else:
+            del self._residents[rid]
+            self.resident_version += 1
+            self.cache.blocks.free(res.block_table[keep:])  # pages past the resume point go back to the pool
+            req.block_table = res.block_table[:keep]
+
     def _adopt_resident(self, req: _Request) -> None:
         best, best_len = self.resident_match(req.token_ids, req.cache_salt)
         if best is None:
             return
-        keep = -(-best_len // self.block_size)
         res = self._residents[best]
-        n = len(req.token_ids)
-        shared = (2 * best_len < len(res.tokens) or (n <= len(res.tokens) and res.tokens[:n] == req.token_ids)
-                  or self._wanted_by_another(req, res.tokens, best_len))
-        if shared and self.cache.blocks.can_allocate(keep):  # a shared prefix, or wanted by another (NOTE 2)
-            req.block_table = self.cache.blocks.allocate(keep)
-            self.cache.mla_all[:, req.block_table] = self.cache.mla_all[:, res.block_table[:keep]]
-            self._residents.move_to_end(best)
-        else:
-            del self._residents[best]
-            self.resident_version += 1
-            self.cache.blocks.free(res.block_table[keep:])  # pages past the resume point go back to the pool
-            req.block_table = res.block_table[:keep]
+        self._take_pages(req, best, -(-best_len // self.block_size), best_len)
         conv, rec = res.checkpoints[best_len]
         self._load_slot(req.slot, conv, rec)
         req.num_computed = req.num_cached = best_len
@@ -339,10 +363,17 @@ class ReferenceEngine:
                    and len(o.token_ids) > position and o.token_ids[position - 1] == last
                    and o.token_ids[:position] == tokens[:position] for o in self._waiting)
 
-    def _import(self, req: _Request, state: ResumeState) -> bool:
+    def _import(self, req: _Request, state: ResumeState) -> bool | None:
+        """Admit ``req`` at ``state``: True, False (no memory yet: it waits), None (a delta state
+        whose base rows left the device: NOTE 8)."""
+        bs, k = self.block_size, state.first_block
+        if k and len(req.block_table) < k:  # NOTE 8: the rows before the delta, from a resident session
+            rid, held = self.resident_blocks(req.token_ids, req.cache_salt)
+            if rid is None or held < k:
+                return None
+            self._take_pages(req, rid, k, k * bs)
         if not self._ensure_blocks(req, state.position):
             return False
-        bs = self.block_size
         n = len(state.mla_blocks)
         if n:  # one batched scatter per layer group through (pinned) staging, never a copy per block
             staging = state.mla_rows  # already one buffer when the loader decoded into one
@@ -353,7 +384,7 @@ class ReferenceEngine:
                 staging = alloc_staging((first.shape[0], n * bs, first.shape[2]), first.dtype,
                                         pin=self.device.type == "cuda")
                 torch.cat([b.rows for b in state.mla_blocks], dim=1, out=staging)
-            scatter_blocks(staging, self.cache.mla_all, req.block_table[:n]).wait()
+            scatter_blocks(staging, self.cache.mla_all, req.block_table[k:k + n]).wait()
         if state.tail is not None:
             start = (state.position // bs) * bs
             for layer in range(self.layout.num_mla_layers):
@@ -525,11 +556,16 @@ class ReferenceEngine:
         req.slot = self.cache.allocate_slot()
         state = req.resume
         if state is not None:
-            if not self._import(req, state):
+            ok = self._import(req, state)
+            if ok is False:
                 self.cache.free_slot(req.slot)
                 req.slot = -1
                 return False
             req.resume = None
+            if ok is None:  # NOTE 8: what the device still holds, and compute the rest
+                self.counters["delta_base_misses"] += 1
+                req.cached_source = "computed"
+                self._adopt_resident(req)
         else:
             self._adopt_resident(req)
         return True

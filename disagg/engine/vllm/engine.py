@@ -174,6 +174,9 @@ class VLLMEngine:
     async def resident_length(self, tokens: list[int], cache_salt: str = "") -> int:
         return 0  # vLLM's own prefix cache is opaque: the connector reports hits as cached tokens
 
+    async def resident_extent(self, tokens: list[int], cache_salt: str = "") -> tuple[int, int]:
+        return 0, 0  # vLLM asks its connector only for what its prefix cache lacks: no delta to ask for
+
     async def checkpoint_positions(self, request_id: str) -> list[int]:
         raise KeyError(request_id)  # no request is held after it finishes
 
