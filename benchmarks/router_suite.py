@@ -32,6 +32,9 @@ run's summary and each cell's verdict), ``table.txt`` and ``suite.png``
 ``runs.jsonl`` of the same scale (router changes leave them as they were):
 
     python benchmarks/router_suite.py --out results/rs2 --reuse-baselines results/router_suite
+
+``--seed-offset K`` re-seeds every member (same shapes, other sessions): the held-out check
+of a change tuned on the suite's own traces.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import math
 import multiprocessing as mp
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -84,15 +87,21 @@ class Scale:
     lanes_per_worker: float  # closed-loop lanes per worker
     retention: str  # tier eviction order (disagg.tools.sim.retention)
     router_config: str = ""  # state_aware's RouterConfig as JSON ("" = defaults)
+    seed_offset: int = 0  # added to every member's seed (0: the suite's own traces)
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
-        return f"{self.tokens}/{self.turns}/{self.sessions_per_worker}/{self.lanes_per_worker}/{self.retention}"
+        key = f"{self.tokens}/{self.turns}/{self.sessions_per_worker}/{self.lanes_per_worker}/{self.retention}"
+        return f"{key}/seed+{self.seed_offset}" if self.seed_offset else key
 
 
 @lru_cache(maxsize=8)
-def _trace(member: str, sessions: int, scale: float, turn_scale: float) -> tuple[SimRequest, ...]:
-    recs = member_trace(SUITE[member], sessions, block_size=BLOCK_SIZE, scale=scale, turn_scale=turn_scale)
+def _trace(member: str, sessions: int, scale: float, turn_scale: float, seed_offset: int = 0
+           ) -> tuple[SimRequest, ...]:
+    m = SUITE[member]
+    if seed_offset:
+        m = replace(m, seed=m.seed + seed_offset)
+    recs = member_trace(m, sessions, block_size=BLOCK_SIZE, scale=scale, turn_scale=turn_scale)
     return tuple(from_trace_records(recs, BLOCK_SIZE))
 
 
@@ -108,7 +117,8 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
 def run_one(task: tuple[Cell, str, Scale]) -> dict:
     """One policy on one cell: its summary (and, for state_aware, the cell's capacity bound)."""
     cell, policy, sc = task
-    reqs = list(_trace(cell.member, max(1, round(sc.sessions_per_worker * cell.workers)), sc.tokens, sc.turns))
+    reqs = list(_trace(cell.member, max(1, round(sc.sessions_per_worker * cell.workers)), sc.tokens, sc.turns,
+                       sc.seed_offset))
     cluster = cluster_of(cell, sc)
     cost = CostModel(checkpoint_bytes=CostModel().checkpoint_bytes * sc.tokens)
     lanes = max(1, round(sc.lanes_per_worker * cell.workers))
@@ -207,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retention", default="session", choices=["lru", "session"])
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig: JSON text or a JSON/YAML file")
     ap.add_argument("--reuse-baselines", metavar="DIR", help="baseline runs from DIR/runs.jsonl (same scale)")
+    ap.add_argument("--seed-offset", type=int, default=0,
+                    help="re-seed every member by this much: traces of the same shapes the router was not tuned on")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members = [m.strip() for m in args.members.split(",") if m.strip()]
@@ -221,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         rc = json.dumps(yaml.safe_load(Path(rc).read_text()) or {})
-    sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc)
+    sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc,
+               args.seed_offset)
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
