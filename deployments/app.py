@@ -40,10 +40,12 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
         # today's queues, so the first-turn guard's booking fades (the simulator's runs are
         # minutes long and keep the router's default of no decay).
         # each deployment's router places within its own pool (replicas report their real role:
-        # disagg.router.router step 3c); every pool places by the same filters and weights
-        placement = {"filters": ["healthy", "role", "load_guard"], "scorers": dict(cfg.router.weights)}
-        kwargs["policy"] = {"profiles": {phase: placement for phase in ("both", "prefill", "decode")},
-                            "area_tau_s": SERVE_AREA_TAU_S}
+        # disagg.router.router step 3c), by the router's default profiles as the simulator does,
+        # unless router.weights replaces their scorers
+        kwargs["policy"] = {"area_tau_s": SERVE_AREA_TAU_S}
+        if cfg.router.weights:
+            placement = {"filters": ["healthy", "role", "load_guard"], "scorers": dict(cfg.router.weights)}
+            kwargs["policy"]["profiles"] = {phase: placement for phase in ("both", "prefill", "decode")}
     return RequestRouterConfig(request_router_class=ROUTERS[cfg.router.policy], request_router_kwargs=kwargs,
                                request_routing_stats_period_s=cfg.router.stats_period_s)
 

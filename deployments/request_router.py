@@ -43,7 +43,9 @@ figures, and the same ``PDDecider``, the simulator routes with.
 session id, load-ordered fallback). Requests that carry no ``GenerateParams``
 (stats, health) go anywhere.
 
-Config (``router:`` in the app YAML; ``weights`` become the profile's scorer weights)::
+Config (``router:`` in the app YAML): by default every pool places by the router's default
+profiles (``disagg.router.registry.DEFAULT_PROFILES``, what the simulator runs); ``weights``
+replaces every profile's scorers::
 
     router: {policy: state_aware, weights: {prefix: 2.0, load: 1.0, affinity: 0.5}}
 """

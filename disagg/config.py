@@ -135,7 +135,9 @@ class TransferConfig(_Strict):
 
 class RouterConfig(_Strict):
     policy: Literal["state_aware", "affinity", "power_of_two"] = "state_aware"  # Serve request router
-    weights: dict[str, float] = Field(default_factory=lambda: {"prefix": 2.0, "load": 1.0, "affinity": 0.5})
+    # scorer weights replacing every placement profile's (e.g. {prefix: 2, load: 1, affinity: 0.5}); unset: the
+    # router's default profiles (disagg.router.registry.DEFAULT_PROFILES), the ones the simulator and the suite run
+    weights: dict[str, float] | None = None
     # the P/D decider (disagg.router.decider): a weighted uncached suffix at or under this is prefilled on the
     # decode replica
     local_prefill_max_tokens: int = Field(default=LOCAL_PREFILL_MAX_TOKENS, ge=0)

@@ -8,7 +8,7 @@ deployments.app:build_app``, ``args:`` = the AppConfig), checks it the way Ray d
 sends it to the dashboard's REST API, as ``serve deploy`` does.
 
     disagg deploy --config deployments/cluster/serve/mi355x-cluster.yaml \\
-        --address http://HEAD:8265 --set router.weights.prefix=3
+        --address http://HEAD:8265 --set deployment.decode.max_replicas=32
 
 ``--set KEY=VALUE`` edits the AppConfig (dotted path under ``args``; the value is
 parsed as YAML). ``--dry-run`` prints the config instead of sending it.
