@@ -152,6 +152,23 @@ def test_hand_computed_disaggregated_request():
     assert rec.ttft == pytest.approx(rec.first_token)  # sent at 0
 
 
+def test_a_hand_off_loads_only_what_the_decode_device_lacks():
+    """The decode worker's device holds the first 10 blocks of the prompt (an earlier turn decoded
+    there): the hand-off moves the other 6 blocks and the checkpoint (NOTE 2)."""
+    cost = CostModel(prefill_base_s=0.01, prefill_per_token_s=0.001, prefill_attn_s=0.0, decode_base_s=0.02,
+                     decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0, bytes_per_token=1000.0,
+                     checkpoint_bytes=1e6, bandwidth_gbps={"host": 1.0, "disk": 1.0, "remote": 0.5},
+                     latency_s={"host": 0.0, "remote": 0.0})
+    r = SimRequest("s", 0, 0, 0, 4000, 5, list(range(16)), 256)
+    cl = ClusterConfig(num_prefill=1, num_decode=1, workers_per_node=1)
+    sim = Simulator([r], "round_robin", cl, cost)
+    digests = sim.digests.digests("s", 0, r.hash_ids, 16)
+    sim.workers["w01"].device.put_many(digests[:10])
+    rec = sim.run().records[0]
+    moved = ((4000 - 10 * 256) * 1000.0 + 1e6) / 1e9
+    assert rec.finish == pytest.approx(rec.first_token + moved / 0.5 + 4 * 0.02)
+
+
 def test_engines_of_a_node_share_its_compute():
     """Processor sharing: with one compute slot per node, two busy engines progress at half speed each."""
     a = SimRequest("a", 0, 0, 0, 1000, 1, list(range(4)), 256)

@@ -13,8 +13,8 @@ A request's path (the real system's, with costs from ``CostModel``):
       local (P == D):  first token at prefill end, join P's decode batch
       disagg (P != D): P publishes the state to its host tier and returns the
                        first token (+ publish time + disagg_overhead); D loads the
-                       state (same node: host link, else remote link) and joins
-                       its decode batch
+                       state it lacks (NOTE 2; same node: host link, else remote
+                       link) and joins its decode batch
     last token -> finish -> (closed loop) next turn after the think time
 
 Every cache change becomes an update of the router's ``PrefixIndex`` (see
@@ -33,6 +33,9 @@ NOTES
    as the serving prefill reads the node that the decode replica names
    (``GenerateParams.state_node``); it does when they resume further than P's own
    tiers. D's node keeps its sessions: every hand-off to D is stored there.
+2. Delta hand-off: the decode worker loads only the blocks after the leading ones its device
+   holds (the session's earlier turns, decoded there), plus the tail and checkpoint, as the
+   serving flow does (``disagg.flow`` NOTE 11).
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -349,7 +352,13 @@ class Simulator:
         first = now + cost.transfer_time(nbytes, "host") + cost.disagg_overhead_s  # publish, then the handle
         job.record.first_token = first
         tier = "host" if d.node_id == w.node_id else "remote"
-        self.schedule(first + cost.transfer_time(nbytes, tier), self._arrive_decode, job, d)
+        held = d.device.present(ps.full())  # NOTE 2: the hand-off skips the blocks D's device holds
+        try:
+            skip = held.index(False)
+        except ValueError:
+            skip = len(held)
+        moved = cost.state_bytes(job.prompt_len - skip * self.block_size)
+        self.schedule(first + cost.transfer_time(moved, tier), self._arrive_decode, job, d)
 
     def _arrive_decode(self, now: float, job: SimJob, d: SimWorker) -> None:
         self.state.store(job.prompt, 0, d.device, self.host[d.node_id], job.ckpts)
