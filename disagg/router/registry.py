@@ -69,7 +69,7 @@ AGGREGATED_PREFIX: dict[str, Any] = {
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "both": {
         "filters": ["healthy", "role", "load_guard"],
-        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD, "decode": 3.0,
+        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD, "decode": 4.0,
                     "affinity": 0.1},
     },
     "prefill": {

@@ -72,10 +72,11 @@ def test_decode_phase_prices_the_hand_off_and_queued_local_prefill():
 
 def test_decode_phase_prices_the_step_in_progress_on_a_busy_worker():
     """A decode joining a running batch waits for the step in progress: a short output feels it per token."""
-    # a: one decode running over no context; b: idle. Both hold nothing; r has 5 tokens to produce.
+    # a: one decode running over no context; b: idle. Both resume r from their node's host tier (not
+    # their device: the hand-off moves every row); r has 5 tokens to produce.
     loads = [EffectiveLoad(decode_requests=1), EffectiveLoad(), EffectiveLoad()]
-    ctx = _ctx(loads, {"a": PrefixMatch(1000, "device", 250), "b": PrefixMatch(1000, "device", 250),
-                       "c": PrefixMatch(1000, "device", 250)}, phase="decode", hint=5)
+    ctx = _ctx(loads, {"a": PrefixMatch(1000, "host", 250), "b": PrefixMatch(1000, "host", 250),
+                       "c": PrefixMatch(1000, "host", 250)}, phase="decode", hint=5)
     step_a, step_b = 0.01 + 0.002 + 1e-6 * 1000, 0.012
     for frac in (0.0, 0.5, 1.0):
         cost, _ = DecodeScorer(**CFG, **XFER, join_step_fraction=frac).costs(ctx, W3)
@@ -83,6 +84,17 @@ def test_decode_phase_prices_the_step_in_progress_on_a_busy_worker():
                                                5 * step_b + 0.01])
     with pytest.raises(ValueError):
         DecodeScorer(join_step_fraction=1.5)
+
+
+def test_decode_phase_hand_off_skips_the_rows_on_the_workers_device():
+    """A worker resuming r from its own device receives only the rows after them (and the
+    checkpoint): a: 800 of 1000 on device, b: 800 in its host tier, c: nothing (remote link)."""
+    loads = [EffectiveLoad(), EffectiveLoad(), EffectiveLoad()]
+    ctx = _ctx(loads, {"a": PrefixMatch(800, "device", 200), "b": PrefixMatch(800, "host", 200)},
+               phase="decode", hint=10)
+    cost, _ = DecodeScorer(**CFG, **XFER).costs(ctx, W3)
+    own = 10 * 0.012  # idle workers: no prefill harm, no step in progress
+    assert cost.tolist() == pytest.approx([own + 0.002, own + 0.01, own + 0.01])  # 200 rows vs 1000
 
 
 @pytest.mark.parametrize("phase", ["both", "prefill", "decode"])

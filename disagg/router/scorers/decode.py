@@ -12,13 +12,15 @@ output, its hint or ``default_output_tokens``)::
                                                                         "decode": it may, by the P/D
                                                                         decider's local rules)
     join_w  = q_w / prefill_tokens_per_s                                phase "decode": r's first decode
-              + (prompt * bytes_per_token + checkpoint_bytes) / bw_w    step waits for the prefill queued
-              + latency_w                                               on w, for r's state and, when w
-              + [B_w > 0] * join_step_fraction * step_w                 runs a batch, for the step in
-                                                                        progress; bw_w: the host link on a
+              + ((prompt - held_w) * bytes_per_token                    step waits for the prefill queued
+                 + checkpoint_bytes) / bw_w                             on w, for r's state and, when w
+              + latency_w                                               runs a batch, for the step in
+              + [B_w > 0] * join_step_fraction * step_w                 progress; bw_w: the host link on a
                                                                         node of the prefill pool
                                                                         (``ctx.prefill_nodes``), else the
-                                                                        remote link
+                                                                        remote link; held_w: what w
+                                                                        resumes from its device (the
+                                                                        hand-off skips those rows)
     cost_w  = own_w + harm_w + join_w
     scale   = o * min_v step_v + max(prompt - common, 0) / prefill_tokens_per_s   r's own service time
               (phase "decode": o * min_v step_v, the time r's ITL is made of)
@@ -47,11 +49,12 @@ import numpy as np
 
 from disagg.router.context import LOAD_ROW, RoutingContext
 from disagg.router.scorers.base import ArrayScorer
-from disagg.router.types import WorkerState
+from disagg.router.types import TIER_INDEX, WorkerState
 
 _B = LOAD_ROW["decode_requests"]
 _D = LOAD_ROW["decode_tokens"]
 _Q = LOAD_ROW["prefill_tokens"]
+_DEVICE = TIER_INDEX["device"]
 
 
 @dataclass(slots=True)
@@ -102,7 +105,8 @@ class DecodeScorer(ArrayScorer):
             uncached = np.maximum(req.prompt_len - v.resumable, 0.0)
             cost = cost + b * uncached / cfg.prefill_tokens_per_s
         if ctx.phase == "decode":  # r's decode joins after w's local prefills and r's state
-            nbytes = req.prompt_len * cfg.bytes_per_token + cfg.checkpoint_bytes
+            held = np.where(v.tier == _DEVICE, v.resumable, 0.0)  # its device's rows are not moved again
+            nbytes = np.maximum(req.prompt_len - held, 0.0) * cfg.bytes_per_token + cfg.checkpoint_bytes
             remote = nbytes / (cfg.remote_gbps * 1e9) + cfg.remote_latency_s
             join = v.loads[_Q] / cfg.prefill_tokens_per_s + remote + (b > 0) * (cfg.join_step_fraction * step)
             if ctx.prefill_nodes:
