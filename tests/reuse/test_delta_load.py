@@ -28,11 +28,15 @@ from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
 
 
-@pytest.fixture
-def node():
-    """(decode worker, prefill worker, reference engine) of one node: one host tier."""
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+def node(request):
+    """(decode worker, prefill worker, reference engine) of one node: one host tier; the engines on
+    the CPU, or on a GPU (loads then go straight to the device)."""
     threads = torch.get_num_threads()
-    cfg = load_config({"model": {"name": "tiny"},
+    cfg = load_config({"model": {"name": "tiny", "device": request.param},
                        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1}})
     engine = build_reference_engine(cfg)
     store = StateStore([HostTier(64 << 20, pin_memory=False)], engine.layout, write_behind=False)

@@ -32,12 +32,16 @@ from kv_transfer.transport import RemoteStore, StateServer
 TOKEN = "peer-resume-7f3c"
 
 
-@pytest.fixture
-def cluster(monkeypatch):
-    """(decode worker on "d", prefill worker on "p" that reads "d" through gRPC, state server, reference)."""
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+def cluster(monkeypatch, request):
+    """(decode worker on "d", prefill worker on "p" that reads "d" through gRPC, state server, reference),
+    the engines on the CPU or on a GPU."""
     monkeypatch.setenv("DISAGG_TEST_PEER_TOKEN", TOKEN)
     threads = torch.get_num_threads()
-    cfg = load_config({"model": {"name": "tiny"},
+    cfg = load_config({"model": {"name": "tiny", "device": request.param},
                        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1}})
     engine = build_reference_engine(cfg)
     g = GrpcConfig(token_env="DISAGG_TEST_PEER_TOKEN")
