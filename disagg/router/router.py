@@ -168,11 +168,11 @@ class StateAwareRouter:
         held = ctx.match.resume(decode_id)[0]
         suffix = request.prompt_len - held
         pool = [w for w in workers if w.healthy and w.role in ALLOWED_ROLES["prefill"] and w.role != "both"]
-        dnode = self.index.node_of(decode_id)
-        far = {w.worker_id for w in pool if w.node_id != dnode}  # the walk already reads dnode's tiers for the rest
-        if cfg.peer_reads and held and far and self.index.node_holds_point(request, held, dnode):
-            # the pool reads the state the decode worker's node tiers hold (not its device)
-            m = credit_node_state(ctx.match, far, self.index.node_of, dnode, held, True)
+        if cfg.peer_reads and held:  # the pool reads the state D's node tiers hold (not its device)
+            dnode = self.index.node_of(decode_id)
+            far = {w.worker_id for w in pool if w.node_id != dnode}  # the walk reads dnode's tiers for the rest
+            m = credit_node_state(ctx.match, far, self.index.node_of, dnode, held, True) \
+                if far and self.index.node_holds_point(request, held, dnode) else ctx.match
             if m is not ctx.match:
                 ctx = RoutingContext(request=request, match=m, loads=ctx.loads, session_worker=ctx.session_worker,
                                      session_node=ctx.session_node, now=now, prefill_nodes=ctx.prefill_nodes)
