@@ -51,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("cell", help="member/workers/mode, e.g. deep_context/64/pd")
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig as JSON")
+    ap.add_argument("--seed-offset", type=int, default=0, help="re-seed the member (router_suite --seed-offset)")
     args = ap.parse_args(argv)
     member, workers, mode = args.cell.split("/")
     cell, sc = Cell(member, int(workers), mode), Scale(0.25, 0.5, 3.0, 2.0, "session")
-    reqs = list(_trace(member, round(sc.sessions_per_worker * cell.workers), sc.tokens, sc.turns))
+    reqs = list(_trace(member, round(sc.sessions_per_worker * cell.workers), sc.tokens, sc.turns, args.seed_offset))
     cluster = cluster_of(cell, sc)
     lanes = round(sc.lanes_per_worker * cell.workers)
     sim = Simulator(reqs, "state_aware", cluster, CostModel(checkpoint_bytes=CostModel().checkpoint_bytes * sc.tokens),
