@@ -292,38 +292,26 @@ class RequestFlow:
         elif isinstance(point, BaseException):  # cancelled: not a failure of the state path
             raise point
         node_position = point.position if point is not None else 0
+        if params.state_position > max(device_len, node_position) and self._names_peer(params):  # NOTE 10
+            got = await self.load(tokens, params.state_position, hasher, params, deadline,
+                                  node_id=params.state_node, first_block=blocks)
+            if not got.failure:
+                self.counters["peer_resumes"] += 1
+                return replace(got, source="peer", node_position=node_position, resident_blocks=blocks)
+            self.counters["peer_resume_misses"] += 1  # what this node holds, within what is left of the deadline
         if point is not None and point.position > device_len:
             loaded = await self.load(tokens, point.position, hasher, params, deadline, first_block=blocks)
             if not loaded.failure:
-                loaded = replace(loaded, source=_source(point.tier), node_position=node_position,
-                                 resident_blocks=blocks)
-                if params.state_position > loaded.position and self._names_peer(params):
-                    return await self._peer_resume(tokens, hasher, params, deadline, loaded)
-                return loaded
+                return replace(loaded, source=_source(point.tier), node_position=node_position,
+                               resident_blocks=blocks)
             failure = loaded.failure
-        plan = Resume(None, device_len, "device" if device_len else "computed", failure=failure,
+        return Resume(None, device_len, "device" if device_len else "computed", failure=failure,
                       node_position=node_position, resident_blocks=blocks)
-        if params.state_position > device_len and self._names_peer(params):
-            return await self._peer_resume(tokens, hasher, params, deadline, plan)
-        return plan
 
     def _names_peer(self, params: GenerateParams) -> bool:
         """Whether ``params`` names another node's tiers to resume from (NOTE 10)."""
         return (bool(params.state_node) and params.state_node != self.node_id
                 and 0 < params.state_position < len(params.prompt_token_ids))
-
-    async def _peer_resume(self, tokens: list[int], hasher: BlockHasher, params: GenerateParams, deadline: float,
-                           fallback: Resume) -> Resume:
-        """NOTE 10: the prefix ``params`` names in another node's tiers, loaded through that node's
-        state service within the deadline; ``fallback`` (what this node resumes) when it misses."""
-        got = await self.load(tokens, params.state_position, hasher, params, deadline, node_id=params.state_node,
-                              first_block=fallback.resident_blocks)
-        if got.failure:
-            self.counters["peer_resume_misses"] += 1
-            return fallback
-        self.counters["peer_resumes"] += 1
-        return replace(got, source="peer", node_position=fallback.node_position,
-                       resident_blocks=fallback.resident_blocks)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
                    deadline: float | None = None, node_id: str | None = None, first_block: int = 0) -> Resume:
