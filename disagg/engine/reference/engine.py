@@ -367,12 +367,15 @@ class ReferenceEngine:
         """Admit ``req`` at ``state``: True, False (no memory yet: it waits), None (a delta state
         whose base rows left the device: NOTE 8)."""
         bs, k = self.block_size, state.first_block
-        if k and len(req.block_table) < k:  # NOTE 8: the rows before the delta, from a resident session
+        if k:  # NOTE 8: the rows before the delta, from a resident session
             rid, held = self.resident_blocks(req.token_ids, req.cache_salt)
             if rid is None or held < k:
                 return None
             self._take_pages(req, rid, k, k * bs)
         if not self._ensure_blocks(req, state.position):
+            if req.block_table:  # a waiting request holds no pages (an abort frees none)
+                self.cache.blocks.free(req.block_table)
+                req.block_table = []
             return False
         n = len(state.mla_blocks)
         if n:  # one batched scatter per layer group through (pinned) staging, never a copy per block
