@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -101,6 +102,10 @@ def run(context: int, suffix: int, reps: int, device: str, budget_mb: int, prese
                                        "misses": decode.engine.engine.counters["delta_base_misses"]})
                 finally:
                     decode.engine.shutdown()
+                    del decode
+                    gc.collect()  # the engine's device cache goes before the next one is sized
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
     finally:
         prefill.engine.shutdown()
     assert outputs["delta"] == outputs["whole"], "delta and whole loads disagree"
@@ -124,7 +129,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--preset", default="small", help="model preset (tiny: a CPU check of the script)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--budget-mb", type=int, default=24000, help="each engine's cache budget")
+    ap.add_argument("--budget-mb", type=int, default=12000, help="each engine's cache budget")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     results = []
