@@ -261,9 +261,7 @@ class AsyncEngine:
         """(``resident_length``, leading full blocks of ``tokens`` whose MLA rows a resident session
         holds) in one hop: a load may skip those rows (``ResumeState.first_block``, reference
         engine NOTE 8)."""
-        eng = self.engine
-        return await self.call(lambda: (eng.resident_match(tokens, cache_salt)[1],
-                                        eng.resident_blocks(tokens, cache_salt)[1]))
+        return await self.call(self.engine.resident_extent, tokens, cache_salt)
 
     async def checkpoint_positions(self, request_id: str) -> list[int]:
         """KDA checkpoint positions a held request keeps (KeyError: not held)."""

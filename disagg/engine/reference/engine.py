@@ -305,26 +305,37 @@ class ReferenceEngine:
         A session is resumable at any of its checkpoints (prompt end, turn end, periodic)
         whose prefix ``tokens`` repeats, strictly inside ``tokens``.
         """
-        best, best_len, best_common = None, 0, 0
-        for rid, res in self._residents.items():
-            if res.cache_salt != cache_salt:
-                continue
-            common = _common_prefix(res.tokens, tokens)
-            p = max((q for q in res.checkpoints if best_len <= q <= common and q < len(tokens)), default=0)
-            if p > best_len or (p == best_len and p and common > best_common):  # a tie goes to the closest
-                best, best_len, best_common = rid, p, common  # session (its own), not another's shared prefix
+        best, best_len, _, _ = self._scan_residents(tokens, cache_salt)
         return best, best_len
 
     def resident_blocks(self, tokens: list[int], cache_salt: str = "") -> tuple[int | None, int]:
         """(resident id, n) of the resident session holding the most leading full blocks of
         ``tokens``' MLA rows, n of them (NOTE 8: a delta import needs the rows, not a checkpoint)."""
-        bs, best, best_n = self.block_size, None, 0
+        _, _, rows, n = self._scan_residents(tokens, cache_salt)
+        return rows, n
+
+    def resident_extent(self, tokens: list[int], cache_salt: str = "") -> tuple[int, int]:
+        """(``resident_match``'s position, ``resident_blocks``' block count) in one pass."""
+        _, best_len, _, n = self._scan_residents(tokens, cache_salt)
+        return best_len, n
+
+    def _scan_residents(self, tokens: list[int], cache_salt: str) -> tuple[int | None, int, int | None, int]:
+        """One pass over the residents of ``cache_salt``: (id, position) of the furthest checkpoint
+        ``tokens`` extends (a tie goes to the closest session: its own, not another's shared
+        prefix), and (id, n) of the one holding the most leading full blocks of ``tokens``."""
+        bs = self.block_size
+        best, best_len, best_common, rows, best_n = None, 0, 0, None, 0
         for rid, res in self._residents.items():
-            if res.cache_salt == cache_salt:
-                n = min(_common_prefix(res.tokens, tokens), len(res.tokens)) // bs
-                if n > best_n:
-                    best, best_n = rid, n
-        return best, best_n
+            if res.cache_salt != cache_salt:
+                continue
+            common = _common_prefix(res.tokens, tokens)
+            p = max((q for q in res.checkpoints if best_len <= q <= common and q < len(tokens)), default=0)
+            if p > best_len or (p == best_len and p and common > best_common):
+                best, best_len, best_common = rid, p, common
+            n = min(common, len(res.tokens)) // bs
+            if n > best_n:
+                rows, best_n = rid, n
+        return best, best_len, rows, best_n
 
     def _take_pages(self, req: _Request, rid: int, keep: int, position: int) -> None:
         """``req``'s first ``keep`` pages from resident ``rid``, whose rows it repeats up to
