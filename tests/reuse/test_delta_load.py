@@ -27,7 +27,6 @@ from disagg.workers.tiered import StatefulWorker
 from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
 
-
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
