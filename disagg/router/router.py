@@ -21,6 +21,12 @@ Per request:
         P/D decision is taken where both pools' figures meet, the decode
         worker's request flow (``disagg.flow`` NOTE 5), with the same decider
 
+    4. a session whose decode moved to another node than its last turn's left its
+       state in that node's shared tiers: when they hold more of the prompt than the
+       target's own walk row, the decision names that node and how much
+       (``state_node`` / ``state_position``); the target reads it through that node's
+       state service (``disagg.flow`` NOTE 10), and its turn lands on the new node
+
 Effective loads (live stats + in-flight predictions, active sessions and a
 time-averaged queue per worker) come from ``disagg.router.loads``.
 
@@ -207,6 +213,7 @@ class StateAwareRouter:
     ) -> RouteDecision:
         target = prefill_id if prefill_id is not None else decode_id
         cached, tier = ctx.match.resume(target)
+        state_node, state_position = self._state_home(request, ctx, decode_id, target, cached)
         if phase == "both":  # every healthy worker is eligible: the walk's rows
             best = max(ctx.match.resumable, default=0)
         else:
@@ -223,7 +230,27 @@ class StateAwareRouter:
             predicted_cached_tokens=cached,
             source_tier=tier,
             scores=res.totals,
+            state_node=state_node,
+            state_position=state_position,
         )
+
+    def _state_home(self, request: RouteRequest, ctx: RoutingContext, decode_id: str, target: str,
+                    cached: int) -> tuple[str, int]:
+        """(node, resumable tokens) of a moved session's last node when its shared tiers hold more
+        of the prompt than ``target`` resumes by itself; ("", 0) otherwise (step 4)."""
+        home = ctx.session_node
+        node_of = self.index.node_of
+        if not home or home == node_of(decode_id) or home == node_of(target):
+            return "", 0
+        m = ctx.match
+        rows = [r for wid, r in zip(m.worker_ids, m.resumable, strict=True) if node_of(wid) == home]
+        if rows:
+            best = max(rows)
+        else:  # no walked worker there (down, or another pool's): the session's last worker, walked alone
+            best = self.index.resumable(request, ctx.session_worker)[0] if ctx.session_worker else 0
+        if best > cached and self.index.node_holds_point(request, best, home):
+            return home, best
+        return "", 0
 
     # ---- feedback --------------------------------------------------------------
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:

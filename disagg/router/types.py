@@ -98,6 +98,8 @@ class RouteDecision:
     predicted_cached_tokens: int = 0  # resumable tokens where prefill runs
     source_tier: str | None = None  # slowest tier the resume reads (None = no hit)
     scores: dict[str, float] = field(default_factory=dict)  # total score per worker
+    state_node: str = ""  # another node whose shared tiers hold more of the prompt (a moved session's last node)
+    state_position: int = 0  # ... resumable tokens there (0: none named; disagg.router.router step 4)
 
     @property
     def prefill_target(self) -> str:

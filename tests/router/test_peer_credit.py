@@ -93,3 +93,36 @@ def test_pd_router_sends_a_decode_nodes_session_to_the_pool_with_peer_reads():
     assert out[False].reason.startswith("local_state") and out[False].prefill_worker is None
     assert out[True].reason.startswith("disagg") and out[True].prefill_worker == "p0"
     assert (out[True].predicted_cached_tokens, out[True].source_tier) == (16 * BS, "remote")
+
+
+def _moved_session(held_on_n1: bool, history: bool):
+    """A session whose last turn decoded on d0 (node n1) comes back while d0 is down: the router
+    places it on d1 (node n2) and, when n1's host tier holds the prompt, names n1 (router step 4)."""
+    h = chain(16)
+    idx = PrefixIndex()
+    ws = [WorkerState("p0", "prefill", "n0"), WorkerState("d0", "decode", "n1"), WorkerState("d1", "decode", "n2")]
+    for w in ws:
+        idx.add_worker(w.worker_id, w.node_id)
+    router = StateAwareRouter(idx, {"decider": {"local_prefill_max_tokens": 0}})
+    if history:
+        first = req(h[:8], 8 * BS + 2, rid="r1")
+        router.on_routed(first, router.route(first, [ws[0], ws[1]]))
+        router.on_finished("r1", 0)
+    if held_on_n1:
+        for x in h:
+            store(idx, "mla", x, "host", "d0")
+        store(idx, "kda", h[15], "host", "d0")
+    ws[1].healthy = False
+    return router.route(req(h, 16 * BS + 30, rid="r2"), ws)
+
+
+def test_router_names_a_moved_sessions_last_node_when_it_holds_more():
+    d = _moved_session(held_on_n1=True, history=True)
+    assert d.decode_worker == "d1"
+    assert (d.state_node, d.state_position) == ("n1", 16 * BS)
+    assert d.predicted_cached_tokens == 0  # the target's own row: the named node is read on top of it
+
+
+def test_router_names_no_node_without_a_move_or_without_the_state_there():
+    assert (_moved_session(held_on_n1=False, history=True).state_node,
+            _moved_session(held_on_n1=True, history=False).state_node) == ("", "")
