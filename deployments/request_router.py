@@ -361,6 +361,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         req = self._route_request(params)
         decision = self._policy.route(req, workers)
         self._policy.on_routed(req, decision)
+        if decision.state_position > params.state_position:  # a moved session's last node (router step 4)
+            params.state_node, params.state_position = decision.state_node, decision.state_position
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         pick = by_id[decision.decode_worker]
         rest = sorted((r for r in candidate_replicas if r is not pick),

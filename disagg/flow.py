@@ -81,7 +81,9 @@ NOTES
 10. Peer resume: a request this worker sends to the prefill pool names this node and what its
    lookup found in the node's shared tiers (``GenerateParams.state_node`` / ``state_position``:
    the session's hand-offs and turn ends land here, where its prefill replica, on another node,
-   does not look). A prefill replica on another node whose own device and tiers resume less
+   does not look), unless the request already names a node holding more: the router names a
+   moved session's last node (``RouteDecision.state_node``, router step 4), which this
+   worker's own lookup also reads first. A prefill replica on another node whose own device and tiers resume less
    loads that prefix through the named node's state service (``FlowState.load`` with its
    ``node_id``), within the same load deadline; a miss there (evicted since, no state service
    for that node, a failed checksum) resumes what its own node holds. With the router
@@ -411,8 +413,10 @@ class RequestFlow:
         handle = None
         if decision.disaggregate:
             named = {"state_node": self.node_id, "state_position": plan.node_position} \
-                if self.node_id and plan.node_position > 0 else {}  # NOTE 10
-            handle = await self.remote_prefill(replace(params, checkpoint_at=points, **named), prefill_fn)
+                if self.node_id and plan.node_position > 0 and plan.node_position >= params.state_position \
+                else {}  # NOTE 10: this node, unless the router named one holding more
+            handle = await self.remote_prefill(replace(params, checkpoint_at=points, decode_node=self.node_id,
+                                                       **named), prefill_fn)
         first_index = params.resumed_output_tokens  # NOTE 4
         reported = None  # (cached, source) of the prefill replica, when one ran (NOTE 2)
         if handle is None:

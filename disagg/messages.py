@@ -47,6 +47,7 @@ class GenerateParams:
     ack: bool = False  # the decode replica first sends an empty chunk as it takes the call (disagg.stream_resume)
     state_node: str = ""  # a node whose shared tiers hold a resumable prefix of the prompt (disagg.flow NOTE 10)
     state_position: int = 0  # ... that prefix's length in tokens (0: none named)
+    decode_node: str = ""  # the node of the decode replica a prefill hands off to (disagg/workers/tiered.py NOTE 3)
 
     def __repr__(self) -> str:
         return (

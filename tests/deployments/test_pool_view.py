@@ -229,3 +229,27 @@ def test_the_decode_flow_asks_with_its_digests_and_its_nodes_tiers():
     assert query.hashes == query.hasher.block_hashes(prompt)
     # the first turn's end (prompt + outputs but the last), in the host tier; the prefill resumed there
     assert query.node_resumable == len(first) + 2 == last.num_cached_tokens
+
+
+def test_the_routers_named_node_goes_on_the_request_when_it_names_more():
+    """A decision that names another node's state (a moved session's last node, router step 4)
+    goes on the request the chosen replica receives; one naming less than the request already
+    does (a decode replica's own name, on its way to the prefill pool) leaves it as it was."""
+    from disagg.router.types import RouteDecision
+
+    rr = _pool()
+    route = rr._policy.route
+
+    def naming(position):
+        def decide(req, workers):
+            d = route(req, workers)
+            return RouteDecision(d.request_id, d.decode_worker, d.prefill_worker, d.reason, d.predicted_cached_tokens,
+                                 d.source_tier, d.scores, state_node="n7", state_position=position)
+        return decide
+
+    for position, have, want in ((64, ("", 0), ("n7", 64)), (32, ("n1", 48), ("n1", 48))):
+        rr._policy.route = naming(position)
+        params = _params(request_id=f"named-{position}")
+        params.state_node, params.state_position = have
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        assert (params.state_node, params.state_position) == want

@@ -133,3 +133,36 @@ def test_a_peer_resume_that_misses_recomputes(cluster):
     want, _ = reference.generate(EngineRequest("ref", prompt, sampling))
     assert handle.first_token == want[0] and handle.num_cached_tokens == 0
     assert prefill.flow.counters["peer_resume_misses"] == 1 and prefill.flow.counters["peer_resumes"] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hint", [280, 64])
+def test_decode_names_the_routers_node_only_when_it_names_more(cluster, hint):
+    """The router names a moved session's last node (``state_node``, router step 4). The decode
+    worker passes that name on to the prefill when it names more than its own node's lookup found,
+    else names its own node; either way it tells the prefill its node (``decode_node``). A named
+    node that misses (not reachable here) recomputes, token-exact."""
+    decode, prefill, server, reference = cluster
+    rng = random.Random(7)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    turn1 = [rng.randrange(4, 260) for _ in range(150)]
+    out1, _ = _run(decode, GenerateParams("t1", turn1, sampling, session_id="s"))
+    turn2 = turn1 + out1 + [rng.randrange(4, 260) for _ in range(300)]
+    sent = []
+
+    async def prefill_fn(params):
+        sent.append((params.state_node, params.state_position, params.decode_node))
+        return await prefill.prefill(params)
+
+    params = GenerateParams("t2", turn2, sampling, session_id="s", state_node="far", state_position=hint)
+    out2, _ = _run(decode, params, prefill_fn, (prefill,))
+    want, _ = reference.generate(EngineRequest("ref", turn2, sampling))
+    assert out2 == want
+    ((node, position, decode_node),) = sent
+    assert decode_node == "d"
+    if hint == 280:  # more than "d" holds (turn 1's 154 tokens): the router's name goes on
+        assert (node, position) == ("far", 280)
+        assert prefill.flow.counters["peer_resume_misses"] == 1
+    else:
+        assert node == "d" and 64 < position <= len(turn1) + len(out1)
+
