@@ -23,11 +23,13 @@ NOTES
    ``peer_stores(handle.node_id)`` (this node's tiers, then that node's gRPC state
    service); with no peer store for that node, from this node's tiers (a miss
    there is a recompute, ``disagg.flow`` NOTE 3).
-3. A prefill that resumed from another node's tiers (a peer resume, ``disagg.flow`` NOTE 10)
-   publishes its turn here for the hand-off, then has this node's tiers evict those
-   checkpoints first (``FlowState.demote``): the session's state lives on the decode
-   replica's node, which its next turn names again; a copy here would only push out the
-   sessions this node serves. A demoted point is still read until evicted (the hand-off).
+3. A prefill for a decode replica on another node (``GenerateParams.decode_node``), or one that
+   resumed from another node's tiers (a peer resume, ``disagg.flow`` NOTE 10), publishes its
+   turn here for the hand-off, then has this node's tiers evict those checkpoints first
+   (``FlowState.demote``): the session's state lives on the decode replica's node, where the
+   hand-off and the turn end land and which its next turn names again (or the router does,
+   when the session moves); a copy here would only push out the sessions this node serves.
+   A demoted point is still read until evicted (the hand-off).
 """
 
 from __future__ import annotations
@@ -281,7 +283,7 @@ class StatefulWorker:
                     positions = []
                 nbytes, pub_s, stored = await self.flow.publish(rid, tokens, hasher,
                                                                 earlier_checkpoints(positions, len(tokens)))
-                if plan.source == "peer" and stored:  # NOTE 3: the session lives on the node it came from
+                if stored and (plan.source == "peer" or params.decode_node not in ("", self.node_id)):  # NOTE 3
                     self.flow.spawn(self.flow.demote(points_at(tokens, hasher, sorted(stored), params.request_id)))
         except BaseException:  # cancelled (the client left) or failed before the release: the held
             self.flow.spawn(_quietly(self.engine.release(rid), f"release of {rid}"))  # blocks go back

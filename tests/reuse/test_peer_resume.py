@@ -166,3 +166,24 @@ def test_decode_names_the_routers_node_only_when_it_names_more(cluster, hint):
     else:
         assert node == "d" and 64 < position <= len(turn1) + len(out1)
 
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("decode_node", ["d", "p", ""])
+def test_a_prefill_for_another_nodes_decode_demotes_what_it_published(cluster, decode_node):
+    """The prefill's published turn is the hand-off's source; for a decode replica on another node,
+    where the hand-off and the turn end land, this node's tiers evict it first (tiered NOTE 3).
+    For a decode on its own node (or none named) it stays as it is."""
+    decode, prefill, server, reference = cluster
+    rng = random.Random(8)
+    prompt = [rng.randrange(4, 260) for _ in range(300)]
+    sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def go():
+        handle = await prefill.prefill(GenerateParams("h", prompt, sampling, session_id="s2",
+                                                      decode_node=decode_node))
+        await prefill.drain()
+        return handle
+
+    handle = asyncio.run(go())
+    assert handle.checkpoints  # the hand-off's points are stored on "p"
+    assert (prefill.flow.counters["checkpoints_demoted"] > 0) == (decode_node == "d")
