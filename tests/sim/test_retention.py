@@ -159,3 +159,28 @@ def test_a_borrowed_turn_leaves_the_prefill_tiers_first_in_line():
     assert dev.keys() == host.keys() == [_k(2), _d(0), _k(0), _d(1), _d(2), "other"]
     r.on_borrowed(("x", 0), [_k(1)], [dev, host])
     assert dev.keys() == [_k(2), _d(0), _k(0), _d(1), _d(2), "other"]
+
+
+def test_a_turn_handed_to_another_node_leaves_the_prefill_node_tiers_first_in_line():
+    """A turn went to a decode worker on another node, which stored it: the session's private
+    objects in the prefill node's shared tiers go first (its shared prefix stays), end first;
+    an unknown session, or the "lru" policy, changes nothing."""
+    host, disk = LRUTier("host", 16), LRUTier("disk", 16)
+    r = SessionRetention("session")
+    r.on_prompt(("a", 0), [_d(0)], 1, 0, [host])
+    r.on_prompt(("s", 0), [_d(0), _d(1), _d(2)], 3, 1, [host])  # d0 is shared (a's)
+    for t in (host, disk):
+        for k in (_d(0), _k(0), _d(1), _k(1), _d(2), "other"):
+            t.put(k)
+    r.on_handed_off(("x", 0), [host, disk])
+    assert host.keys()[0] == _d(0)
+    r.on_handed_off(("s", 0), [host, None, disk])
+    assert host.keys() == disk.keys() == [_d(2), _k(1), _d(1), _d(0), _k(0), "other"]
+    for policy, order in (("lru", [_d(1), _d(2)]), ("session", [_d(2), _d(1)])):
+        t = LRUTier("host", 8)
+        t.put(_d(1))
+        t.put(_d(2))
+        other = SessionRetention(policy)
+        other.on_prompt(("s", 0), [_d(1), _d(2)], 2, 0, [t])
+        other.on_handed_off(("s", 0), [t])
+        assert t.keys() == order, policy

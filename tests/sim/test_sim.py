@@ -248,6 +248,25 @@ def test_a_prefill_reads_its_decode_workers_node_when_that_resumes_further():
         assert sim._resume(ps, p, p).tokens == 8 * bs  # a local prefill reads its own node
 
 
+def test_a_target_reads_the_node_the_router_names_when_that_resumes_further():
+    """A moved session: the router names its last node (``RouteDecision.state_node``, router step 4).
+    The target, a local prefill on its decode worker or a pool prefill, reads that node's host tier
+    over the remote link when it resumes further than its own tiers; unnamed, or without peer reads,
+    it reads its own node."""
+    reqs = synth_sessions(SynthConfig(num_sessions=1, turns=1, block_size=64), seed=1)
+    for peer in (True, False):
+        c = ClusterConfig(num_prefill=2, num_decode=4, workers_per_node=2, peer_reads=peer)
+        sim = Simulator(reqs, "round_robin", c, lanes=1)
+        p, d, old = sim.workers["w00"], sim.workers["w02"], sim.workers["w04"]
+        bs = sim.block_size
+        ps = PromptState([bytes([i]) * 16 for i in range(1, 9)], 8 * bs + 5, bs, [])
+        sim.state.store(ps, 0, LRUTier("device", 64), sim.host[old.node_id])  # only n2's host tier holds it
+        assert sim._resume(ps, d, d).tokens == sim._resume(ps, p, d).tokens == 0  # nothing named
+        for target in (d, p):
+            got = sim._resume(ps, target, d, old.node_id)
+            assert (got.tokens, got.tier) == ((8 * bs, "remote") if peer else (0, None))
+
+
 def test_peer_read_credit_sends_a_decode_nodes_sessions_to_the_pool_at_the_same_reuse():
     """The pool on node n0, decode workers on n1, n2, tiers too small for the pool to keep every
     session: a turn whose state only its decode worker's node still holds is prefilled there

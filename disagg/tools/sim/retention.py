@@ -24,6 +24,9 @@ learns what will not be read again::
                          worker's node (a peer read): the private checkpoints
                          it stored in the prefill worker's device and node
                          tiers -> evicted first (its home is the decode node)
+    handed off           a turn's state went to a decode worker on another node: the
+                         session's private objects in the prefill node's shared tiers
+                         (host, disk) -> evicted first (one copy: the decode node's)
 
 Objects are demoted, never dropped: a demoted object that is read again
 (a rewrite resuming from an older checkpoint) is refreshed like any other.
@@ -116,6 +119,13 @@ class SessionRetention:
             return
         shared = self.shared
         self._demote([k for k in ckpts if k[1:] not in shared], tiers)
+
+    def on_handed_off(self, skey: tuple[str, int], tiers: Iterable[LRUTier | None]) -> None:
+        """The session's turn moved to a decode worker on another node, which stored it: its
+        private objects in ``tiers`` (the prefill node's host and disk) go first."""
+        state = self._sessions.get(skey)
+        if self.enabled and state is not None:
+            self._demote(self._private(state), tiers)
 
     def _private(self, state: tuple[list[bytes], list[bytes]]) -> list[bytes]:
         """The session's private objects, start to end (the end is demoted last: evicted first)."""

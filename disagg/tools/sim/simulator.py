@@ -32,10 +32,18 @@ NOTES
    another node may resume from D's node tiers (host, disk) over the remote link,
    as the serving prefill reads the node that the decode replica names
    (``GenerateParams.state_node``); it does when they resume further than P's own
-   tiers. D's node keeps its sessions: every hand-off to D is stored there.
+   tiers. D's node keeps its sessions: every hand-off to D is stored there. A session whose
+   decode moved to another node left its state on its last node: the router names that node
+   (``RouteDecision.state_node``, router step 4) and the target, prefill or local, reads it
+   from there instead, when it resumes further.
 2. Delta hand-off: the decode worker loads only the blocks after the leading ones its device
    holds (the session's earlier turns, decoded there), plus the tail and checkpoint, as the
    serving flow does (``disagg.flow`` NOTE 11).
+3. A hand-off to a decode worker on another node leaves the session's copies in the prefill
+   node's shared tiers evicted first (retention ``on_handed_off``): its next turn finds it on
+   D's node (or, moved, through the node the router names), so a second copy would only push
+   out the sessions that node serves. The prefill worker's device keeps its copy (its next
+   turn may prefill there again). As the serving prefill does (``disagg/workers/tiered.py`` NOTE 3).
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -304,7 +312,7 @@ class Simulator:
         self.router.on_routed(rr, decision)
         target = self.workers[decision.prefill_target]
         dec = self.workers[decision.decode_worker]
-        res = self._resume(ps, target, dec)
+        res = self._resume(ps, target, dec, decision.state_node)
         rec.predicted_tokens, rec.cached_tokens, rec.cached_tier = decision.predicted_cached_tokens, res.tokens, res.tier
         rec.prefill_worker, rec.decode_worker, rec.reason = target.worker_id, dec.worker_id, decision.reason
         job = SimJob(rec.request_id, plen, req.output_length, ps, rec, req, res.tokens, res.tokens,
@@ -314,13 +322,15 @@ class Simulator:
         else:
             target.enqueue_prefill(now, job)
 
-    def _resume(self, ps: PromptState, target: SimWorker, dec: SimWorker) -> Resume:
-        """Where ``target`` resumes ``ps``: its device and node tiers or, for a prefill of another
-        node's decode worker with ``peer_reads``, that node's tiers over the remote link, whichever
-        resumes further (NOTE 1)."""
+    def _resume(self, ps: PromptState, target: SimWorker, dec: SimWorker, named: str = "") -> Resume:
+        """Where ``target`` resumes ``ps``: its device and node tiers or, with ``peer_reads``, the
+        node the router named (a moved session's last node) or else, for a prefill of another node's
+        decode worker, that node's tiers, over the remote link, whichever resumes further (NOTE 1)."""
         tiers = self.host[target.node_id], self.disk[target.node_id]
-        if self.cluster.peer_reads and dec is not target and dec.node_id != target.node_id:
-            peer_tiers = self.host[dec.node_id], self.disk[dec.node_id]
+        peer_node = named if named and named != target.node_id else \
+            dec.node_id if dec is not target and dec.node_id != target.node_id else ""
+        if self.cluster.peer_reads and peer_node:
+            peer_tiers = self.host[peer_node], self.disk[peer_node]
             if any(t is not None for t in peer_tiers):
                 own = self.state.resume(ps, target.device, *tiers, dry=True)
                 peer = self.state.resume(ps, target.device, *peer_tiers, remote=True, dry=True)
@@ -333,7 +343,8 @@ class Simulator:
         job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id])
         skey = (job.record.session_id, job.record.salt)
         self.retention.on_store(skey, job.ckpts, self._tiers)
-        if job.record.cached_tier == "remote":  # a peer read (NOTE 1): the session lives on its decode node
+        if job.record.cached_tier == "remote" and job.decode_worker is not None:  # a peer read (NOTE 1): the
+            # session lives on its decode node (a local prefill that read the named node brings it here)
             self.retention.on_borrowed(skey, job.ckpts, [w.device, self.host[w.node_id], self.disk[w.node_id]])
             self.retention.on_placed(skey, [job.decode_worker.device])
         else:
@@ -362,6 +373,10 @@ class Simulator:
 
     def _arrive_decode(self, now: float, job: SimJob, d: SimWorker) -> None:
         self.state.store(job.prompt, 0, d.device, self.host[d.node_id], job.ckpts)
+        p = self.workers[job.record.prefill_worker]
+        if p.node_id != d.node_id:  # NOTE 3: the session lives on D's node now
+            self.retention.on_handed_off((job.record.session_id, job.record.salt),
+                                         [self.host[p.node_id], self.disk[p.node_id]])
         self._start_decode(job, d, now)
 
     def _start_decode(self, job: SimJob, w: SimWorker, now: float) -> None:
