@@ -43,7 +43,10 @@ NOTES
    node's shared tiers evicted first (retention ``on_handed_off``): its next turn finds it on
    D's node (or, moved, through the node the router names), so a second copy would only push
    out the sessions that node serves. The prefill worker's device keeps its copy (its next
-   turn may prefill there again). As the serving prefill does (``disagg/workers/tiered.py`` NOTE 3).
+   turn may prefill there again). The serving prefill does the same (``disagg/workers/tiered.py``
+   NOTE 3) with two differences: it demotes only the points it published for this turn, not the
+   session's older blocks there, and it demotes them as it publishes, before the decode has
+   loaded them (a point evicted in between is a recompute).
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
