@@ -35,6 +35,10 @@ NOTES
    turn's).
 3. A slot never observed holds queue 0 since time 0, so its first
    observation leaves queue_avg at 0.
+4. A request that ended takes its predictions with it (``on_finished``):
+   until its worker's next report they would count a decode that no longer
+   runs, and a session's next turn would see its own previous turn as load
+   on the worker holding its state.
 """
 
 from __future__ import annotations
@@ -198,3 +202,19 @@ class LoadTracker:
             self._sessions[session_id] = SessionPlacement(decode_worker, decode_node, now, prompt_len)
             self._state[0, d_slot] += 1
             self._state[1, d_slot] += prompt_len
+
+    def on_finished(self, prefill_worker: str, decode_worker: str, routed_at: float, uncached: int,
+                    prompt_len: int) -> None:
+        """A request routed at ``routed_at`` ended: drop the load ``on_routed`` predicted for it. It
+        runs nowhere now, whether or not a stats report saying so has landed yet (NOTE 4)."""
+        for book, wid, n in ((self._prefill_pending, prefill_worker, uncached),
+                             (self._decode_pending, decode_worker, prompt_len)):
+            items = book.get(wid)
+            if items is None:
+                continue
+            try:
+                items.remove((routed_at, n))
+            except ValueError:  # dropped already: a report newer than the routing, or past the horizon
+                continue
+            if not items:
+                del book[wid]

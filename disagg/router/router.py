@@ -118,7 +118,8 @@ class StateAwareRouter:
         self.decider = PDDecider(**cfg.decider)
         self.metrics = RouterMetrics()
         self.loads = LoadTracker(cfg.prediction_tau_s, cfg.session_ttl_s, cfg.queue_avg_tau_s, cfg.area_tau_s)
-        self._inflight: dict[str, tuple[int, int, str]] = {}  # request id -> (predicted, prompt_len, decode worker)
+        # request id -> (predicted, prompt_len, decode worker, prefill target, routed at, uncached)
+        self._inflight: dict[str, tuple[int, int, str, str, float, int]] = {}
         self._to_decode: dict[str, int] = {}  # decode worker -> routed there, not finished
         self._known: list[str] = []  # worker ids registered by the last route() call
 
@@ -259,7 +260,7 @@ class StateAwareRouter:
         self.loads.on_routed(_session_key(request), request.prompt_len, uncached, decision.prefill_target,
                              decision.decode_worker, self.index.node_of(decision.decode_worker), now)
         self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len,
-                                              decision.decode_worker)
+                                              decision.decode_worker, decision.prefill_target, now, uncached)
         self._to_decode[decision.decode_worker] = self._to_decode.get(decision.decode_worker, 0) + 1
         self.metrics.record_decision(decision.reason, decision.source_tier)
 
@@ -269,7 +270,8 @@ class StateAwareRouter:
         entry = self._inflight.pop(request_id, None)
         if entry is None:
             return
-        predicted, prompt_len, decode_id = entry
+        predicted, prompt_len, decode_id, prefill_id, routed_at, uncached = entry
+        self.loads.on_finished(prefill_id, decode_id, routed_at, uncached, prompt_len)
         left = self._to_decode[decode_id] - 1
         if left:
             self._to_decode[decode_id] = left

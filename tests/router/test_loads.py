@@ -50,6 +50,42 @@ def test_routing_adds_to_the_held_queue_and_pending_until_stats_catch_up():
     assert cols.data[6].tolist() == pytest.approx([0.0, 50 * E1])
 
 
+def test_a_finished_request_takes_its_predictions_with_it():
+    """Before any report says so, the router knows a request ended: its predicted prefill and decode
+    load go at once, the other requests' stay; a second finish of it changes nothing."""
+    tr = LoadTracker(prediction_tau_s=1e9)  # no decay: only on_finished can remove a prediction
+    tr.columns(_ws([0, 0], 0.0), 0.0)
+    tr.on_routed("s1", 80, 50, "w0", "w1", "n0", 1.0)  # prefill on w0, decode on w1
+    tr.on_routed("s2", 30, 20, "w1", "w1", "n0", 1.0)
+    cols = tr.columns(_ws([0, 0], 0.0), 2.0)  # stats older than both routings
+    assert cols.data[0].tolist() == pytest.approx([50.0, 20.0]) and cols.data[1].tolist() == pytest.approx([0, 110])
+    tr.on_finished("w0", "w1", 1.0, 50, 80)
+    cols = tr.columns(_ws([0, 0], 0.0), 3.0)
+    assert cols.data[0].tolist() == pytest.approx([0, 20.0]) and cols.data[1].tolist() == pytest.approx([0, 30.0])
+    tr.on_finished("w0", "w1", 1.0, 50, 80)  # already gone
+    tr.on_finished("w1", "w1", 1.0, 20, 30)
+    cols = tr.columns(_ws([0, 0], 0.0), 4.0)
+    assert cols.data[0].tolist() == [0.0, 0.0] and cols.data[1].tolist() == [0.0, 0.0]
+
+
+def test_the_router_drops_a_finished_requests_load_before_the_report():
+    """``StateAwareRouter.on_finished`` (done or abandoned) drops what ``on_routed`` predicted for it."""
+    idx = PrefixIndex()
+    ws = [WorkerState("w0", updated_at=0.0), WorkerState("w1", updated_at=0.0)]
+    t = [1.0]
+    r = StateAwareRouter(idx, clock=lambda: t[0])
+    for rid, fin in (("a", 0), ("b", None)):
+        q = req(chain(4, rid), sid=rid, rid=rid)  # 17 tokens, none cached
+        d = r.route(q, ws)
+        r.on_routed(q, d)
+        t[0] += 0.5
+        loaded = r.effective_loads(ws, t[0])[d.decode_worker]
+        assert loaded.prefill_tokens == pytest.approx(17 * math.exp(-0.1))  # decaying with tau 5 s
+        assert loaded.decode_tokens == pytest.approx(17 * math.exp(-0.1))
+        r.on_finished(rid, fin)
+        assert r.effective_loads(ws, t[0])[d.decode_worker].decode_tokens == 0.0
+
+
 def test_routing_books_the_prefill_area_it_adds():
     tr = LoadTracker()
     tr.columns(_ws([0, 30], 0.0), 0.0)
