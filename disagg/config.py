@@ -37,8 +37,10 @@ PREFILL_BUSY_TOKENS = 65536.0  # the least-loaded prefill replica's queued token
 BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, suffixes up to this prefill locally
 # weighted suffix = suffix * (1 + this * the decode replica's running decodes); "local_state": a
 # decode replica that resumes more of the prompt than any prefill replica prefills locally when its
-# weighted suffix <= the pool's least queued + uncached tokens (disagg.router.decider)
-LOCAL_HARM_WEIGHT = 4.0
+# suffix * (1 + this * (its decodes running or on their way)) <= the pool's least queued + uncached
+# tokens (disagg.router.decider). 16, not 4: with 4, stalls behind local prefills were most of the
+# P/D cells' P90 ITL tail (docs/router.md, "Round 7")
+LOCAL_HARM_WEIGHT = 16.0
 # "local_idle": an idle decode replica (nothing running there nor routed to it) that resumes at least as
 # much as any prefill replica prefills locally when the pool's least queued + uncached tokens are at
 # least this many times its suffix (the pool's queue would at least quadruple the time to first token)

@@ -7,7 +7,8 @@
            and suffix <= busy_local_max_tokens             ("local_prefill_busy")
     local  if u_p = prompt_len - resumable(p) is given for the pool,
            suffix < min_p u_p (the decode worker resumes more than any prefill worker)
-           and suffix * w <= min_p (q_p + u_p)                          ("local_state")
+           and suffix * w_c <= min_p (q_p + u_p)                        ("local_state")
+           w_c = 1 + local_harm_weight * C_d   (C_d: see "local_idle")
     local  if u_p is given, C_d = 0 (C_d: decodes running on the decode worker or
            routed to it and not finished), suffix <= min_p u_p
            and suffix * local_idle_margin <= min_p (q_p + u_p)          ("local_idle")
@@ -23,8 +24,17 @@ faster path for medium suffixes too.
 pool, the request waits for the least loaded prefill worker's queue and then
 computes what that worker cannot resume; locally it computes only the suffix,
 but each of the decode worker's B_d running decodes waits for those tokens
-too (the decode time a local prefill steals, as in the decode scorer). It
-fires only where the decode worker can resume more than the pool: with P/D
+too (the decode time a local prefill steals, as in the decode scorer), and
+so does each decode on its way there: a disaggregated request routed to
+that worker, still in the pool, that arrives while the local prefill runs
+waits for the step to end and then decodes beside it. The weight counts
+C_d, those and the running ones. (With B_d alone, on the router suite's
+``long_agentic/64/pd`` at weight 4 the requests at or past the P90 ITL
+averaged 11.30 ms per token, 1.64 of it waiting at join and 1.20 stalled
+behind local prefills; with C_d, 9.63, 0.35 and 0.79:
+``benchmarks/pd_itl.py``.)
+
+It fires only where the decode worker can resume more than the pool: with P/D
 pools on separate nodes the decode workers' tiers hold the sessions they
 decode, and the prefill pool's tiers, a quarter of the cluster, cannot hold
 every live session (docs/router.md, "Router suite"). Without the pool's
@@ -54,7 +64,7 @@ u_p from the adapter's prefix index) and in the simulator (through
 Config example (YAML, the router policy's ``decider`` key)::
 
     decider: {local_prefill_max_tokens: 256, prefill_busy_tokens: 65536,
-              busy_local_max_tokens: 8192, local_harm_weight: 4, local_idle_margin: 4}
+              busy_local_max_tokens: 8192, local_harm_weight: 16, local_idle_margin: 4}
 """
 
 from __future__ import annotations
@@ -117,9 +127,10 @@ class PDDecider:
         if pool_uncached:
             work = min(q + u for q, u in zip(prefill_loads, pool_uncached, strict=True))
             least = min(pool_uncached)
-            if suffix_tokens < least and weighted <= work:
+            coming = decode_batch if decode_coming is None else max(decode_coming, decode_batch)
+            stalled = suffix_tokens * (1.0 + cfg.local_harm_weight * max(coming, 0.0))
+            if suffix_tokens < least and stalled <= work:
                 return PDDecision(False, "local_state")
-            coming = decode_batch if decode_coming is None else decode_coming
             margin = cfg.local_idle_margin
             if margin > 0 and coming <= 0 and suffix_tokens <= least and suffix_tokens * margin <= work:
                 return PDDecision(False, "local_idle")

@@ -79,11 +79,14 @@ DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
         "filters": ["healthy", {"role": {"phase": "prefill"}}, "load_guard"],
         "scorers": {"prefix": 2.0, "wait": 1.5, "load": BALANCE_LOAD, "affinity": 0.5},
     },
+    # P/D decode placement: running decodes (load, weight 8) spread the decode batches a request
+    # joins; 8, not 1: one more sequence in the batch is most of what separated the P/D cells' P90
+    # ITL from the best baseline's once local prefills stopped stalling them (docs/router.md, "Round 7")
     "decode": {
         "filters": ["healthy", {"role": {"phase": "decode"}}],
         "scorers": {
             "prefix": 1.0,
-            "load": {"weight": 1.0, "params": {"prefill_weight": 0.3, "decode_weight": 1.0}},
+            "load": {"weight": 8.0, "params": {"prefill_weight": 0.3, "decode_weight": 1.0}},
             "affinity": 0.5,
             "decode": 3.0,
         },

@@ -42,7 +42,8 @@ from kv_transfer.keys import BlockHasher, KeyExtras
 
 BS = 64  # the engine's and the prefill replicas' block size
 # thresholds small enough for a CPU prefill: local <= 64; busy pool (min queue >= 1000) keeps <= 192 local
-ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_local_max_tokens": 192}
+ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_local_max_tokens": 192,
+          "local_harm_weight": 4}  # the weights the cases below are written for
 # (uncached suffix, the prefill replicas' queued prefill tokens, decodes running on the decode worker,
 #  prompt tokens the decode worker resumes (on device and, published, in its node's host tier),
 #  prompt tokens each prefill replica resumes on its device, cache salt, how many of the prefill

@@ -224,6 +224,25 @@ def test_decider_idle_decode_worker_absorbs_a_queued_pool(suffix, loads, uncache
         PDDecider(local_idle_margin=-1.0)
 
 
+@pytest.mark.parametrize(
+    "batch, coming, disagg, reason",
+    [
+        (0, 0, False, "local_state"),  # 1000 <= 9000: nothing to stall
+        (0, 8, False, "local_state"),  # 1000 * 9 <= 9000
+        (0, 9, True, "disagg"),  # nothing runs yet, but 9 decodes on their way would wait: 1000 * 10 > 9000
+        (8, 8, False, "local_state"),  # the running ones are among those coming
+        (9, None, True, "disagg"),  # coming unknown: the running batch
+        (9, 0, True, "disagg"),  # never fewer than the running batch
+    ],
+)
+def test_decider_local_state_counts_the_decodes_on_their_way(batch, coming, disagg, reason):
+    """A local prefill stalls the decodes that join while it runs (routed to the decode worker,
+    still in the pool) as much as the running ones."""
+    d = PDDecider(local_prefill_max_tokens=256, local_harm_weight=1.0, local_idle_margin=0.0).decide(
+        1000, [0.0, 0.0], [9000.0, 20000.0], batch, coming)
+    assert (d.disaggregate, d.reason) == (disagg, reason)
+
+
 def test_decider_defaults_are_the_app_configs():
     """One set of defaults: the decider's are ``disagg.config``'s router settings."""
     from disagg.config import RouterConfig
