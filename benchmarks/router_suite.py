@@ -34,7 +34,9 @@ run's summary and each cell's verdict), ``table.txt`` and ``suite.png``
     python benchmarks/router_suite.py --out results/rs2 --reuse-baselines results/router_suite
 
 ``--seed-offset K`` re-seeds every member (same shapes, other sessions): the held-out check
-of a change tuned on the suite's own traces.
+of a change tuned on the suite's own traces. ``--spill-to-pool`` runs every policy with the
+simulator's spill of decode nodes' evictions to the prefill nodes' host tiers (Simulator
+NOTE 4; not in serving yet).
 """
 
 from __future__ import annotations
@@ -88,11 +90,13 @@ class Scale:
     retention: str  # tier eviction order (disagg.tools.sim.retention)
     router_config: str = ""  # state_aware's RouterConfig as JSON ("" = defaults)
     seed_offset: int = 0  # added to every member's seed (0: the suite's own traces)
+    spill_to_pool: bool = False  # ClusterConfig.spill_to_pool (Simulator NOTE 4)
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
         key = f"{self.tokens}/{self.turns}/{self.sessions_per_worker}/{self.lanes_per_worker}/{self.retention}"
-        return f"{key}/seed+{self.seed_offset}" if self.seed_offset else key
+        key = f"{key}/seed+{self.seed_offset}" if self.seed_offset else key
+        return f"{key}/spill" if self.spill_to_pool else key
 
 
 @lru_cache(maxsize=8)
@@ -111,7 +115,7 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
     pre = cell.workers // 4 if cell.mode == "pd" else 0
     return ClusterConfig(num_workers=cell.workers, num_prefill=pre, num_decode=cell.workers - pre if pre else 0,
                          workers_per_node=WORKERS_PER_NODE, device_blocks=dev, host_blocks=host,
-                         retention=sc.retention)
+                         retention=sc.retention, spill_to_pool=sc.spill_to_pool)
 
 
 def run_one(task: tuple[Cell, str, Scale]) -> dict:
@@ -219,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse-baselines", metavar="DIR", help="baseline runs from DIR/runs.jsonl (same scale)")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="re-seed every member by this much: traces of the same shapes the router was not tuned on")
+    ap.add_argument("--spill-to-pool", action="store_true",
+                    help="P/D: decode nodes' evictions go to the prefill nodes' host tiers (every policy)")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members = [m.strip() for m in args.members.split(",") if m.strip()]
@@ -234,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rc = json.dumps(yaml.safe_load(Path(rc).read_text()) or {})
     sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc,
-               args.seed_offset)
+               args.seed_offset, args.spill_to_pool)
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

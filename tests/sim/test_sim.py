@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from disagg.router.types import RouteRequest
 from disagg.tools.sim.cache import LRUTier
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.profile import cost_profile
@@ -287,3 +288,28 @@ def test_peer_read_credit_sends_a_decode_nodes_sessions_to_the_pool_at_the_same_
     assert all(r.reason.startswith("disagg") and r.prefill_worker in ("w00", "w01") for r in far)
     assert all(r.predicted_tokens == r.cached_tokens > 0 for r in far)
     assert sum(r.cached_tokens for r in runs[True]) == sum(r.cached_tokens for r in runs[False])
+
+
+def test_spill_to_pool_moves_a_decode_nodes_evictions_to_a_prefill_nodes_host_tier():
+    """``spill_to_pool`` (Simulator NOTE 4): the pool on n0, decode workers on n1 and n2. What n1's
+    host tier evicts lands in n0's host tier, where the index sees it and a prefill worker there
+    resumes it from its own node (tier "host"); without the flag it is gone. The pool's own host
+    tier keeps plain eviction."""
+    reqs = synth_sessions(SynthConfig(num_sessions=1, turns=1, block_size=64), seed=1)
+    for spill in (True, False):
+        c = ClusterConfig(num_prefill=2, num_decode=4, workers_per_node=2, host_blocks=128, spill_to_pool=spill)
+        sim = Simulator(reqs, "round_robin", c, lanes=1)
+        p, d = sim.workers["w00"], sim.workers["w02"]
+        bs = sim.block_size
+        ps = PromptState([bytes([i]) * 16 for i in range(1, 9)], 8 * bs + 5, bs, [])
+        sim.state.store(ps, 0, LRUTier("device", 64), sim.host[d.node_id])  # 8 blocks + a checkpoint on n1
+        assert sim._resume(ps, p, p).tokens == 0
+        sim.host[d.node_id].put(b"filler", 128)  # evicts the session from n1's host tier
+        assert sim.host[d.node_id].keys() == [b"filler"]
+        got = sim._resume(ps, p, p)
+        assert (got.tokens, got.tier) == ((8 * bs, "host") if spill else (0, None))
+        assert (sim.index.resumable(RouteRequest("q", "s", ps.full(), ps.prompt_len, bs), "w00")[0] == 8 * bs) \
+            is spill
+        mate = sim.workers["w01"]  # p's node mate: its device is empty, it reads n0's host tier
+        sim.host[p.node_id].put(b"filler", 128)  # the pool's own evictions go nowhere
+        assert sim.host[p.node_id].keys() == [b"filler"] and sim._resume(ps, mate, mate).tokens == 0

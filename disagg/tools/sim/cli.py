@@ -100,6 +100,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "checkpoints go first; disagg.tools.sim.retention)")
     g.add_argument("--no-peer-reads", action="store_true",
                    help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
+    g.add_argument("--spill-to-pool", action="store_true",
+                   help="P/D: what a node without prefill workers evicts goes to a prefill node's host tier "
+                        "(a what-if: serving has no such spill yet)")
     g.add_argument("--stats-period", type=float, default=0.0, help="seconds between worker stats (0 = live)")
     g.add_argument("--node-compute-slots", type=float,
                    help="engines a node runs at full speed at once (default: the profile's; 0 = no sharing)")
@@ -185,6 +188,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_last_full_block=not args.no_last_full_block,
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
                             retention=args.retention, peer_reads=not args.no_peer_reads,
+                            spill_to_pool=args.spill_to_pool,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None
                             else float((prof.limits if prof else {}).get("node_compute_slots", 0.0)))
     return cluster, cost

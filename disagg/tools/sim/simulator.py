@@ -47,6 +47,13 @@ NOTES
    NOTE 3) with two differences: it demotes only the points it published for this turn, not the
    session's older blocks there, and it demotes them as it publishes, before the decode has
    loaded them (a point evicted in between is a recompute).
+4. Spill to the pool (``ClusterConfig.spill_to_pool``, P/D, off by default; serving has no
+   counterpart yet): the last tier of a node without prefill workers (its disk, else its
+   host) writes what it evicts to the host tier of a node with prefill workers (node k of
+   those without: the ((k mod m)+1)-th of the m with), where a prefill worker resumes it from
+   its own node. The write is taken as background traffic: it costs no time. At 64 workers
+   the decode nodes' host tiers are the ones that fill, while the pool's nodes hold a quarter
+   of the cluster's host capacity (docs/router.md, "Round 7").
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -101,6 +108,7 @@ class ClusterConfig:
     node_compute_slots: float = 0.0  # engines a node runs at full speed at once (0: no sharing; CPU nodes)
     retention: str = "lru"  # tier eviction order: "lru" or "session" (disagg.tools.sim.retention)
     peer_reads: bool = True  # P/D: a prefill reads its decode worker's node tiers (Simulator NOTE 1)
+    spill_to_pool: bool = False  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -212,13 +220,17 @@ class Simulator:
         self.workers: dict[str, SimWorker] = {}
         self.host: dict[str, LRUTier | None] = {}
         self.disk: dict[str, LRUTier | None] = {}
-        for i, role in enumerate(c.roles()):
+        roles = c.roles()
+        spill_to = self._spill_targets(roles) if c.spill_to_pool else {}
+        for i, role in enumerate(roles):
             wid, node = f"w{i:02d}", f"n{i // c.workers_per_node}"
             self.index.add_worker(wid, node)
             if node not in self.host:
-                disk = LRUTier("disk", c.disk_blocks, self.state.listener("disk", wid)) if c.disk_blocks else None
+                pool = spill_to.get(node)  # NOTE 4: the pool node's host tier, built before this node's
+                disk = LRUTier("disk", c.disk_blocks, self.state.listener("disk", wid, pool)) if c.disk_blocks \
+                    else None
                 self.disk[node] = disk
-                self.host[node] = (LRUTier("host", c.host_blocks, self.state.listener("host", wid, disk))
+                self.host[node] = (LRUTier("host", c.host_blocks, self.state.listener("host", wid, disk or pool))
                                    if c.host_blocks else None)
             dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid))
             self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, c.macro_steps, self.block_size)
@@ -228,6 +240,26 @@ class Simulator:
         self._node_workers: dict[str, list[SimWorker]] = {}
         for w in self.workers.values():
             self._node_workers.setdefault(w.node_id, []).append(w)
+
+    def _spill_targets(self, roles: list[str]) -> dict[str, LRUTier]:
+        """NOTE 4: node -> the host tier its evictions spill to, for the nodes without prefill
+        workers. Prefill workers come first in ``roles``, so their nodes' tiers exist first."""
+        per = self.cluster.workers_per_node
+        nodes = [f"n{k}" for k in range(-(-len(roles) // per))]
+        pool = [n for k, n in enumerate(nodes) if "prefill" in roles[k * per:(k + 1) * per]]
+        if not pool or not self.cluster.host_blocks:
+            return {}
+        out: dict[str, LRUTier] = {}
+        for k, n in enumerate(n for n in nodes if n not in pool):
+            target = pool[k % len(pool)]
+            if target not in self.host:  # build the pool node's tiers now (the loop finds them built)
+                wid = f"w{nodes.index(target) * per:02d}"
+                disk = LRUTier("disk", self.cluster.disk_blocks, self.state.listener("disk", wid)) \
+                    if self.cluster.disk_blocks else None
+                self.disk[target] = disk
+                self.host[target] = LRUTier("host", self.cluster.host_blocks, self.state.listener("host", wid, disk))
+            out[n] = self.host[target]
+        return out
 
     def node_slowdown(self, w: SimWorker) -> float:
         """Step-time factor of ``w`` from the busy engines of its node now (1 without compute sharing).
