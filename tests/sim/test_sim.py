@@ -313,3 +313,21 @@ def test_spill_to_pool_moves_a_decode_nodes_evictions_to_a_prefill_nodes_host_ti
         mate = sim.workers["w01"]  # p's node mate: its device is empty, it reads n0's host tier
         sim.host[p.node_id].put(b"filler", 128)  # the pool's own evictions go nowhere
         assert sim.host[p.node_id].keys() == [b"filler"] and sim._resume(ps, mate, mate).tokens == 0
+
+
+def test_spill_to_pool_leaves_a_disk_tier_first_in_line():
+    """With a disk tier the decode node's host evictions go to its disk (state NOTE 3); what the
+    disk evicts goes to the pool node's host tier (even while the disk is empty: no truthiness)."""
+    reqs = synth_sessions(SynthConfig(num_sessions=1, turns=1, block_size=64), seed=1)
+    c = ClusterConfig(num_prefill=2, num_decode=4, workers_per_node=2, host_blocks=128, disk_blocks=128,
+                      spill_to_pool=True)
+    sim = Simulator(reqs, "round_robin", c, lanes=1)
+    p, d = sim.workers["w00"], sim.workers["w02"]
+    bs = sim.block_size
+    ps = PromptState([bytes([i]) * 16 for i in range(1, 9)], 8 * bs + 5, bs, [])
+    sim.state.store(ps, 0, LRUTier("device", 64), sim.host[d.node_id])
+    sim.host[d.node_id].put(b"filler", 128)
+    assert len(sim.disk[d.node_id]) > 0 and len(sim.host[p.node_id]) == 0  # on n1's disk, not yet in the pool
+    sim.disk[d.node_id].put(b"filler", 128)
+    got = sim._resume(ps, p, p)
+    assert (got.tokens, got.tier) == (8 * bs, "host")

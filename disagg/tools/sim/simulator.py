@@ -226,12 +226,7 @@ class Simulator:
             wid, node = f"w{i:02d}", f"n{i // c.workers_per_node}"
             self.index.add_worker(wid, node)
             if node not in self.host:
-                pool = spill_to.get(node)  # NOTE 4: the pool node's host tier, built before this node's
-                disk = LRUTier("disk", c.disk_blocks, self.state.listener("disk", wid, pool)) if c.disk_blocks \
-                    else None
-                self.disk[node] = disk
-                self.host[node] = (LRUTier("host", c.host_blocks, self.state.listener("host", wid, disk or pool))
-                                   if c.host_blocks else None)
+                self._node_tiers(node, wid, spill_to.get(node))
             dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid))
             self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, c.macro_steps, self.block_size)
         self._live = [w.state for w in self.workers.values()]
@@ -241,25 +236,27 @@ class Simulator:
         for w in self.workers.values():
             self._node_workers.setdefault(w.node_id, []).append(w)
 
+    def _node_tiers(self, node: str, reporter: str, spill: LRUTier | None = None) -> None:
+        """``node``'s host and disk tiers (events reported as ``reporter``): host evictions go to
+        the disk (state NOTE 3), and the last of the two spills to ``spill`` (NOTE 4)."""
+        c = self.cluster
+        disk = LRUTier("disk", c.disk_blocks, self.state.listener("disk", reporter, spill)) if c.disk_blocks else None
+        self.disk[node] = disk
+        after_host = disk if disk is not None else spill  # (an empty tier is falsy: no ``or``)
+        self.host[node] = LRUTier("host", c.host_blocks, self.state.listener("host", reporter, after_host)) \
+            if c.host_blocks else None
+
     def _spill_targets(self, roles: list[str]) -> dict[str, LRUTier]:
         """NOTE 4: node -> the host tier its evictions spill to, for the nodes without prefill
-        workers. Prefill workers come first in ``roles``, so their nodes' tiers exist first."""
+        workers; builds the tiers of the nodes with them (node k's first worker reports)."""
         per = self.cluster.workers_per_node
         nodes = [f"n{k}" for k in range(-(-len(roles) // per))]
         pool = [n for k, n in enumerate(nodes) if "prefill" in roles[k * per:(k + 1) * per]]
         if not pool or not self.cluster.host_blocks:
             return {}
-        out: dict[str, LRUTier] = {}
-        for k, n in enumerate(n for n in nodes if n not in pool):
-            target = pool[k % len(pool)]
-            if target not in self.host:  # build the pool node's tiers now (the loop finds them built)
-                wid = f"w{nodes.index(target) * per:02d}"
-                disk = LRUTier("disk", self.cluster.disk_blocks, self.state.listener("disk", wid)) \
-                    if self.cluster.disk_blocks else None
-                self.disk[target] = disk
-                self.host[target] = LRUTier("host", self.cluster.host_blocks, self.state.listener("host", wid, disk))
-            out[n] = self.host[target]
-        return out
+        for n in pool:
+            self._node_tiers(n, f"w{nodes.index(n) * per:02d}")
+        return {n: self.host[pool[k % len(pool)]] for k, n in enumerate(n for n in nodes if n not in pool)}
 
     def node_slowdown(self, w: SimWorker) -> float:
         """Step-time factor of ``w`` from the busy engines of its node now (1 without compute sharing).
