@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -26,11 +27,47 @@ log = logging.getLogger(__name__)
 APP_NAME = "disagg"
 
 
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOW_PORT = 20_000  # below: Ray's own fixed ports (its workers bind 10002-19999 by default) and services
+_handed_out: set[int] = set()  # ports this process returned (a listener may not have bound yet)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open(_EPHEMERAL) as f:
+            lo, hi = map(int, f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """An unused TCP port for a listener that binds it later, outside the kernel's ephemeral range.
+
+    A port from ``bind(0)`` is an ephemeral one: between this call and the listener's bind, any
+    process of the cluster that binds port 0 or connects out (Ray starts dozens, each with gRPC
+    servers and clients) can be given the same port, and the listener then fails with "Address
+    already in use" (HAProxy's stats listener did, once, in a test run). Ports below the ephemeral
+    range are never handed out that way; those from 20000 up are not Ray's either (its workers
+    bind 10002-19999 by default). A random one there is checked free on every interface
+    (HAProxy's metrics listener binds all of them) and never returned twice by this process.
+    """
+    lo, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(_LOW_PORT, lo) if lo > _LOW_PORT + 1000 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free TCP port found below {lo}")
 
 
 # Settings of the local cluster as a whole (raylet, controller, HTTP front), not of one deployment;
@@ -119,13 +156,21 @@ def stop_haproxy(timeout_s: float = 3.0) -> list[int]:
     return alive
 
 
+_EXPORTED_ENV = "DISAGG_CLUSTER_ENV_KEYS"  # the keys a launcher exported, for the processes it starts
+
+
 def export_cluster_env(http: HTTPConfig | None = None) -> None:
     """Put the local cluster's settings in ``os.environ`` before ``ray.init`` (every process of the
-    cluster inherits them). A variable the caller set wins; the ones set here are renewed per call."""
+    cluster inherits them). A variable the caller set wins; the ones set here, or by the launcher of
+    a parent process (listed in ``DISAGG_CLUSTER_ENV_KEYS``), are renewed per call: a ``disagg serve``
+    started by a process that ran a local cluster before must not take that cluster's ports, or the
+    HAProxy shim it removed at shutdown."""
+    inherited = set(filter(None, os.environ.get(_EXPORTED_ENV, "").split(",")))
     for key, value in _cluster_env(http).items():
-        if key not in os.environ or key in _exported:
+        if key not in os.environ or key in _exported or key in inherited:
             os.environ[key] = value
             _exported.add(key)
+    os.environ[_EXPORTED_ENV] = ",".join(sorted(_exported))
 
 
 def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
