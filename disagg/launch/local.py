@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import random
@@ -156,21 +157,26 @@ def stop_haproxy(timeout_s: float = 3.0) -> list[int]:
     return alive
 
 
-_EXPORTED_ENV = "DISAGG_CLUSTER_ENV_KEYS"  # the keys a launcher exported, for the processes it starts
+_EXPORTED_ENV = "DISAGG_CLUSTER_ENV_EXPORTED"  # JSON {key: value} a launcher exported, for the processes it starts
 
 
 def export_cluster_env(http: HTTPConfig | None = None) -> None:
     """Put the local cluster's settings in ``os.environ`` before ``ray.init`` (every process of the
-    cluster inherits them). A variable the caller set wins; the ones set here, or by the launcher of
-    a parent process (listed in ``DISAGG_CLUSTER_ENV_KEYS``), are renewed per call: a ``disagg serve``
-    started by a process that ran a local cluster before must not take that cluster's ports, or the
-    HAProxy shim it removed at shutdown."""
-    inherited = set(filter(None, os.environ.get(_EXPORTED_ENV, "").split(",")))
+    cluster inherits them). A variable the caller set wins; the ones set here are renewed per call,
+    and so are those a parent process's launcher set and recorded in ``DISAGG_CLUSTER_ENV_EXPORTED``
+    while they still hold the value it recorded: a ``disagg serve`` started by a process that ran a
+    local cluster before must not take that cluster's ports, or the HAProxy shim it removed at
+    shutdown, for its caller's settings."""
+    try:
+        inherited = json.loads(os.environ.get(_EXPORTED_ENV) or "{}")
+    except ValueError:
+        inherited = {}
+    inherited = inherited if isinstance(inherited, dict) else {}
     for key, value in _cluster_env(http).items():
-        if key not in os.environ or key in _exported or key in inherited:
+        if key not in os.environ or key in _exported or inherited.get(key) == os.environ[key]:
             os.environ[key] = value
             _exported.add(key)
-    os.environ[_EXPORTED_ENV] = ",".join(sorted(_exported))
+    os.environ[_EXPORTED_ENV] = json.dumps({k: os.environ[k] for k in sorted(_exported) if k in os.environ})
 
 
 def wait_healthy(url: str, timeout_s: float = 300.0) -> None:

@@ -40,8 +40,10 @@ def test_a_port_in_use_or_handed_out_before_is_skipped(monkeypatch):
 
 def test_a_parents_exported_cluster_env_is_renewed_a_users_wins(monkeypatch):
     """A process started by one that ran a local cluster inherits that cluster's settings (its
-    HAProxy ports, its shim's path, removed at its shutdown): listed in ``DISAGG_CLUSTER_ENV_KEYS``,
-    they are renewed; a variable the user set, unlisted, wins."""
+    HAProxy ports, its shim's path, removed at its shutdown): recorded in
+    ``DISAGG_CLUSTER_ENV_EXPORTED`` with the values exported, they are renewed; a variable the user
+    set, or changed since it was recorded, wins."""
+    import json
     import os
 
     monkeypatch.setattr(local, "_exported", set())  # a fresh process: nothing exported here yet
@@ -50,12 +52,21 @@ def test_a_parents_exported_cluster_env_is_renewed_a_users_wins(monkeypatch):
     try:
         os.environ["RAY_worker_niceness"] = "7"  # the parent's launcher exported this one
         os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "99"  # the user set this one
-        os.environ[local._EXPORTED_ENV] = "RAY_worker_niceness"
+        os.environ["RAY_SERVE_LOG_TO_STDERR"] = "1"  # ... and changed this one after it was recorded
+        os.environ[local._EXPORTED_ENV] = json.dumps({"RAY_worker_niceness": "7",
+                                                      "RAY_SERVE_LOG_TO_STDERR": "0"})
         local.export_cluster_env()
         assert os.environ["RAY_worker_niceness"] == local.CLUSTER_ENV["RAY_worker_niceness"]
         assert os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "99"
-        keys = os.environ[local._EXPORTED_ENV].split(",")
-        assert "RAY_worker_niceness" in keys and "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S" not in keys
+        assert os.environ["RAY_SERVE_LOG_TO_STDERR"] == "1"
+        recorded = json.loads(os.environ[local._EXPORTED_ENV])
+        assert recorded["RAY_worker_niceness"] == local.CLUSTER_ENV["RAY_worker_niceness"]
+        assert "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S" not in recorded
+        os.environ[local._EXPORTED_ENV] = "not json"  # a damaged record: the caller's values win
+        os.environ["RAY_worker_niceness"] = "3"
+        monkeypatch.setattr(local, "_exported", set())
+        local.export_cluster_env()
+        assert os.environ["RAY_worker_niceness"] == "3"
     finally:  # export_cluster_env wrote os.environ directly
         os.environ.clear()
         os.environ.update(saved)

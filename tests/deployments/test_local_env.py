@@ -13,7 +13,7 @@ from disagg.config import HTTPConfig, load_config
 from disagg.launch import local
 
 KEYS = {*local.SERVE_ENV, *local.CLUSTER_ENV, *local.HAPROXY_ENV, *local._HAPROXY_PORT_KEYS,
-        "RAY_SERVE_HAPROXY_BINARY_PATH", *local.front_env(HTTPConfig())}
+        "RAY_SERVE_HAPROXY_BINARY_PATH", *local.front_env(HTTPConfig()), local._EXPORTED_ENV}
 
 
 @pytest.fixture
