@@ -249,18 +249,25 @@ def test_a_prefill_reads_its_decode_workers_node_when_that_resumes_further():
         assert sim._resume(ps, p, p).tokens == 8 * bs  # a local prefill reads its own node
 
 
+def _pd_sim(**cluster) -> tuple[Simulator, PromptState]:
+    """A P/D simulator of three nodes of two workers (the pool w00, w01 on n0; decode workers on
+    n1, n2) and an 8-block prompt (plus a 5-token tail) none of its tiers holds yet."""
+    reqs = synth_sessions(SynthConfig(num_sessions=1, turns=1, block_size=64), seed=1)
+    sim = Simulator(reqs, "round_robin", ClusterConfig(num_prefill=2, num_decode=4, workers_per_node=2, **cluster),
+                    lanes=1)
+    bs = sim.block_size
+    return sim, PromptState([bytes([i]) * 16 for i in range(1, 9)], 8 * bs + 5, bs, [])
+
+
 def test_a_target_reads_the_node_the_router_names_when_that_resumes_further():
     """A moved session: the router names its last node (``RouteDecision.state_node``, router step 4).
     The target, a local prefill on its decode worker or a pool prefill, reads that node's host tier
     over the remote link when it resumes further than its own tiers; unnamed, or without peer reads,
     it reads its own node."""
-    reqs = synth_sessions(SynthConfig(num_sessions=1, turns=1, block_size=64), seed=1)
     for peer in (True, False):
-        c = ClusterConfig(num_prefill=2, num_decode=4, workers_per_node=2, peer_reads=peer)
-        sim = Simulator(reqs, "round_robin", c, lanes=1)
+        sim, ps = _pd_sim(peer_reads=peer)
         p, d, old = sim.workers["w00"], sim.workers["w02"], sim.workers["w04"]
         bs = sim.block_size
-        ps = PromptState([bytes([i]) * 16 for i in range(1, 9)], 8 * bs + 5, bs, [])
         sim.state.store(ps, 0, LRUTier("device", 64), sim.host[old.node_id])  # only n2's host tier holds it
         assert sim._resume(ps, d, d).tokens == sim._resume(ps, p, d).tokens == 0  # nothing named
         for target in (d, p):
@@ -295,13 +302,10 @@ def test_spill_to_pool_moves_a_decode_nodes_evictions_to_a_prefill_nodes_host_ti
     host tier evicts lands in n0's host tier, where the index sees it and a prefill worker there
     resumes it from its own node (tier "host"); without the flag it is gone. The pool's own host
     tier keeps plain eviction."""
-    reqs = synth_sessions(SynthConfig(num_sessions=1, turns=1, block_size=64), seed=1)
     for spill in (True, False):
-        c = ClusterConfig(num_prefill=2, num_decode=4, workers_per_node=2, host_blocks=128, spill_to_pool=spill)
-        sim = Simulator(reqs, "round_robin", c, lanes=1)
+        sim, ps = _pd_sim(host_blocks=128, spill_to_pool=spill)
         p, d = sim.workers["w00"], sim.workers["w02"]
         bs = sim.block_size
-        ps = PromptState([bytes([i]) * 16 for i in range(1, 9)], 8 * bs + 5, bs, [])
         sim.state.store(ps, 0, LRUTier("device", 64), sim.host[d.node_id])  # 8 blocks + a checkpoint on n1
         assert sim._resume(ps, p, p).tokens == 0
         sim.host[d.node_id].put(b"filler", 128)  # evicts the session from n1's host tier
@@ -318,13 +322,9 @@ def test_spill_to_pool_moves_a_decode_nodes_evictions_to_a_prefill_nodes_host_ti
 def test_spill_to_pool_leaves_a_disk_tier_first_in_line():
     """With a disk tier the decode node's host evictions go to its disk (state NOTE 3); what the
     disk evicts goes to the pool node's host tier (even while the disk is empty: no truthiness)."""
-    reqs = synth_sessions(SynthConfig(num_sessions=1, turns=1, block_size=64), seed=1)
-    c = ClusterConfig(num_prefill=2, num_decode=4, workers_per_node=2, host_blocks=128, disk_blocks=128,
-                      spill_to_pool=True)
-    sim = Simulator(reqs, "round_robin", c, lanes=1)
+    sim, ps = _pd_sim(host_blocks=128, disk_blocks=128, spill_to_pool=True)
     p, d = sim.workers["w00"], sim.workers["w02"]
     bs = sim.block_size
-    ps = PromptState([bytes([i]) * 16 for i in range(1, 9)], 8 * bs + 5, bs, [])
     sim.state.store(ps, 0, LRUTier("device", 64), sim.host[d.node_id])
     sim.host[d.node_id].put(b"filler", 128)
     assert len(sim.disk[d.node_id]) > 0 and len(sim.host[p.node_id]) == 0  # on n1's disk, not yet in the pool
