@@ -128,17 +128,22 @@ class DiskTier:
     7. Tenants' state is the owner's alone: the directory is 0700 and owned by this user (one
        owned by another user is refused: it could have been planted), segment files are 0600,
        recovered ones included.
+    8. ``on_evict`` (when given) receives the key and bytes of every record evicted to make
+       room, as the host tier's does; it must not block (it runs under the tier's lock) and
+       a failure there loses that object only.
     """
 
     def __init__(self, directory: str, capacity_bytes: int, *, segment_bytes: int = 256 << 20,
                  admission: str = "always", max_pending_bytes: int = 1 << 30, verify_reads: bool = True,
-                 event_log: EventLog | None = None, worker_id: str = "", name: str = "disk"):
+                 event_log: EventLog | None = None, worker_id: str = "", name: str = "disk",
+                 on_evict: Callable[[str, bytes], None] | None = None):
         if admission not in ADMISSION_POLICIES:
             raise ValueError(f"unknown admission policy {admission!r}; known: {sorted(ADMISSION_POLICIES)}")
         self.name, self.directory, self.capacity_bytes = name, directory, capacity_bytes
         self.segment_bytes = min(segment_bytes, max(capacity_bytes // 4, 1 << 16))
         self.max_pending_bytes, self.verify_reads = max_pending_bytes, verify_reads
         self.event_log, self.worker_id = event_log, worker_id
+        self.on_evict = on_evict  # evicted records' bytes go here (NOTE 8), e.g. a spill to the pool
         self._admission = ADMISSION_POLICIES[admission]()
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
@@ -343,6 +348,8 @@ class DiskTier:
             if k not in kept:
                 self._counters["num_evicted"] += 1
                 self._emit("evicted", k, loc.nbytes)
+                if self.on_evict is not None:  # NOTE 8
+                    self._hand_on(k, bytes(seg.map[loc.data_offset : loc.data_offset + loc.nbytes]))
         # NOTE 6: its tombstones are written again while an older segment may hold their keys
         older = any(i < seg.seg_id and not s.doomed for i, s in self._segments.items())
         for k in [k for k, i in self._tombs.items() if i == seg.seg_id]:
@@ -355,6 +362,12 @@ class DiskTier:
         os.unlink(seg.path)
         if seg.readers == 0:
             self._close_segment(seg)
+
+    def _hand_on(self, key: str, data: bytes) -> None:
+        try:
+            self.on_evict(key, data)
+        except Exception:  # noqa: BLE001 - a failing hand-on loses that object only
+            log.warning("hand-on of evicted %s failed", key, exc_info=True)
 
     def _drop(self, key: str) -> None:
         loc = self._index.pop(key)
