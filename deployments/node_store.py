@@ -21,6 +21,22 @@ service (``RemoteStore``); what it fetches is promoted into its own host tier.
 
     node A: prefill replica -> host tier A --gRPC (token, TLS)--> decode replica on node B
                                                                   (host tier B, then peer A)
+
+Spill to the pool (``transfer.spill``, with ``transfer.grpc``): what the last tier of a node
+without prefill replicas evicts goes to a prefill node's host tier (``kv_transfer.spill``), so
+a session whose decode node ran out of room is resumed by the pool, not recomputed.
+
+    node B (decode only): host tier B [-> disk B] --evicted--> Spiller --gRPC put--> host tier A
+
+NOTES
+1. Nodes, not replicas, hold state: every replica of a node shares its node store.
+2. A node is in the pool while a prefill replica runs there (``pool_join`` / ``pool_leave``).
+   A node outside it sends its evictions to the pool node at its rank among the nodes outside
+   (sorted node ids) modulo the number of pool nodes, found again every ``spill.refresh_s``:
+   each pool node takes an equal share of the decode nodes, as in the simulator (Simulator
+   NOTE 4). A pool node's own evictions are not spilled (nothing would resume them sooner).
+3. The receiving host tier reports what it stores to the routers like any put, and the
+   sending tier its evictions: the index follows the move without a message of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import ray
@@ -53,16 +70,28 @@ class NodeStoreActor:
         from kv_transfer.tiers.host_ipc import HostTierServer
 
         cfg = TransferConfig.model_validate(transfer)
+        self.cfg = cfg
         self.node_id = node_id
         self.events = EventLog()
-        self.disk = None
+        self._pool: set[str] = set()  # prefill replicas running on this node (NOTE 2)
+        self.spiller = None  # spill to the pool (NOTE 2; transfer.spill with transfer.grpc)
+        self._spill_to: tuple[str, object] | None = None  # (pool node id, its RemoteStore)
+        self._looked_at = float("-inf")  # monotonic time the pool was last looked up
+        self.num_spill_skipped = 0  # evictions not offered: this node is in the pool, or no pool exists
         on_evict = None
+        if cfg.grpc.enabled and cfg.spill.enabled:
+            from kv_transfer.spill import Spiller
+
+            self.spiller = Spiller(self._spill_target, max_pending_bytes=cfg.spill.max_pending_mb << 20,
+                                   name=f"spill-{node_id[:12]}")
+            on_evict = self._spill
+        self.disk = None
         if cfg.disk.enabled:
             from kv_transfer.tiers.disk import DiskTier
 
             path = os.path.join(cfg.disk.path, node_id[:12])
             self.disk = DiskTier(path, int(cfg.disk.capacity_gb * (1 << 30)), admission=cfg.disk.admission,
-                                 event_log=self.events, worker_id=node_id)
+                                 event_log=self.events, worker_id=node_id, on_evict=on_evict)
             on_evict = self.disk.put_bytes  # write-behind: the disk tier queues and writes in the background
         self.host = HostTier(cfg.host.capacity_mb << 20, eviction=cfg.host.policy, pin_memory=cfg.host.pin_memory,
                              on_evict=on_evict, event_log=self.events, worker_id=node_id)
@@ -80,6 +109,59 @@ class NodeStoreActor:
 
     def address(self) -> str:
         return self.server.socket_path
+
+    # -- the pool and the spill to it (NOTE 2) -------------------------------------------------
+    def pool_join(self, replica_id: str) -> None:
+        """A prefill replica runs on this node: it is in the pool."""
+        self._pool.add(replica_id)
+
+    def pool_leave(self, replica_id: str) -> None:
+        self._pool.discard(replica_id)
+
+    def pool_info(self) -> tuple[bool, str | None]:
+        """(whether this node is in the pool, the address of its gRPC state service)."""
+        return bool(self._pool), self.grpc_address_
+
+    def _spill(self, key: str, data: bytes) -> None:
+        """The last tier's ``on_evict``: offer the object to the spiller unless nothing would take it."""
+        recent = time.monotonic() - self._looked_at < self.cfg.spill.refresh_s
+        if self._pool or (recent and self._spill_to is None):
+            self.num_spill_skipped += 1
+            return
+        self.spiller.offer(key, data)
+
+    def _spill_target(self):
+        """The pool node's ``RemoteStore`` this node spills to (NOTE 2), None when no pool exists.
+        Called by the spiller's writer thread; the lookup is Ray calls, renewed every refresh_s."""
+        from kv_transfer.transport import RemoteStore
+
+        if time.monotonic() - self._looked_at >= self.cfg.spill.refresh_s:
+            pool, outside = {}, []
+            for node in ray.nodes():
+                node_id = node["NodeID"]
+                if not node.get("Alive") or node_id == self.node_id:
+                    continue
+                try:
+                    actor = ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE)
+                    in_pool, address = ray.get(actor.pool_info.remote(), timeout=self.cfg.grpc.deadline_s)
+                except Exception:  # noqa: BLE001 - no node store there (yet), or it is gone: not a target
+                    continue
+                if in_pool and address:
+                    pool[node_id] = address
+                elif not in_pool:
+                    outside.append(node_id)
+            self._looked_at = time.monotonic()
+            rank = sorted([*outside, self.node_id]).index(self.node_id)
+            target = sorted(pool)[rank % len(pool)] if pool and not self._pool else None
+            old = self._spill_to
+            if old is None or old[0] != target:
+                self._spill_to = None if target is None else (
+                    target, RemoteStore(grpc_client_config(self.cfg.grpc, pool[target])))
+                if old is not None:
+                    old[1].close()
+                if target is not None:
+                    log.info("node %s spills its evictions to pool node %s", self.node_id[:12], target[:12])
+        return None if self._spill_to is None else self._spill_to[1]
 
     def grpc_address(self) -> str | None:
         """``host:port`` of this node's gRPC state service (None when transfer.grpc is off)."""
@@ -111,9 +193,21 @@ class NodeStoreActor:
             from dataclasses import asdict
 
             out["grpc"] = {"address": self.grpc_address_, **asdict(self.state_server.stats())}
+        if self.spiller is not None:
+            to = self._spill_to
+            out["spill"] = {**self.spiller.stats(), "num_skipped": self.num_spill_skipped, "in_pool": bool(self._pool),
+                            "target": None if to is None else to[0]}
         return out
 
+    def spill_flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every eviction offered so far was sent (tests, a drain); False on timeout."""
+        return True if self.spiller is None else self.spiller.flush(timeout_s)
+
     def shutdown(self) -> None:
+        if self.spiller is not None:
+            self.spiller.close()
+            if self._spill_to is not None:
+                self._spill_to[1].close()
         if self.state_server is not None:
             self.state_server.stop(grace=1.0)
         self.server.close()

@@ -88,11 +88,27 @@ class _ServerBase:
             peers = PeerStores(self.config, self.node_id, self.store) if self.config.transfer.grpc.enabled else None
             self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
                                          options=FlowOptions.from_config(self.config), faults=faults, peer_stores=peers)
+        self._pool_membership(join=True)
         self._draining = False
         self._inflight = 0
         self._snapshot: list[list[str]] = []  # device-resident sessions' block digests (hex)
         self._tails: list[list | None] = []  # and their unaligned turn ends (see device_snapshot)
         self._snapshot_version = -1
+
+    def _pool_membership(self, join: bool) -> None:
+        """A prefill replica puts its node in the pool while it runs: the node then resumes what
+        nodes without prefill replicas spill (deployments.node_store NOTE 2)."""
+        if self.role != "prefill":
+            return
+        import ray
+
+        from deployments.node_store import _PREFIX, NAMESPACE
+
+        try:  # looked up, never created here: a leave must not start a node store after its shutdown
+            actor = ray.get_actor(_PREFIX + self.node_id, namespace=NAMESPACE)
+            (actor.pool_join if join else actor.pool_leave).remote(self.replica_id)
+        except Exception:  # noqa: BLE001 - its node store is gone (the node is going): nothing to leave
+            log.warning("%s %s: node store unreachable for the pool", self.role, self.replica_id)
 
     async def check_health(self) -> None:
         if self.config.engine.backend == "vllm":
@@ -133,6 +149,7 @@ class _ServerBase:
                 log.warning("%s %s: background state publishes still running at the drain deadline; "
                             "those turns will be recomputed", self.role, self.replica_id)
         finally:
+            self._pool_membership(join=False)
             peers = getattr(self.worker, "peer_stores", None)
             if peers is not None:
                 peers.close()

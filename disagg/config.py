@@ -128,10 +128,20 @@ class GrpcConfig(_Strict):  # the cross-node state service (deployments.node_sto
         return self
 
 
+class SpillConfig(_Strict):  # spill to the pool (deployments.node_store NOTE 2; kv_transfer.spill)
+    # with transfer.grpc.enabled: a node that runs no prefill replica sends what its last tier evicts (the disk
+    # tier's when enabled, else the host tier's) to a prefill node's host tier, where that pool resumes it.
+    # Off by default: the simulator's suite gains in some cells and loses in others (docs/router.md, round 8)
+    enabled: bool = False
+    max_pending_mb: int = Field(default=256, ge=1)  # evictions queued for sending; past it they are dropped
+    refresh_s: float = Field(default=10.0, gt=0)  # how often a node looks again for the prefill nodes
+
+
 class TransferConfig(_Strict):
     host: HostTierConfig = Field(default_factory=HostTierConfig)
     disk: DiskTierConfig = Field(default_factory=DiskTierConfig)
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
+    spill: SpillConfig = Field(default_factory=SpillConfig)
     load_deadline_s: float = 5.0  # past this, a state load gives up and the request recomputes
 
 

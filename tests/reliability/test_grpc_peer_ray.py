@@ -9,12 +9,17 @@ A prompt longer than ``local_prefill_max_tokens`` is prefilled on the far node; 
 loads the published state from the far node's service. Its greedy output equals the reference
 engine's (the run with no transfer at all), and the far node's service counts the objects it
 sent. A client with a wrong token is refused by the same service.
+
+Spill to the pool (``transfer.spill``, turned on here): the head runs no prefill replica, so what
+its host tier evicts goes to the far node's host tier, and a session pushed out of the decode
+node is resumed by the far prefill from there, to the same tokens.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import time
 
 import httpx
 import pytest
@@ -57,8 +62,11 @@ def two_nodes():
         cfg = load_config("deployments/configs/local-cpu.yaml")
         cfg.http.port = free_port()
         cfg.router.local_prefill_max_tokens = 64
-        cfg.transfer.host.capacity_mb = 64
+        cfg.transfer.host.capacity_mb = 512  # 8 slabs of 64 MiB: room for each size class spilled to the far node
+        cfg.transfer.host.policy = "lru"  # the spill test pushes the oldest state out with newer objects
+        cfg.engine.cache_budget_mb = 8  # 16 KDA slots and ~20 blocks: a few sessions displace the first
         cfg.transfer.grpc = cfg.transfer.grpc.model_validate({"enabled": True, "bind": ":0", "token_env": TOKEN_ENV})
+        cfg.transfer.spill.enabled = True  # the head runs no prefill replica: it spills to the far node
         cfg.deployment.prefill.resources = {"far_node": 1}
         cfg.deployment.decode.resources = {"head_node": 1}
         cfg.deployment.ingress.resources = {"head_node": 1}
@@ -130,3 +138,65 @@ def test_wrong_token_is_refused_by_a_node_service(two_nodes):
     assert _store_stats(two_nodes["far_node_id"])["grpc"]["num_auth_failures"] == before + 2
     with RemoteStore(RemoteStoreConfig(address, token=TOKEN, timeout_s=30)) as member:
         assert member.contains([key, "mla:" + "a5" * 16]) == [True, False], "nothing was planted"
+
+
+def _node_store(node_id: str):
+    import ray
+
+    from deployments.node_store import _PREFIX, NAMESPACE
+
+    return ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE)
+
+
+def test_a_session_evicted_on_the_decode_node_is_resumed_by_the_pool(two_nodes):
+    """Turn 1 ends on the head (decode only); other sessions displace it from the decode
+    engine's device cache, and newer objects from its node's host tier (LRU), which spills them
+    to the far node. Turn 2 is prefilled on the far node from the spilled turn-end state: more
+    cached tokens than the far node's own turn-1 prompt state holds, and the reference's tokens."""
+    import ray
+
+    from kv_transfer.keys import BlockHasher, KeyExtras
+    from kv_transfer.store import StateStore
+    from kv_transfer.tiers.host_ipc import HostTierClient
+
+    url, ref, far_id = two_nodes["url"], two_nodes["reference"], two_nodes["far_node_id"]
+    head_id = ray.get_runtime_context().get_node_id()
+    prompt = _ids(300, 91)
+
+    def complete(ids: list[int], n: int, session: str) -> dict:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "session_id": session, "return_token_ids": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = complete(prompt, 30, "spill-1")["choices"][0]["token_ids"]  # 330 tokens: 5 full blocks
+    for k in range(4):  # 4 x 6 blocks: the first session leaves the decode engine's ~20 blocks
+        complete(_ids(330, 100 + k), 4, f"spill-other-{k}")
+    head = _node_store(head_id)
+    hasher = BlockHasher(64, KeyExtras(ref.model_id))
+    client = HostTierClient(ray.get(head.address.remote(), timeout=60))  # the head's host tier, as its replicas see it
+    held = StateStore([client], ref.layout, write_behind=False)
+    deadline = time.monotonic() + 60  # the turn-end publish runs in the background (disagg.flow step 5)
+    while held.resumable_length(prompt + first, hasher).position < 320 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert held.resumable_length(prompt + first, hasher).position >= 320, "turn 1 ended on the decode node"
+    capacity = _store_stats(head_id)["host"]["capacity_bytes"]
+    chunk = ref.layout.mla_block_bytes()  # newer blocks of other sessions: every older object goes
+    for i in range(capacity // chunk):
+        assert client.put_bytes(f"mla:{0xF111 + i:032x}", bytes(chunk))
+    assert ray.get(head.spill_flush.remote(60), timeout=90)
+    assert held.resumable_length(prompt + first, hasher).position == 0, "the decode node holds none of it"
+    client.close()
+    spill = _store_stats(head_id)["spill"]
+    assert spill["target"] == far_id and not spill["in_pool"], spill
+    assert spill["num_spilled"] > 0 and spill["num_refused"] == spill["num_dropped"] == 0, spill
+    assert _store_stats(far_id)["spill"]["in_pool"], "the far node runs the prefill replica"
+
+    second = prompt + first + _ids(40, 92)
+    out = complete(second, 8, "spill-1")
+    want, _ = ref.generate(EngineRequest("ref-spill-1", second, SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert out["choices"][0]["token_ids"] == want, "greedy output equals the run without any transfer"
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    print(f"turn 2: {cached} of {len(second)} prompt tokens cached ({out['disagg']['cached_source']})")
+    assert cached >= 320, f"resumed from the spilled turn end (5 blocks), not the 300-token prompt: {out['disagg']}"
