@@ -36,7 +36,7 @@ run's summary and each cell's verdict), ``table.txt`` and ``suite.png``
 ``--seed-offset K`` re-seeds every member (same shapes, other sessions): the held-out check
 of a change tuned on the suite's own traces. ``--spill-to-pool`` runs every policy with the
 simulator's spill of decode nodes' evictions to the prefill nodes' host tiers (Simulator
-NOTE 4; not in serving yet).
+NOTE 4; serving's ``transfer.spill``).
 """
 
 from __future__ import annotations

@@ -47,13 +47,15 @@ NOTES
    NOTE 3) with two differences: it demotes only the points it published for this turn, not the
    session's older blocks there, and it demotes them as it publishes, before the decode has
    loaded them (a point evicted in between is a recompute).
-4. Spill to the pool (``ClusterConfig.spill_to_pool``, P/D, off by default; serving has no
-   counterpart yet): the last tier of a node without prefill workers (its disk, else its
+4. Spill to the pool (``ClusterConfig.spill_to_pool``, P/D, off by default as serving's
+   ``transfer.spill`` is, deployments.node_store NOTE 2): the last tier of a node without prefill workers (its disk, else its
    host) writes what it evicts to the host tier of a node with prefill workers (node k of
    those without: the ((k mod m)+1)-th of the m with), where a prefill worker resumes it from
    its own node. The write is taken as background traffic: it costs no time. At 64 workers
    the decode nodes' host tiers are the ones that fill, while the pool's nodes hold a quarter
-   of the cluster's host capacity (docs/router.md, "Round 7").
+   of the cluster's host capacity (docs/router.md, "Round 7"). A spilled object enters the
+   receiving host tier as its newest; serving's default host policy (S3-FIFO) puts it in
+   the small FIFO instead, where it cannot push the receiver's re-read state out.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
