@@ -34,7 +34,8 @@ NOTES
    A node outside it sends its evictions to the pool node at its rank among the nodes outside
    (sorted node ids) modulo the number of pool nodes, found again every ``spill.refresh_s``:
    each pool node takes an equal share of the decode nodes, as in the simulator (Simulator
-   NOTE 4). A pool node's own evictions are not spilled (nothing would resume them sooner).
+   NOTE 4). A pool node's own evictions are not spilled (nothing would resume them sooner),
+   nor are objects the flow demoted (superseded checkpoints: ``HostTier`` NOTE 6).
 3. The receiving host tier reports what it stores to the routers like any put, and the
    sending tier its evictions: the index follows the move without a message of its own.
 """
@@ -93,8 +94,11 @@ class NodeStoreActor:
             self.disk = DiskTier(path, int(cfg.disk.capacity_gb * (1 << 30)), admission=cfg.disk.admission,
                                  event_log=self.events, worker_id=node_id, on_evict=on_evict)
             on_evict = self.disk.put_bytes  # write-behind: the disk tier queues and writes in the background
+        # a spill straight from the host tier passes demoted objects by (HostTier NOTE 6); the disk's
+        # write-behind takes them, as it always has
         self.host = HostTier(cfg.host.capacity_mb << 20, eviction=cfg.host.policy, pin_memory=cfg.host.pin_memory,
-                             on_evict=on_evict, event_log=self.events, worker_id=node_id)
+                             on_evict=on_evict, hand_on_demoted=self.disk is not None, event_log=self.events,
+                             worker_id=node_id)
         self.server = HostTierServer(self.host)
         self.state_server = None  # the gRPC state service (transfer.grpc.enabled)
         self.grpc_address_: str | None = None  # host:port peers dial

@@ -49,6 +49,7 @@ EvictCallback = Callable[[str, bytes], None]
 class _Entry:
     alloc: Allocation  # where the bytes live
     num_pins: int = 0  # open leases
+    demoted: bool = False  # demoted and not read since (NOTE 6)
 
 
 class HostLease:
@@ -124,6 +125,9 @@ class HostTier:
     4. used_bytes == sum of committed object sizes; num_objects == len(index).
     5. ``demote`` only reorders: a demoted object stays readable until evicted, and a read
        refreshes it (``on_access``) like any other.
+    6. With ``hand_on_demoted`` False, an object evicted while demoted (not read since) is not
+       handed to ``on_evict``: nothing is expected to read it again, so a spill to another
+       node (``kv_transfer.spill``) passes it by. Other evictions are handed on as before.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class HostTier:
         pin_memory: bool = False,
         prefault: bool = False,
         on_evict: EvictCallback | None = None,
+        hand_on_demoted: bool = True,
         event_log: EventLog | None = None,
         worker_id: str = "",
         name: str = "host",
@@ -146,6 +151,7 @@ class HostTier:
         self._policy = make_policy(eviction, capacity_bytes)
         self.arena = SharedArena.create(capacity_bytes, arena_dir, pin=pin_memory, prefault=prefault)
         self.on_evict = on_evict
+        self.hand_on_demoted = hand_on_demoted  # NOTE 6
         self.event_log = event_log
         self.worker_id = worker_id
         self._lock = threading.Lock()
@@ -241,6 +247,7 @@ class HostTier:
                 self._counters["num_misses"] += 1
                 return None
             entry.num_pins += 1
+            entry.demoted = False
             lease_id = self._new_id()
             self._leases[lease_id] = key
             self._policy.on_access(key)
@@ -303,6 +310,7 @@ class HostTier:
             present = [k for k in keys if k in self._index]
             for key in reversed(present):  # each demote goes to the head: the first ends up first
                 self._policy.demote(key)
+                self._index[key].demoted = True
             self._counters["num_demoted"] += len(present)
         return len(present)
 
@@ -321,7 +329,8 @@ class HostTier:
     def _evict(self, key: str, out: list[tuple[str, bytes | None, int]]) -> None:
         entry = self._index[key]
         a = entry.alloc
-        data = bytes(self.arena.view[a.offset : a.offset + a.nbytes]) if self.on_evict else None
+        hand_on = self.on_evict is not None and (self.hand_on_demoted or not entry.demoted)  # NOTE 6
+        data = bytes(self.arena.view[a.offset : a.offset + a.nbytes]) if hand_on else None
         self._remove(key, evicted=True)
         self._counters["num_evictions"] += 1
         self._counters["evicted_bytes"] += a.nbytes

@@ -219,3 +219,24 @@ def test_an_arena_that_cannot_be_mapped_leaves_no_file(tmp_path, monkeypatch) ->
     with pytest.raises(OSError):
         HostTier(1 << 20, arena_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("hand_on_demoted", [True, False])
+def test_demoted_objects_are_handed_on_only_when_asked(hand_on_demoted):
+    """NOTE 6: with ``hand_on_demoted`` False an object evicted while demoted is not handed to
+    ``on_evict`` (a spill passes it by); one read since its demotion is, as is every other."""
+    handed: list[str] = []
+    tier = HostTier(16 * 64 * KiB, slab_bytes=16 * 64 * KiB, on_evict=lambda k, d: handed.append(k),
+                    hand_on_demoted=hand_on_demoted)
+    for i in range(16):  # full: sixteen 64 KiB objects in one slab
+        assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+    assert tier.demote(["k5", "k6", "k7"]) == 3
+    assert tier.get_bytes("k6") == payload("k6", 64 * KiB)  # read since: refreshed, no longer demoted
+    for i in range(16, 21):
+        assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+    if hand_on_demoted:
+        assert handed == ["k5", "k7", "k0", "k1", "k2"]
+    else:
+        assert handed == ["k0", "k1", "k2"], "k5 and k7 went without a hand-on"
+    assert tier.stats()["num_evictions"] == 5
+    tier.close()

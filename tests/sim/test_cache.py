@@ -38,3 +38,20 @@ def test_put_many_touches_the_resident_run_then_inserts():
     assert t.keys() == [2, 1, 9, 3] and log == [("stored", 1), ("stored", 2), ("stored", 3), ("stored", 9)]
     t.put_many([5, 6])  # evicts the two oldest
     assert t.keys() == [9, 3, 5, 6] and log[-4:] == [("evicted", 2), ("stored", 5), ("evicted", 1), ("stored", 6)]
+
+
+def test_a_demoted_key_evicted_unread_is_reported_as_such():
+    """NOTE 4: evicted while demoted -> "evicted_demoted"; refreshed since (put or touch) -> "evicted"."""
+    log: list[tuple[str, int]] = []
+    t = LRUTier("host", 4, lambda op, k: log.append((op, k)))
+    t.put_many([1, 2, 3, 4])
+    t.demote([2, 3, 4])
+    t.put(3)  # refreshed: no longer demoted
+    t.touch_present([4])
+    for k in (5, 6, 7, 8):
+        t.put(k)
+    assert [e for e in log if e[0] != "stored"] == [("evicted_demoted", 2), ("evicted", 1), ("evicted", 3),
+                                                     ("evicted", 4)]
+    t.demote([5])
+    t.discard(5)
+    assert log[-1] == ("evicted_demoted", 5)

@@ -319,6 +319,29 @@ def test_spill_to_pool_moves_a_decode_nodes_evictions_to_a_prefill_nodes_host_ti
         assert sim.host[p.node_id].keys() == [b"filler"] and sim._resume(ps, mate, mate).tokens == 0
 
 
+def test_spill_to_pool_passes_demoted_objects_by():
+    """What the retention demoted (cache NOTE 4) and the decode node then evicts unread is not
+    spilled: the pool's host tier gets the session's other objects only. The host -> disk
+    write-behind still takes demoted objects."""
+    sim, ps = _pd_sim(host_blocks=128, spill_to_pool=True)
+    d, pool = sim.workers["w02"], sim.host["n0"]
+    host = sim.host[d.node_id]
+    sim.state.store(ps, 0, LRUTier("device", 64), host)
+    held = host.keys()
+    demoted = held[-3:]
+    host.demote(demoted)
+    host.put(b"filler", 128)
+    assert sorted(pool.keys()) == sorted(k for k in held if k not in demoted)
+    sim, ps = _pd_sim(host_blocks=128, disk_blocks=128, spill_to_pool=True)
+    d = sim.workers["w02"]
+    host = sim.host[d.node_id]
+    sim.state.store(ps, 0, LRUTier("device", 64), host)
+    held = host.keys()
+    host.demote(held)
+    host.put(b"filler", 128)
+    assert sorted(sim.disk[d.node_id].keys()) == sorted(held)
+
+
 def test_spill_to_pool_leaves_a_disk_tier_first_in_line():
     """With a disk tier the decode node's host evictions go to its disk (state NOTE 3); what the
     disk evicts goes to the pool node's host tier (even while the disk is empty: no truthiness)."""

@@ -14,6 +14,9 @@ NOTES
 2. Eviction order is least-recently used first; ``touch`` refreshes;
    ``demote`` puts keys at the eviction end (``disagg.tools.sim.retention``).
 3. An object larger than the tier is refused (put returns None, no event).
+4. A key demoted and not refreshed since (``put``, ``touch``) is *cold*; its eviction is
+   reported as ``evicted_demoted`` (what nothing is expected to read again: the spill to
+   the pool passes it by, Simulator NOTE 4), any other eviction as ``evicted``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class LRUTier:
         self.used = 0
         self.on_event = on_event
         self._items: OrderedDict[Hashable, int] = OrderedDict()
+        self._cold: set[Hashable] = set()  # demoted, not refreshed since (NOTE 4)
         self.num_evictions = 0
 
     def __contains__(self, key: Hashable) -> bool:
@@ -52,30 +56,43 @@ class LRUTier:
     def touch(self, key: Hashable) -> None:
         if key in self._items:
             self._items.move_to_end(key)
+            self._cold.discard(key)
 
-    def touch_many(self, keys: Iterable[Hashable]) -> None:
+    def touch_many(self, keys: list[Hashable]) -> None:
         """Refresh keys known to be resident, in order (the last one becomes the newest)."""
         deque(map(self._items.move_to_end, keys), maxlen=0)
+        if self._cold:
+            self._cold.difference_update(keys)
 
     def touch_present(self, keys: Iterable[Hashable]) -> None:
         """Refresh those of ``keys`` that are resident, in order."""
-        items = self._items
+        items, cold = self._items, self._cold
         for key in keys:
             if key in items:
                 items.move_to_end(key)
+                cold.discard(key)
 
     def demote(self, keys: Iterable[Hashable]) -> None:
         """Resident ``keys`` become the next to be evicted; the last key given goes first (NOTE 2)."""
-        items = self._items
+        items, cold = self._items, self._cold
         for key in keys:
             if key in items:
                 items.move_to_end(key, last=False)
+                cold.add(key)
+
+    def _evicted(self, key: Hashable) -> str:
+        """The event of ``key``'s eviction (NOTE 4)."""
+        if key in self._cold:
+            self._cold.discard(key)
+            return "evicted_demoted"
+        return "evicted"
 
     def put(self, key: Hashable, size: int = 1) -> list[Hashable] | None:
         """Insert (or refresh) ``key``; returns the keys evicted to make room, None if refused."""
         items = self._items
         if key in items:
             items.move_to_end(key)
+            self._cold.discard(key)
             return []
         if size > self.capacity:
             return None
@@ -85,8 +102,9 @@ class LRUTier:
             self.used -= old_size
             self.num_evictions += 1
             evicted.append(old)
+            op = self._evicted(old)
             if self.on_event:
-                self.on_event("evicted", old)
+                self.on_event(op, old)
         items[key] = size
         self.used += size
         assert self.used <= self.capacity, "tier over capacity"
@@ -104,15 +122,20 @@ class LRUTier:
         rest = iter(keys)
         try:
             deque(map(items.move_to_end, rest), maxlen=0)
+            if self._cold:
+                self._cold.difference_update(keys)
             return  # all resident
         except KeyError:
             pass
         first = len(keys) - len(list(rest)) - 1  # the key that raised (``rest`` holds the keys after it)
+        if self._cold:
+            self._cold.difference_update(keys[:first])
         on_event = self.on_event
         capacity = self.capacity
         for key in keys[first:]:  # an insert may evict a key further down the list: check again
             if key in items:
                 items.move_to_end(key)
+                self._cold.discard(key)
                 continue
             if size > capacity:  # refused (NOTE 3)
                 continue
@@ -120,8 +143,9 @@ class LRUTier:
                 old, old_size = items.popitem(last=False)
                 self.used -= old_size
                 self.num_evictions += 1
+                op = self._evicted(old)
                 if on_event:
-                    on_event("evicted", old)
+                    on_event(op, old)
             items[key] = size
             self.used += size
             if on_event:
@@ -133,8 +157,9 @@ class LRUTier:
         size = self._items.pop(key, None)
         if size is not None:
             self.used -= size
+            op = self._evicted(key)
             if self.on_event:
-                self.on_event("evicted", key)
+                self.on_event(op, key)
 
     def utilization(self) -> float:
         return self.used / self.capacity if self.capacity else 1.0

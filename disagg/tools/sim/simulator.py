@@ -51,7 +51,9 @@ NOTES
    ``transfer.spill`` is, deployments.node_store NOTE 2): the last tier of a node without prefill workers (its disk, else its
    host) writes what it evicts to the host tier of a node with prefill workers (node k of
    those without: the ((k mod m)+1)-th of the m with), where a prefill worker resumes it from
-   its own node. The write is taken as background traffic: it costs no time. At 64 workers
+   its own node. The write is taken as background traffic: it costs no time. What the
+   retention demoted (cache NOTE 4: ended sessions' objects, superseded checkpoints) is not
+   spilled: nothing is expected to read it again. At 64 workers
    the decode nodes' host tiers are the ones that fill, while the pool's nodes hold a quarter
    of the cluster's host capacity (docs/router.md, "Round 7"). A spilled object enters the
    receiving host tier as its newest; serving's default host policy (S3-FIFO) puts it in
@@ -242,10 +244,12 @@ class Simulator:
         """``node``'s host and disk tiers (events reported as ``reporter``): host evictions go to
         the disk (state NOTE 3), and the last of the two spills to ``spill`` (NOTE 4)."""
         c = self.cluster
-        disk = LRUTier("disk", c.disk_blocks, self.state.listener("disk", reporter, spill)) if c.disk_blocks else None
+        disk = LRUTier("disk", c.disk_blocks, self.state.listener("disk", reporter, spill, demoted_too=False)) \
+            if c.disk_blocks else None
         self.disk[node] = disk
         after_host = disk if disk is not None else spill  # (an empty tier is falsy: no ``or``)
-        self.host[node] = LRUTier("host", c.host_blocks, self.state.listener("host", reporter, after_host)) \
+        self.host[node] = LRUTier("host", c.host_blocks,
+                                  self.state.listener("host", reporter, after_host, demoted_too=disk is not None)) \
             if c.host_blocks else None
 
     def _spill_targets(self, roles: list[str]) -> dict[str, LRUTier]:

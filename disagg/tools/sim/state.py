@@ -110,8 +110,10 @@ class StateModel:
         self.num_events = 0
 
     # ---- index publication -------------------------------------------------------
-    def listener(self, tier: str, reporter: str, spill: LRUTier | None = None) -> Callable[[str, Hashable], None]:
-        """Tier event callback: index updates (and host -> disk spill, NOTE 3).
+    def listener(self, tier: str, reporter: str, spill: LRUTier | None = None, demoted_too: bool = True
+                 ) -> Callable[[str, Hashable], None]:
+        """Tier event callback: index updates (and host -> disk spill, NOTE 3; with ``demoted_too``
+        False, demoted objects are not spilled: the spill to the pool, Simulator NOTE 4).
 
         Each event is the index's ``apply_update`` of ``IndexUpdate(op, kind, digest, tier,
         reporter)``, through its per-producer hot path (``PrefixIndex.updater``).
@@ -121,7 +123,7 @@ class StateModel:
 
         def on_event(op: str, key: Hashable) -> None:
             assert isinstance(key, bytes)
-            stored = op == "stored"  # else "evicted" (LRUTier's two events)
+            stored = op == "stored"  # else "evicted" or "evicted_demoted" (cache NOTE 4)
             if len(key) == 16:
                 update(stored, "mla", key)
                 self.num_events += 1
@@ -133,7 +135,7 @@ class StateModel:
                 update(stored, "tail", digest)
                 update(stored, "kda", digest)
                 self.num_events += 2
-            if spill is not None and not stored:
+            if spill is not None and not stored and (demoted_too or op == "evicted"):  # cache NOTE 4
                 spill.put(key, 1 if len(key) == 16 else units)
 
         return on_event
