@@ -34,9 +34,9 @@ run's summary and each cell's verdict), ``table.txt`` and ``suite.png``
     python benchmarks/router_suite.py --out results/rs2 --reuse-baselines results/router_suite
 
 ``--seed-offset K`` re-seeds every member (same shapes, other sessions): the held-out check
-of a change tuned on the suite's own traces. ``--spill-to-pool`` runs every policy with the
-simulator's spill of decode nodes' evictions to the prefill nodes' host tiers (Simulator
-NOTE 4; serving's ``transfer.spill``).
+of a change tuned on the suite's own traces. Every policy runs with the simulator's spill of
+decode nodes' evictions to the prefill nodes' host tiers (Simulator NOTE 4; serving's
+``transfer.spill``), as serving does; ``--no-spill-to-pool`` runs without it (rounds 1-7).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Scale:
     retention: str  # tier eviction order (disagg.tools.sim.retention)
     router_config: str = ""  # state_aware's RouterConfig as JSON ("" = defaults)
     seed_offset: int = 0  # added to every member's seed (0: the suite's own traces)
-    spill_to_pool: bool = False  # ClusterConfig.spill_to_pool (Simulator NOTE 4)
+    spill_to_pool: bool = True  # ClusterConfig.spill_to_pool (Simulator NOTE 4)
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse-baselines", metavar="DIR", help="baseline runs from DIR/runs.jsonl (same scale)")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="re-seed every member by this much: traces of the same shapes the router was not tuned on")
-    ap.add_argument("--spill-to-pool", action="store_true",
-                    help="P/D: decode nodes' evictions go to the prefill nodes' host tiers (every policy)")
+    ap.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,
+                    help="P/D: decode nodes' evictions go to the prefill nodes' host tiers (every policy; "
+                         "--no-spill-to-pool: rounds 1-7's runs)")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members = [m.strip() for m in args.members.split(",") if m.strip()]

@@ -130,9 +130,9 @@ class GrpcConfig(_Strict):  # the cross-node state service (deployments.node_sto
 
 class SpillConfig(_Strict):  # spill to the pool (deployments.node_store NOTE 2; kv_transfer.spill)
     # with transfer.grpc.enabled: a node that runs no prefill replica sends what its last tier evicts (the disk
-    # tier's when enabled, else the host tier's) to a prefill node's host tier, where that pool resumes it.
-    # Off by default: the simulator's suite gains in some cells and loses in others (docs/router.md, round 8)
-    enabled: bool = False
+    # tier's when enabled, else the host tier's; demoted objects aside) to a prefill node's host tier, where
+    # that pool resumes it; on, as in the simulator's suite (docs/router.md, round 8)
+    enabled: bool = True
     max_pending_mb: int = Field(default=256, ge=1)  # evictions queued for sending; past it they are dropped
     refresh_s: float = Field(default=10.0, gt=0)  # how often a node looks again for the prefill nodes
 

@@ -100,9 +100,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "checkpoints go first; disagg.tools.sim.retention)")
     g.add_argument("--no-peer-reads", action="store_true",
                    help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
-    g.add_argument("--spill-to-pool", action="store_true",
-                   help="P/D: what a node without prefill workers evicts goes to a prefill node's host tier "
-                        "(a what-if: serving has no such spill yet)")
+    g.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,
+                   help="P/D: what a node without prefill workers evicts (demoted objects aside) goes to a "
+                        "prefill node's host tier (serving: transfer.spill)")
     g.add_argument("--stats-period", type=float, default=0.0, help="seconds between worker stats (0 = live)")
     g.add_argument("--node-compute-slots", type=float,
                    help="engines a node runs at full speed at once (default: the profile's; 0 = no sharing)")

@@ -47,7 +47,7 @@ NOTES
    NOTE 3) with two differences: it demotes only the points it published for this turn, not the
    session's older blocks there, and it demotes them as it publishes, before the decode has
    loaded them (a point evicted in between is a recompute).
-4. Spill to the pool (``ClusterConfig.spill_to_pool``, P/D, off by default as serving's
+4. Spill to the pool (``ClusterConfig.spill_to_pool``, P/D, on by default as serving's
    ``transfer.spill`` is, deployments.node_store NOTE 2): the last tier of a node without prefill workers (its disk, else its
    host) writes what it evicts to the host tier of a node with prefill workers (node k of
    those without: the ((k mod m)+1)-th of the m with), where a prefill worker resumes it from
@@ -112,7 +112,7 @@ class ClusterConfig:
     node_compute_slots: float = 0.0  # engines a node runs at full speed at once (0: no sharing; CPU nodes)
     retention: str = "lru"  # tier eviction order: "lru" or "session" (disagg.tools.sim.retention)
     peer_reads: bool = True  # P/D: a prefill reads its decode worker's node tiers (Simulator NOTE 1)
-    spill_to_pool: bool = False  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
+    spill_to_pool: bool = True  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
