@@ -131,7 +131,24 @@ class _ServerBase:
         out = self.worker.stats()
         out["replica_id"] = self.replica_id
         out["role"] = self.role
+        t = self.config.transfer
+        if t.grpc.enabled and t.spill.enabled:  # the node's spill to the pool (deployments.node_store NOTE 2)
+            out["spill"] = await self._node_spill()
         return out
+
+    async def _node_spill(self) -> dict | None:
+        """This node's spill counters (the node store's), tagged with the node: best effort."""
+        import ray
+
+        from deployments.node_store import _PREFIX, NAMESPACE
+
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, _PREFIX + self.node_id, namespace=NAMESPACE)
+            node = await asyncio.wait_for(actor.stats.remote(), timeout=2.0)
+        except Exception:  # noqa: BLE001 - its node store is busy or gone: no figures this time
+            return None
+        spill = node.get("spill")
+        return None if spill is None else {**spill, "node_id": self.node_id}
 
     async def __del__(self):
         """Graceful drain. Serve calls this once the replica has no ongoing request (a stream in

@@ -16,6 +16,9 @@ SOURCES = ("device", "host", "disk", "peer", "computed")
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+SPILL_OUTCOMES = ("spilled", "refused", "dropped", "no_target")  # kv_transfer.spill counters
+
+
 class ServingMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
@@ -40,6 +43,12 @@ class ServingMetrics:
         self.demoted = Gauge("disagg_tier_demoted", "Objects put first in eviction order per tier: superseded "
                              "checkpoints of sessions (transfer.host.keep_checkpoints; cumulative)", ["tier"],
                              registry=r)
+        self.spill_objects = Gauge("disagg_spill_objects", "Evicted objects of nodes without prefill replicas, "
+                                   "by what became of them: spilled to a prefill node's host tier, refused there, "
+                                   "dropped (queue full) or no_target (no pool); summed over nodes, cumulative",
+                                   ["outcome"], registry=r)
+        self.spill_bytes = Gauge("disagg_spill_bytes", "Bytes spilled to prefill nodes' host tiers (cumulative)",
+                                 registry=r)
         self.checksum_failures = Gauge("disagg_checksum_failures", "Objects dropped on checksum failure (cumulative)",
                                        registry=r)
         self.route_cached = Gauge("disagg_route_cached_tokens", "Cached tokens the router predicted vs the "
@@ -105,6 +114,11 @@ class ServingMetrics:
             self.evictions.labels(tier=tier).set(s.get("evictions", 0))
             if "num_demoted" in s:
                 self.demoted.labels(tier=tier).set(s["num_demoted"])
+        spill = stats.get("spill")
+        if spill:
+            for outcome in SPILL_OUTCOMES:
+                self.spill_objects.labels(outcome=outcome).set(spill.get(f"num_{outcome}", 0))
+            self.spill_bytes.set(spill.get("bytes_spilled", 0))
         if "checksum_failures" in stats:
             self.checksum_failures.set(stats["checksum_failures"])
         if "resumed_streams" in stats:
@@ -133,7 +147,10 @@ def merge_replica_stats(replica_stats: list[dict]) -> dict:
     engines: dict[str, dict] = {}
     workers: dict[str, dict[str, int]] = {}
     checksum = 0
+    spill: dict[str, dict] = {}  # node -> its node store's spill counters (every replica there reports them)
     for s in replica_stats:
+        if s.get("spill"):
+            spill[s["spill"]["node_id"]] = s["spill"]
         events = workers.setdefault(s.get("role", "?"), {})
         for name, n in (s.get("worker") or {}).items():
             events[name] = events.get(name, 0) + n
@@ -156,4 +173,8 @@ def merge_replica_stats(replica_stats: list[dict]) -> dict:
             block_bytes = eng.get("block_bytes", 0)
             dev["used_bytes"] += (blocks - eng.get("free_blocks", 0)) * block_bytes
             dev["capacity_bytes"] += blocks * block_bytes
-    return {"tiers": tiers, "engines": engines, "checksum_failures": checksum, "workers": workers}
+    out = {"tiers": tiers, "engines": engines, "checksum_failures": checksum, "workers": workers}
+    if spill:
+        keys = [f"num_{o}" for o in SPILL_OUTCOMES] + ["bytes_spilled"]
+        out["spill"] = {k: sum(n.get(k, 0) for n in spill.values()) for k in keys}
+    return out

@@ -192,6 +192,9 @@ def test_a_session_evicted_on_the_decode_node_is_resumed_by_the_pool(two_nodes):
     assert spill["target"] == far_id and not spill["in_pool"], spill
     assert spill["num_spilled"] > 0 and spill["num_refused"] == spill["num_dropped"] == 0, spill
     assert _store_stats(far_id)["spill"]["in_pool"], "the far node runs the prefill replica"
+    scraped = httpx.get(url + "/metrics", timeout=60).text  # the replicas report their nodes' spill
+    spilled = [ln for ln in scraped.splitlines() if ln.startswith('disagg_spill_objects{outcome="spilled"}')]
+    assert spilled and float(spilled[0].split()[-1]) >= spill["num_spilled"], spilled
 
     second = prompt + first + _ids(40, 92)
     out = complete(second, 8, "spill-1")
