@@ -145,10 +145,12 @@ class NodeStoreActor:
                 node_id = node["NodeID"]
                 if not node.get("Alive") or node_id == self.node_id:
                     continue
+                actor = node_store_actor_of(node_id)
+                if actor is None:  # no node store there (yet): not a target
+                    continue
                 try:
-                    actor = ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE)
                     in_pool, address = ray.get(actor.pool_info.remote(), timeout=self.cfg.grpc.deadline_s)
-                except Exception:  # noqa: BLE001 - no node store there (yet), or it is gone: not a target
+                except Exception:  # noqa: BLE001 - it is gone or does not answer: not a target
                     continue
                 if in_pool and address:
                     pool[node_id] = address
@@ -239,6 +241,14 @@ class ActorDiskStore:
 
     def delete(self, key: str) -> bool:
         return ray.get(self._actor.disk_delete.remote(key))
+
+
+def node_store_actor_of(node_id: str):
+    """The node's ``NodeStoreActor`` handle, None when the node runs none (yet); never starts one."""
+    try:
+        return ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE)
+    except ValueError:
+        return None
 
 
 def node_store_actor(cfg: AppConfig, node_id: str):

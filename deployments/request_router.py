@@ -59,10 +59,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import ray
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
 import disagg.router.metrics as router_metrics
+from deployments.node_store import node_store_actor_of
 from disagg.messages import GenerateParams
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.match import credit_node_state
@@ -112,16 +112,6 @@ def _params(pending_request) -> GenerateParams | None:
         return None
     p = pending_request.args[0]
     return p if isinstance(p, GenerateParams) else None
-
-
-def node_store_actor_of(node_id: str) -> Any | None:
-    """The node's ``NodeStoreActor`` handle, None when the node runs none (yet)."""
-    from deployments.node_store import _PREFIX, NAMESPACE
-
-    try:
-        return ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE)
-    except ValueError:
-        return None
 
 
 class NodeEventFeed:

@@ -23,7 +23,7 @@ from functools import partial
 
 from ray import serve
 
-from deployments.node_store import PeerStores, connect_node_store
+from deployments.node_store import PeerStores, connect_node_store, node_store_actor_of
 from deployments.request_router import prefill_pool_view
 from deployments.timings import RecentTimings
 from disagg.config import AppConfig, load_config
@@ -100,15 +100,12 @@ class _ServerBase:
         nodes without prefill replicas spill (deployments.node_store NOTE 2)."""
         if self.role != "prefill":
             return
-        import ray
-
-        from deployments.node_store import _PREFIX, NAMESPACE
-
-        try:  # looked up, never created here: a leave must not start a node store after its shutdown
-            actor = ray.get_actor(_PREFIX + self.node_id, namespace=NAMESPACE)
-            (actor.pool_join if join else actor.pool_leave).remote(self.replica_id)
-        except Exception:  # noqa: BLE001 - its node store is gone (the node is going): nothing to leave
+        # looked up, never created here: a leave must not start a node store after its shutdown
+        actor = node_store_actor_of(self.node_id)
+        if actor is None:  # its node store is gone (the node is going): nothing to join or leave
             log.warning("%s %s: node store unreachable for the pool", self.role, self.replica_id)
+            return
+        (actor.pool_join if join else actor.pool_leave).remote(self.replica_id)
 
     async def check_health(self) -> None:
         if self.config.engine.backend == "vllm":
@@ -138,12 +135,10 @@ class _ServerBase:
 
     async def _node_spill(self) -> dict | None:
         """This node's spill counters (the node store's), tagged with the node: best effort."""
-        import ray
-
-        from deployments.node_store import _PREFIX, NAMESPACE
-
+        actor = await asyncio.to_thread(node_store_actor_of, self.node_id)
+        if actor is None:
+            return None
         try:
-            actor = await asyncio.to_thread(ray.get_actor, _PREFIX + self.node_id, namespace=NAMESPACE)
             node = await asyncio.wait_for(actor.stats.remote(), timeout=2.0)
         except Exception:  # noqa: BLE001 - its node store is busy or gone: no figures this time
             return None

@@ -89,12 +89,18 @@ def two_nodes():
             os.environ[TOKEN_ENV] = saved
 
 
+def _node_store(node_id: str):
+    from deployments.node_store import node_store_actor_of
+
+    actor = node_store_actor_of(node_id)
+    assert actor is not None, f"no node store on {node_id[:12]}"
+    return actor
+
+
 def _store_stats(node_id: str) -> dict:
     import ray
 
-    from deployments.node_store import _PREFIX, NAMESPACE
-
-    return ray.get(ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE).stats.remote(), timeout=60)
+    return ray.get(_node_store(node_id).stats.remote(), timeout=60)
 
 
 def _decode_stats() -> dict:
@@ -138,14 +144,6 @@ def test_wrong_token_is_refused_by_a_node_service(two_nodes):
     assert _store_stats(two_nodes["far_node_id"])["grpc"]["num_auth_failures"] == before + 2
     with RemoteStore(RemoteStoreConfig(address, token=TOKEN, timeout_s=30)) as member:
         assert member.contains([key, "mla:" + "a5" * 16]) == [True, False], "nothing was planted"
-
-
-def _node_store(node_id: str):
-    import ray
-
-    from deployments.node_store import _PREFIX, NAMESPACE
-
-    return ray.get_actor(_PREFIX + node_id, namespace=NAMESPACE)
 
 
 def test_a_session_evicted_on_the_decode_node_is_resumed_by_the_pool(two_nodes):

@@ -48,8 +48,8 @@ NOTES
    session's older blocks there, and it demotes them as it publishes, before the decode has
    loaded them (a point evicted in between is a recompute).
 4. Spill to the pool (``ClusterConfig.spill_to_pool``, P/D, on by default as serving's
-   ``transfer.spill`` is, deployments.node_store NOTE 2): the last tier of a node without prefill workers (its disk, else its
-   host) writes what it evicts to the host tier of a node with prefill workers (node k of
+   ``transfer.spill`` is, deployments.node_store NOTE 2): the last tier of a node without
+   prefill workers (its disk, else its host) writes what it evicts to the host tier of a node with prefill workers (node k of
    those without: the ((k mod m)+1)-th of the m with), where a prefill worker resumes it from
    its own node. The write is taken as background traffic: it costs no time. What the
    retention demoted (cache NOTE 4: ended sessions' objects, superseded checkpoints) is not
