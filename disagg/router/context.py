@@ -42,6 +42,7 @@ class EffectiveLoad:
     session_tokens: float = 0.0  # context tokens of those sessions (their last prompt)
     queue_avg: float = 0.0  # time-average of prefill_tokens (see disagg.router.loads)
     booked_area: float = 0.0  # prefill area booked by routing, tokens^2 (see disagg.router.loads)
+    prefill_requests: float = 0.0  # requests queued for prefill (live + predictions): the batch's next joiners
 
 
 LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EffectiveLoad))
@@ -141,7 +142,8 @@ class RoutingContext:
         elif w.worker_id in self.loads:
             return self.loads[w.worker_id]
         return EffectiveLoad(
-            w.queued_prefill_tokens, w.running_decode_tokens, w.running_decode_requests, w.cache_utilization
+            w.queued_prefill_tokens, w.running_decode_tokens, w.running_decode_requests, w.cache_utilization,
+            prefill_requests=w.queued_prefill_requests,
         )
 
     def view(self, workers: list[WorkerState]) -> CandidateView:

@@ -50,10 +50,11 @@ from operator import attrgetter
 
 import numpy as np
 
-from disagg.router.context import LOAD_FIELDS, LoadColumns
+from disagg.router.context import LOAD_FIELDS, LOAD_ROW, LoadColumns
 from disagg.router.types import WorkerState
 
 _T = attrgetter("updated_at")
+_PREFILL_REQUESTS = LOAD_ROW["prefill_requests"]
 _ROWS = 6  # per-slot state rows: sessions, their tokens, queue_avg, held prefill, its time, booked area
 
 
@@ -124,7 +125,7 @@ class LoadTracker:
         return self._sessions.get(session_id) if session_id else None
 
     def _pending(self, book: dict[str, list[tuple[float, int]]], pos: dict[str, int], updated: list[float],
-                 now: float, out: np.ndarray) -> None:
+                 now: float, out: np.ndarray, count: np.ndarray | None = None) -> None:
         tau = self.prediction_tau_s
         horizon = 10 * tau
         for wid in list(book):
@@ -135,7 +136,10 @@ class LoadTracker:
             items = [(t, n) for t, n in book[wid] if t >= t_stats and now - t < horizon]
             if items:
                 book[wid] = items
-                out[i] += sum(n * math.exp(-(now - t) / tau) for t, n in items)
+                weights = [math.exp(-(now - t) / tau) for t, _ in items]
+                out[i] += sum(n * x for (_, n), x in zip(items, weights, strict=True))
+                if count is not None:
+                    count[i] += sum(weights)
             else:
                 del book[wid]
 
@@ -167,10 +171,11 @@ class LoadTracker:
         data[:4] = [[w.queued_prefill_tokens for w in workers], [w.running_decode_tokens for w in workers],
                     [w.running_decode_requests for w in workers], [w.cache_utilization for w in workers]]
         base = data[:4]  # the four live stats, one row each
+        data[_PREFILL_REQUESTS] = [w.queued_prefill_requests for w in workers]
         if self._prefill_pending or self._decode_pending:
             pos = dict(zip(ids, range(n), strict=True))
             updated = list(map(float, map(_T, workers)))  # Python floats: compared per pending item
-            self._pending(self._prefill_pending, pos, updated, now, base[0])
+            self._pending(self._prefill_pending, pos, updated, now, base[0], data[_PREFILL_REQUESTS])
             self._pending(self._decode_pending, pos, updated, now, base[1])
         st = self._state[:, slots]
         avg = st[2] + (1.0 - np.exp((st[4] - now) / self.queue_avg_tau_s)) * (st[3] - st[2])

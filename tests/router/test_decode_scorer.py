@@ -39,6 +39,19 @@ def test_costs_by_hand():
     assert score["b"] < score["c"] < score["a"]
 
 
+def test_requests_queued_for_prefill_count_as_the_batch_they_will_join():
+    """A worker with a long prefill queue and no decodes yet is not the idle one: its queued requests
+    join its batch before r does (count_queued); counted by running decodes alone, a would win here."""
+    loads = [EffectiveLoad(prefill_tokens=3000, prefill_requests=3), EffectiveLoad(decode_requests=1),
+             EffectiveLoad(decode_requests=1, prefill_requests=1)]
+    cost, _ = DecodeScorer(**CFG).costs(_ctx(loads), W3)
+    step = [0.01 + 0.001 * (b + 1) + 1e-6 * 1000 for b in (3, 1, 2)]
+    assert cost.tolist() == pytest.approx([100 * step[0] + 3 * 1.0, 100 * step[1] + 1.0, 100 * step[2] + 2 * 1.0])
+    assert DecodeScorer(**CFG).score(_ctx(loads), W3)["b"] == 1.0
+    running_only = DecodeScorer(**CFG, count_queued=False).costs(_ctx(loads), W3)[0]
+    assert running_only.tolist() == pytest.approx([100 * 0.012, 100 * 0.013 + 1.0, 100 * 0.013 + 1.0])
+
+
 # the state hand-off a disaggregated decode waits for: 1000 prompt tokens
 XFER = dict(bytes_per_token=1000.0, checkpoint_bytes=0.0, host_gbps=1.0, remote_gbps=0.1, host_latency_s=0.0,
             remote_latency_s=0.0)  # host 1e6 B / 1 GB/s = 1 ms, remote 10 ms

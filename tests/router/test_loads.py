@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from disagg.router.context import LOAD_ROW
 from disagg.router.index import PrefixIndex
 from disagg.router.loads import LoadTracker
 from disagg.router.router import StateAwareRouter
@@ -48,6 +49,20 @@ def test_routing_adds_to_the_held_queue_and_pending_until_stats_catch_up():
     cols = tr.columns(_ws([0, 50], 10.0), 10.0)  # fresh stats include it: prediction dropped
     assert cols.data[0].tolist() == [0.0, 50.0]
     assert cols.data[6].tolist() == pytest.approx([0.0, 50 * E1])
+
+
+def test_queued_requests_are_live_plus_predictions_not_yet_reported():
+    """The prefill_requests row: the replica's queued requests, plus each routed request its stats
+    do not include yet, weighted as its tokens are (the decode scorer counts them as joiners)."""
+    tr = LoadTracker(prediction_tau_s=5.0)
+    row = LOAD_ROW["prefill_requests"]
+    live = [WorkerState("w0", queued_prefill_requests=2, updated_at=0.0), WorkerState("w1", updated_at=0.0)]
+    tr.on_routed("s1", 80, 50, "w1", "w1", "n0", 0.0)
+    tr.on_routed("s2", 80, 50, "w1", "w1", "n0", 0.0)
+    assert tr.columns(live, 0.0).data[row].tolist() == [2.0, 2.0]
+    assert tr.columns(live, 5.0).data[row].tolist() == pytest.approx([2.0, 2 * math.exp(-1.0)])
+    fresh = [WorkerState("w0", updated_at=6.0), WorkerState("w1", queued_prefill_requests=1, updated_at=6.0)]
+    assert tr.columns(fresh, 6.0).data[row].tolist() == [0.0, 1.0]  # the report includes them: dropped
 
 
 def test_a_finished_request_takes_its_predictions_with_it():
@@ -126,7 +141,8 @@ def test_busy_worker_hands_a_turn_to_its_node_mate(owner_queue, expect):
     store(idx, "kda", h[7], "host", "w0")
     r = StateAwareRouter(idx, clock=lambda: 0.0)
     first = req(h, 33, sid="s", rid="r0")
-    r.on_routed(first, r.route(first, ws))  # the session's previous turn: on w0
+    r.on_routed(first, r.route(first, ws))  # the session's previous turn: on w0, and done
+    r.on_finished("r0", 32)
     ws[0].queued_prefill_tokens = owner_queue
     d = r.route(req(h, 33, sid="s", rid="r1"), ws)
     assert (d.decode_worker, d.source_tier) == expect

@@ -1,8 +1,9 @@
 """Decode scorer: prefer workers where the request's decode, and the decodes it joins, run fastest.
 
-For candidate w (B_w running decodes with D_w context tokens, effective loads;
-n_w = prompt - resumable(w) tokens r would prefill there; o = r's expected
-output, its hint or ``default_output_tokens``)::
+For candidate w (B_w running decodes plus the requests queued for prefill on
+w, which join its batch before r does; D_w the running decodes' context
+tokens; effective loads; n_w = prompt - resumable(w) tokens r would prefill
+there; o = r's expected output, its hint or ``default_output_tokens``)::
 
     step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
     own_w   = o * step_w                                                r's decode time
@@ -25,6 +26,13 @@ output, its hint or ``default_output_tokens``)::
     scale   = o * min_v step_v + max(prompt - common, 0) / prefill_tokens_per_s   r's own service time
               (phase "decode": o * min_v step_v, the time r's ITL is made of)
     score_w = max(1 - (cost_w - min_v cost_v) / scale, 0)               in [0, 1]; 1 for the cheapest
+
+Counting the queued requests in B_w matters under load: a worker whose
+prefill queue is long has few running decodes *now* because its requests
+have not reached decode yet; counted by running decodes alone it looked the
+least loaded, and the scorer sent it the next long prompt too (its wait
+scorer's share could not outweigh it), which is what made the TTFT tail
+(``count_queued``; docs/router.md, "Round 9").
 
 Decode-side load enters placement the way queued prefill does through the
 wait scorer: as seconds the user feels (here, inter-token latency: a long
@@ -54,6 +62,7 @@ from disagg.router.types import TIER_INDEX, WorkerState
 _B = LOAD_ROW["decode_requests"]
 _D = LOAD_ROW["decode_tokens"]
 _Q = LOAD_ROW["prefill_tokens"]
+_N = LOAD_ROW["prefill_requests"]
 _DEVICE = TIER_INDEX["device"]
 
 
@@ -71,6 +80,7 @@ class DecodeScorerConfig:
     host_latency_s: float = 50e-6
     remote_latency_s: float = 1e-3
     join_step_fraction: float = 0.5  # phase decode: expected wait for w's step in progress, in steps
+    count_queued: bool = True  # B_w counts the requests queued for prefill on w (they join its batch)
 
     def __post_init__(self) -> None:
         if min(self.decode_base_s, self.decode_per_seq_s, self.decode_per_ctx_token_s) < 0:
@@ -96,7 +106,7 @@ class DecodeScorer(ArrayScorer):
         cfg = self.config
         req = ctx.request
         v = ctx.view(workers)
-        b = v.loads[_B]
+        b = v.loads[_B] + v.loads[_N] if cfg.count_queued else v.loads[_B]
         out = float(req.output_len_hint or cfg.default_output_tokens)
         step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + cfg.decode_per_ctx_token_s * (
             v.loads[_D] + req.prompt_len)
