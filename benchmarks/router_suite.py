@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 
 from disagg.router.baselines import BASELINES
 from disagg.tools.bench.family import SUITE, member_trace
-from disagg.tools.sim.bound import belady_hits
+from disagg.tools.sim.bound import capacity_bound
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
@@ -134,15 +134,8 @@ def run_one(task: tuple[Cell, str, Scale]) -> dict:
     out = {"cell": cell.label, "policy": policy, "scale": sc.key(), "wall_s": time.perf_counter() - t0,
            **res.summary}
     if policy == "state_aware":  # the bound, on this run's arrival order
-        done = sorted((r for r in res.records if r.finish >= 0), key=lambda r: r.arrival)
-        by_key = {(r.session_id, r.turn): r for r in reqs}
-        nodes = -(-cluster.num_engines // cluster.workers_per_node)
-        pooled = cluster.num_engines * cluster.device_blocks + nodes * (cluster.host_blocks + cluster.disk_blocks)
-        capacity = max(pooled - lanes * sim.state.ckpt_units, 0)  # one resume checkpoint per live session
-        hits = belady_hits([by_key[(r.session_id, r.turn)] for r in done], [r.salt for r in done], capacity,
-                           cluster.checkpoint_every_blocks)
-        out["bound_tokens"] = sum(hits)
-        out["theoretical_tokens"] = sum(r.theoretical_tokens for r in done)
+        out["bound_tokens"] = capacity_bound(reqs, res.records, cluster, cost, lanes)
+        out["theoretical_tokens"] = sum(r.theoretical_tokens for r in res.records if r.finish >= 0)
     out["cached_tokens"] = sum(r.cached_tokens for r in res.records if r.finish >= 0)
     return out
 

@@ -47,3 +47,24 @@ def test_zero_capacity_and_bad_input():
     assert belady_hits([_p("s", [1]), _p("s", [1])], [0, 0], 0, 1) == [0, 0]
     with pytest.raises(ValueError):
         belady_hits([], [], -1, 0)
+
+
+def test_capacity_bound_of_a_run_pools_the_tiers_and_reserves_a_checkpoint_per_lane():
+    """The run's own arrival order against devices + host tiers, less one checkpoint per live session."""
+    from disagg.tools.sim.bound import capacity_bound
+    from disagg.tools.sim.cost_model import CostModel
+    from disagg.tools.sim.metrics import RequestRecord
+    from disagg.tools.sim.simulator import ClusterConfig
+
+    prompts = [_p("s1", [1, 2]), _p("s2", [3]), _p("s1", [1, 2])]
+    prompts[2] = SimRequest("s1", 1, 0.0, 0.0, 2 * BS + 1, 1, [1, 2], BS)
+    recs = [RequestRecord(r.session_id, r.session_id, r.turn, r.input_length, 1, arrival=float(t), finish=1.0)
+            for t, r in enumerate(prompts)]
+    recs.append(RequestRecord("x", "s9", 0, 4, 1, arrival=9.0))  # never finished: not replayed
+    cost = CostModel(bytes_per_token=1.0, checkpoint_bytes=BS)  # a checkpoint weighs one block
+    # 1 worker: 2 device + 1 host blocks = 3; one lane's checkpoint leaves 2 (Belady keeps s1's)
+    cluster = ClusterConfig(num_workers=1, device_blocks=2, host_blocks=1, workers_per_node=1,
+                            checkpoint_every_blocks=1)
+    assert capacity_bound(prompts, recs, cluster, cost, live_sessions=1) == 2 * BS
+    assert capacity_bound(prompts, recs, cluster, cost, live_sessions=2) == BS  # room for one block
+    assert capacity_bound(prompts, recs[::-1], cluster, cost, live_sessions=1) == 2 * BS  # sorted by arrival

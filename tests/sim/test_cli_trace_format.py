@@ -37,6 +37,20 @@ def test_a_mooncake_trace_is_detected_and_replayed(tmp_path, capsys):
     assert row["hit_rate"] > 0  # the second turns resumed their sessions' first turns
 
 
+def test_every_policy_reports_hit_against_the_capacity_bound(tmp_path, capsys):
+    """Every row carries hit/bound. With room for everything the bound is every resume point an
+    earlier prompt left (the infinite cache's hit counts unaligned prefixes too): the state-aware
+    router resumes all of it here."""
+    trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
+    assert _run(trace, "--block-size", "64", "--policy", "all") == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["policy"] for r in rows][0] == "state_aware" and len(rows) == 5
+    assert rows[0]["hit_vs_bound"] == 1.0 and rows[0]["hit_vs_theory"] < 1.0
+    assert all(0.0 <= r["hit_vs_bound"] <= 1.0 for r in rows)
+    assert _run(trace, "--block-size", "64", "--no-bound") == 0
+    assert "hit_vs_bound" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 def test_format_can_be_named(tmp_path, capsys):
     trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
     assert _run(trace, "--block-size", "64", "--format", "mooncake") == 0

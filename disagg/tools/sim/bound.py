@@ -27,8 +27,15 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from disagg.tools.sim.workload import DigestCache, SimRequest
+
+if TYPE_CHECKING:
+    from disagg.tools.sim.cost_model import CostModel
+    from disagg.tools.sim.metrics import RequestRecord
+    from disagg.tools.sim.simulator import ClusterConfig
 
 _NEVER = 1 << 62
 
@@ -97,3 +104,22 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
             heap = [(-nu, k) for k, nu in held.items()]
             heapq.heapify(heap)
     return out
+
+
+def capacity_bound(requests: Sequence[SimRequest], records: Sequence[RequestRecord], cluster: ClusterConfig,
+                   cost: CostModel, live_sessions: int) -> int:
+    """The bound of a finished run: its finished requests, in the order they arrived, against the
+    cluster's pooled capacity (every device, every node's host and disk tiers) less one resume
+    checkpoint per live session (``live_sessions``: a closed loop's lanes)."""
+    from disagg.tools.sim.state import checkpoint_units
+
+    done = sorted((r for r in records if r.finish >= 0), key=attrgetter("arrival"))
+    if not done:
+        return 0
+    by_key = {(r.session_id, r.turn): r for r in requests}
+    prompts = [by_key[(r.session_id, r.turn)] for r in done]
+    nodes = -(-cluster.num_engines // cluster.workers_per_node)
+    pooled = cluster.num_engines * cluster.device_blocks + nodes * (cluster.host_blocks + cluster.disk_blocks)
+    units = checkpoint_units(cost, prompts[0].block_size)
+    capacity = max(pooled - live_sessions * units, 0)
+    return sum(belady_hits(prompts, [r.salt for r in done], capacity, cluster.checkpoint_every_blocks))

@@ -97,6 +97,12 @@ class Resume:
     nbytes: float = 0.0  # bytes transferred
 
 
+def checkpoint_units(cost: CostModel, block_size: int) -> int:
+    """Blocks' worth of tier space one KDA checkpoint takes (at least 1)."""
+    block_bytes = block_size * cost.bytes_per_token
+    return max(1, round(cost.checkpoint_bytes / block_bytes)) if block_bytes else 1
+
+
 class StateModel:
     """Tier keys, checkpoint placement, resume and store for one simulated cluster."""
 
@@ -106,7 +112,7 @@ class StateModel:
         self.block_size = block_size
         self.index = index
         self.block_bytes = block_size * cost.bytes_per_token
-        self.ckpt_units = max(1, round(cost.checkpoint_bytes / self.block_bytes)) if self.block_bytes else 1
+        self.ckpt_units = checkpoint_units(cost, block_size)
         self.num_events = 0
 
     # ---- index publication -------------------------------------------------------
