@@ -66,9 +66,10 @@ def instrument(sim: Simulator) -> dict[str, dict]:
     return info
 
 
-def run(cell: Cell, policy: str, router_config: dict | None) -> dict:
-    sc = Scale(0.25, 0.5, 3.0, 2.0, "session")
-    reqs = list(_trace(cell.member, round(sc.sessions_per_worker * cell.workers), sc.tokens, sc.turns))
+def run(cell: Cell, policy: str, router_config: dict | None, seed_offset: int = 0) -> dict:
+    sc = Scale(0.25, 0.5, 3.0, 2.0, "session", seed_offset)
+    reqs = list(_trace(cell.member, round(sc.sessions_per_worker * cell.workers), sc.tokens, sc.turns,
+                       seed_offset))
     lanes = round(sc.lanes_per_worker * cell.workers)
     sim = Simulator(reqs, policy, cluster_of(cell, sc), CostModel(checkpoint_bytes=CostModel().checkpoint_bytes
                                                                  * sc.tokens),
@@ -109,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("cell", help="member/workers/mode, e.g. long_agentic/64/pd")
     ap.add_argument("--policies", default="state_aware,round_robin")
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig as JSON")
+    ap.add_argument("--seed-offset", type=int, default=0, help="added to the member's seed, as in the suite")
     args = ap.parse_args(argv)
     member, workers, mode = args.cell.split("/")
     cell = Cell(member, int(workers), mode)
     rc = json.loads(args.router_config) if args.router_config else None
     for p in args.policies.split(","):
-        out = run(cell, p.strip(), rc)
+        out = run(cell, p.strip(), rc, args.seed_offset)
         print(json.dumps(out))
         for k in ("tail", "band", "all"):
             t = out[k]
