@@ -117,6 +117,30 @@ def test_a_moved_session_leaves_its_old_device_copy_first_in_line():
     assert [t.keys() for t in (old, new, pool)] == before
 
 
+def test_checkpoints_policy_does_what_serving_does_and_no_more():
+    """Policy "checkpoints" (the CLI's default, serving's behaviour): superseded checkpoints go first,
+    and a hand-off demotes the session's checkpoints but not its MLA blocks; a session's end and a
+    move demote nothing (serving is not told of either)."""
+    t, other = LRUTier("host", 16), LRUTier("device", 16)
+    r = SessionRetention("checkpoints", keep_checkpoints=1)
+    ds = [_d(i) for i in range(3)]
+    r.on_prompt(("s", 0), ds, 3, 0, [t, other])
+    for k in (*ds, _k(1), _k(2), "live"):
+        t.put(k)
+        other.put(k)
+    r.on_store(("s", 0), [_k(1), _k(2)], [t, other])  # K1 superseded by K2
+    assert t.keys() == [_k(1), *ds, _k(2), "live"]
+    r.on_placed(("s", 0), [other])
+    r.on_placed(("s", 0), [LRUTier("device", 4)])  # moved off `other`: nothing demoted there
+    assert other.keys() == [_k(1), *ds, _k(2), "live"]
+    r.on_handed_off(("s", 0), [t])  # its checkpoints, the newest last in line
+    assert t.keys() == [_k(2), _k(1), *ds, "live"]
+    r.on_session_end(("s", 0), [t])  # forgotten, nothing demoted
+    assert t.keys() == [_k(2), _k(1), *ds, "live"]
+    r.on_store(("s", 0), [_k(5), _k(6)], [t])  # a session that ended is not tracked any more
+    assert t.keys() == [_k(2), _k(1), *ds, "live"]
+
+
 def test_bad_configuration():
     with pytest.raises(ValueError):
         SessionRetention("mru")
@@ -136,12 +160,13 @@ def test_session_retention_raises_the_hit_under_capacity_pressure():
 
     reqs = from_trace_records(member_trace(SUITE["long_agentic"], 8, block_size=64, scale=0.25), 64)
     hits = {}
-    for policy in ("lru", "session"):
+    for policy in ("lru", "checkpoints", "session"):
         cluster = ClusterConfig(num_workers=2, device_blocks=256, host_blocks=2048, retention=policy)
         res = Simulator(reqs, "dynamo_cost", cluster, replay=ReplayConfig(concurrency=4, think_scale=0.25)).run()
         assert res.summary["requests"] == len(reqs)
         hits[policy] = res.summary["hit_rate"]
     assert hits["session"] > hits["lru"] + 0.1, hits
+    assert hits["checkpoints"] > hits["lru"] + 0.1, hits  # most of it is the superseded checkpoints
 
 
 def test_a_borrowed_turn_leaves_the_prefill_tiers_first_in_line():

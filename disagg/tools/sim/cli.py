@@ -34,6 +34,7 @@ from disagg.tools.sim.bound import capacity_bound
 from disagg.tools.sim.cost_model import PROFILES
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.profile import cost_profile, profile_names
+from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import ClusterConfig
 from disagg.tools.sim.workload import (
     SimRequest,
@@ -103,9 +104,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=16, help="periodic checkpoints every N blocks (0 = off)")
     g.add_argument("--checkpoint-prompt-end", action="store_true", help="checkpoints at prompt ends (engine style)")
     g.add_argument("--no-last-full-block", action="store_true", help="no checkpoint at the last full block")
-    g.add_argument("--retention", default="lru", choices=["lru", "session"],
-                   help="tier eviction order: plain LRU, or session-aware (ended sessions' and superseded "
-                        "checkpoints go first; disagg.tools.sim.retention)")
+    g.add_argument("--retention", default="checkpoints", choices=list(RETENTION_POLICIES),
+                   help="tier eviction order (disagg.tools.sim.retention): lru; checkpoints, what serving "
+                        "does (a session's superseded checkpoints go first); session, also what only the "
+                        "trace knows (ended sessions' objects, the devices a session left)")
     g.add_argument("--no-peer-reads", action="store_true",
                    help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
     g.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,

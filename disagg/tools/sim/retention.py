@@ -32,7 +32,14 @@ Objects are demoted, never dropped: a demoted object that is read again
 (a rewrite resuming from an older checkpoint) is refreshed like any other.
 Shared objects (system prompts, a parent's prefix) are never demoted.
 
-Policy "lru" does nothing (plain LRU tiers); "session" does the above.
+Policy "lru" does nothing (plain LRU tiers); "session" does the above;
+"checkpoints" does what serving does (``transfer.host.keep_checkpoints``,
+``disagg.reuse.retention``; ``disagg.workers.tiered`` NOTE 3), without what
+only the trace knows: a turn's superseded checkpoints, a borrowed turn's
+checkpoints and a handed-off turn's checkpoints in the prefill node's tiers
+go first; a session's end and the devices a session left demote nothing
+(serving is not told when a session ends), and a hand-off demotes the
+checkpoints only, not the MLA blocks.
 
 NOTES
 1. ``shared`` only grows; an object whose digest is in it is never demoted.
@@ -50,7 +57,7 @@ from collections.abc import Iterable
 from disagg.config import KEEP_CHECKPOINTS
 from disagg.tools.sim.cache import LRUTier
 
-RETENTION_POLICIES = ("lru", "session")
+RETENTION_POLICIES = ("lru", "checkpoints", "session")
 _K = b"K"
 
 
@@ -60,7 +67,8 @@ class SessionRetention:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         if keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be >= 1")
-        self.enabled = policy == "session"
+        self.enabled = policy != "lru"  # sessions tracked, checkpoints demoted
+        self.full = policy == "session"  # also session ends, moves and handed-off MLA blocks
         self.keep_checkpoints = keep_checkpoints
         self.shared: set[bytes] = set()  # NOTE 1
         self._sessions: dict[tuple[str, int], tuple[list[bytes], list[bytes]]] = {}  # NOTE 2
@@ -104,7 +112,7 @@ class SessionRetention:
     def on_placed(self, skey: tuple[str, int], devices: list[LRUTier]) -> None:
         """A turn's state was stored on ``devices``: the session's copies on the devices it left go first."""
         state = self._sessions.get(skey)
-        if not self.enabled or state is None:
+        if not self.full or state is None:
             return
         left = [t for t in self._devices.get(skey, ()) if all(t is not d for d in devices)]
         self._devices[skey] = list(devices)
@@ -125,7 +133,7 @@ class SessionRetention:
         private objects in ``tiers`` (the prefill node's host and disk) go first."""
         state = self._sessions.get(skey)
         if self.enabled and state is not None:
-            self._demote(self._private(state), tiers)
+            self._demote(self._private(state) if self.full else state[1], tiers)
 
     def _private(self, state: tuple[list[bytes], list[bytes]]) -> list[bytes]:
         """The session's private objects, start to end (the end is demoted last: evicted first)."""
@@ -140,13 +148,14 @@ class SessionRetention:
         return keys
 
     def on_session_end(self, skey: tuple[str, int], tiers: Iterable[LRUTier | None]) -> None:
-        """The session will not come back: its private objects go first (tail first)."""
+        """The session will not come back: its private objects go first (tail first); policy
+        "checkpoints" only forgets it."""
         if not self.enabled:
             return
         state = self._sessions.pop(skey, None)
         done = self._demoted.pop(skey, 0)
         self._devices.pop(skey, None)
-        if state is None:
+        if state is None or not self.full:
             return
         digests, mine = state
         shared = self.shared
