@@ -6,6 +6,7 @@ Per worker w, at decision time ``now`` (one numpy column each, see
     pending(w)   = sum_{r routed to w, t_r > w.updated_at} n_r * exp(-(now - t_r) / prediction_tau_s)
     prefill(w)   = queued_prefill_tokens(w) + pending_prefill(w)          n_r = uncached tokens of r
     decode(w)    = running_decode_tokens(w) + pending_decode(w)           n_r = prompt tokens of r
+    requests(w)  = queued_prefill_requests(w) + pending_prefill(w)        n_r = 1 (the prefill_requests row)
     sessions(w)  = sessions whose last turn went to w within session_ttl_s
     s_tokens(w)  = sum of those sessions' last prompt lengths
     queue_avg(w) = exponential time-average of prefill(w), time constant queue_avg_tau_s:
