@@ -34,7 +34,7 @@ KEEP_CHECKPOINTS = 8
 # cells, docs/router.md).
 LOCAL_PREFILL_MAX_TOKENS = 256  # a suffix weighing up to this is prefilled on the decode replica
 PREFILL_BUSY_TOKENS = 65536.0  # the least-loaded prefill replica's queued tokens that count as busy
-BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, suffixes up to this prefill locally
+BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, weighted suffixes up to this prefill locally
 # weighted suffix = suffix * (1 + this * the decode replica's running decodes); "local_state": a
 # decode replica that resumes more of the prompt than any prefill replica prefills locally when its
 # suffix * (1 + this * (its decodes running or on their way)) <= the pool's least queued + uncached
@@ -154,7 +154,7 @@ class RouterConfig(_Strict):
     # decode replica
     local_prefill_max_tokens: int = Field(default=LOCAL_PREFILL_MAX_TOKENS, ge=0)
     prefill_busy_tokens: float = Field(default=PREFILL_BUSY_TOKENS, gt=0)  # prefill pool busy: min queue >= this
-    busy_local_max_tokens: int = Field(default=BUSY_LOCAL_MAX_TOKENS, ge=0)  # ... then suffixes up to this stay local
+    busy_local_max_tokens: int = Field(default=BUSY_LOCAL_MAX_TOKENS, ge=0)  # ... then weighted suffixes up to this
     local_harm_weight: float = Field(default=LOCAL_HARM_WEIGHT, ge=0)  # weight of a local prefill's stall
     # "local_idle" (needs the prefill pool's resumable tokens: the router's P/D branch; 0 turns it off)
     local_idle_margin: float = Field(default=LOCAL_IDLE_MARGIN, ge=0)

@@ -48,8 +48,8 @@ ROUTER = {"local_prefill_max_tokens": 64, "prefill_busy_tokens": 1000, "busy_loc
 #  prompt tokens the decode worker resumes (on device and, published, in its node's host tier),
 #  prompt tokens each prefill replica resumes on its device, cache salt, how many of the prefill
 #  replicas (the first ones) share the decode worker's node "n0": the others are on "n1");
-# a local prefill weighs suffix x (1 + 4 x running decodes) against the short-suffix limit, and
-# ("local_state") against the pool's least queued + uncached work when the decode worker resumes more;
+# a local prefill weighs suffix x (1 + 4 x running decodes) against the short-suffix limit, against
+# the busy pool's limit ("local_prefill_busy"), and ("local_state") against the pool's least queued + uncached work when the decode worker resumes more;
 # an idle decode worker (no decode running or on its way) takes a suffix the pool would not start on
 # before 4x its length of queued + uncached work ("local_idle", router.local_idle_margin)
 CASES = [
@@ -66,7 +66,8 @@ CASES = [
     (12, [0.0], 1, 0, [0], "", 0),  # 12 x 5 <= 64: still local
     (13, [0.0], 1, 0, [0], "", 0),
     (300, [5000.0], 1, 0, [0], "", 0),  # the pool's queue is 17x the suffix, but a decode runs: disagg
-    (100, [1500.0, 2000.0], 2, 0, [0, 0], "", 0),  # a busy pool keeps a medium suffix local whatever the batch
+    (100, [1500.0, 2000.0], 2, 0, [0, 0], "", 0),  # a busy pool, but 100 x 9 > 192: two decodes would stall
+    (30, [1500.0, 2000.0], 1, 0, [0, 0], "", 0),  # 30 x 5 <= 192: a busy pool keeps it local
     (150, [0.0], 0, 192, [0], "", 0),  # the pool would compute 342: local_state
     (150, [0.0], 1, 192, [0], "", 0),  # 150 x 5 > 0 + 342: disagg
     (150, [500.0], 1, 192, [0], "", 0),  # 150 x 5 <= 500 + 342: local_state
@@ -201,7 +202,7 @@ def _simulator_decisions(cfg, peer_reads: bool) -> list[str]:
 
 EXPECTED = ["local_short_suffix", "disagg", "local_prefill_busy", "disagg", "local_idle",
             "local_short_suffix", "local_idle", "local_prefill_busy", "local_idle",
-            "disagg", "local_short_suffix", "disagg", "disagg", "local_prefill_busy",
+            "disagg", "local_short_suffix", "disagg", "disagg", "disagg", "local_prefill_busy",
             "local_state", "disagg", "local_state", "disagg", "local_state", "disagg",
             "disagg", "disagg"]
 

@@ -195,6 +195,9 @@ def test_decider(suffix, loads, disagg, reason):
         (1000, [0.0], None, 0, True, "disagg"),  # the pool's cache unknown (serving's flow): rule off
         (200, [0.0], None, 0, False, "local_short_suffix"),  # 200 <= 256 with nothing running
         (200, [0.0], None, 1, True, "disagg"),  # 200 * 2 > 256: the running decode would wait too
+        (5000, [70000.0], None, 0, False, "local_prefill_busy"),  # a busy pool, nothing decoding here
+        (4000, [70000.0], None, 1, False, "local_prefill_busy"),  # 4000 * 2 <= 8192 (the default limit)
+        (5000, [70000.0], None, 1, True, "disagg"),  # 5000 * 2 > 8192: the running decode weighs in too
     ],
 )
 def test_decider_weighs_the_decodes_a_local_prefill_stalls(suffix, loads, uncached, batch, disagg, reason):
