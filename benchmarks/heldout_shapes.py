@@ -1,0 +1,179 @@
+"""Held-out trace shapes: agentic traces no router default was tuned on, run as a new user would.
+
+The router suite (``benchmarks/router_suite.py``) runs the trace family of
+``disagg.tools.bench.family`` at a reduced scale with the suite's retention.
+This script writes traces of other shapes with a generator of its own (not
+the family's code), in the documented trace format, then replays each with
+the plain CLI, every policy, at the CLI's defaults except the block size::
+
+    disagg sim run --trace T --block-size 64 --policy all --workers 16 --json
+    disagg sim run --trace T --block-size 64 --policy all --prefill 4 --decode 12 --json   (--pd)
+
+Shapes (sessions, shared prompt, first turn, per-turn growth, turns, think time):
+
+    issue     96, 12K, 2-16K, 0.5-6K, 12-36, 1-15 s; contexts to 128K (the issue's trace)
+    docqa     96, 4K, 8-30K, 0.2-2K, 6-20, 0.5-4 s
+    groups    160, three 20K prompts, 1-4K, 1-3K, 20-40, 3-30 s; 10% of turns fan out a
+              3-turn subagent on the parent's shared prompt
+    longdoc   64, 2K, 20-60K, 2-8K, 4-12, 2-8 s; outputs 100-2000
+
+Printed per shape: every policy's row, then the state-aware router's verdict
+against the best baseline per figure (TTFT P90 and P90 interactivity as
+ratios where > 1 is better; tok/s/GPU as a ratio; hit against the capacity
+bound). Written: ``OUT/<shape>.jsonl`` (the trace), ``OUT/<shape>_<mode>.json``
+(the rows), ``OUT/summary.json``.
+
+    python benchmarks/heldout_shapes.py --out results/heldout
+    python benchmarks/heldout_shapes.py --out results/heldout --shapes issue,longdoc --modes agg,pd
+    python benchmarks/heldout_shapes.py --out results/heldout --retention session
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+BLOCK = 64
+
+
+@dataclass(frozen=True)
+class Shape:
+    seed: int
+    sessions: int = 96
+    shared: int = 12000  # shared prompt tokens (per group)
+    groups: int = 1  # distinct shared prompts
+    first: tuple[int, int] = (2000, 16000)  # first turn's own tokens
+    growth: tuple[int, int] = (500, 6000)  # new tokens per turn besides the previous output
+    turns: tuple[int, int] = (12, 36)
+    think_ms: tuple[int, int] = (1000, 15000)
+    output: tuple[int, int] = (50, 900)  # clamp of a lognormal(5.3, 0.8) draw
+    max_context: int = 128000
+    arrival_ms: float = 400.0  # mean gap between session starts (open-loop timestamps)
+    fanout: float = 0.0  # share of turns that start a 3-turn subagent on the shared prompt
+
+
+SHAPES: dict[str, Shape] = {
+    "issue": Shape(seed=11),
+    "docqa": Shape(seed=12, shared=4000, first=(8000, 30000), growth=(200, 2000), turns=(6, 20),
+                   think_ms=(500, 4000)),
+    "groups": Shape(seed=13, sessions=160, shared=20000, groups=3, first=(1000, 4000), growth=(1000, 3000),
+                    turns=(20, 40), think_ms=(3000, 30000), fanout=0.1),
+    "longdoc": Shape(seed=14, sessions=64, shared=2000, first=(20000, 60000), growth=(2000, 8000), turns=(4, 12),
+                     think_ms=(2000, 8000), output=(100, 2000)),
+}
+
+
+def write_trace(shape: Shape, path: Path) -> int:
+    """Write ``shape``'s trace (one request per line, 64-token hash blocks); returns the request count."""
+    rng = random.Random(shape.seed)
+    next_id = [1_000_000]
+
+    def fresh(tokens: int) -> list[int]:
+        n = tokens // BLOCK
+        ids = list(range(next_id[0], next_id[0] + n))
+        next_id[0] += n
+        return ids
+
+    prompts = [fresh(shape.shared) for _ in range(shape.groups)]
+    rows: list[dict] = []
+
+    def row(sid: str, turn: int, t0: float, ctx: list[int], out: int) -> None:
+        rows.append({"session_id": sid, "turn": turn, "timestamp": int(t0),
+                     "delay": rng.randint(*shape.think_ms) if turn else 0,
+                     "input_length": len(ctx) * BLOCK, "output_length": out, "hash_ids": list(ctx)})
+
+    t0 = 0.0
+    for s in range(shape.sessions):
+        sid = f"{shape.seed}-{s:04d}"
+        shared = prompts[rng.randrange(shape.groups)]
+        ctx = shared + fresh(rng.randint(*shape.first))
+        t0 += rng.expovariate(1.0 / shape.arrival_ms)
+        for k in range(rng.randint(*shape.turns)):
+            out = int(min(shape.output[1], max(shape.output[0], rng.lognormvariate(5.3, 0.8))))
+            row(sid, k, t0, ctx, out)
+            if shape.fanout and rng.random() < shape.fanout:
+                sub = shared + fresh(rng.randint(1000, 4000))
+                for j in range(3):
+                    row(f"{sid}-sub{k}", j, t0, sub, out)
+                    sub = sub + fresh(rng.randint(500, 2000))
+            ctx = ctx + fresh(out + rng.randint(*shape.growth))
+            if len(ctx) * BLOCK > shape.max_context:
+                break
+    with path.open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return len(rows)
+
+
+MODES = {"agg": ["--workers", "16"], "pd": ["--prefill", "4", "--decode", "12"]}
+
+
+def run(trace: Path, mode: str, extra: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "disagg", "sim", "run", "--trace", str(trace), "--block-size", str(BLOCK),
+           "--policy", "all", "--json", *MODES[mode], *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def verdict(rows: list[dict]) -> dict:
+    ours, base = rows[0], rows[1:]
+    assert ours["policy"] == "state_aware"
+    best_ttft = min(base, key=lambda r: r["ttft_p90"])
+    best_inter = max(base, key=lambda r: r["interactivity_p90"])
+    best_tps = max(base, key=lambda r: r["tokens_per_s_per_gpu"])
+    v = {"ttft_p90": best_ttft["ttft_p90"] / ours["ttft_p90"], "ttft_p90_best": best_ttft["policy"],
+         "interactivity_p90": ours["interactivity_p90"] / best_inter["interactivity_p90"],
+         "interactivity_p90_best": best_inter["policy"],
+         "tokens_per_s_per_gpu": ours["tokens_per_s_per_gpu"] / best_tps["tokens_per_s_per_gpu"],
+         "tokens_per_s_per_gpu_best": best_tps["policy"], "hit_vs_bound": ours.get("hit_vs_bound", float("nan"))}
+    v["pass"] = bool(v["ttft_p90"] >= 1 and v["interactivity_p90"] >= 1 and v["tokens_per_s_per_gpu"] >= 0.99
+                     and v["hit_vs_bound"] >= 0.95)
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="results/heldout")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--modes", default="agg", help="comma list of agg, pd")
+    ap.add_argument("--retention", help="passed to disagg sim run (default: the CLI's)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    extra = ["--retention", args.retention] if args.retention else []
+    cells = [(s, m) for s in args.shapes.split(",") for m in args.modes.split(",")]
+    unknown = {s for s, _ in cells} - set(SHAPES) or {m for _, m in cells} - set(MODES)
+    if unknown:
+        ap.error(f"unknown shapes or modes: {sorted(unknown)}")
+    summary: dict[str, dict] = {}
+    for name, mode in tqdm(cells, desc="held-out shapes", unit="cell", file=sys.stderr):
+        trace = out / f"{name}.jsonl"
+        if not trace.exists():
+            write_trace(SHAPES[name], trace)
+        rows = run(trace, mode, extra)
+        (out / f"{name}_{mode}.json").write_text(json.dumps(rows, indent=1))
+        v = summary[f"{name}/{mode}"] = verdict(rows)
+        print(f"\n{name}/{mode} ({rows[0]['requests']} requests)")
+        for r in rows:
+            print(f"  {r['policy']:>16}  hit {r['hit_rate']:.3f}  hit/bound {r.get('hit_vs_bound', float('nan')):.3f}"
+                  f"  TTFT P50 {r['ttft_p50']:.3f}  P90 {r['ttft_p90']:.3f}"
+                  f"  P90 interactivity {r['interactivity_p90']:.1f}  tok/s/GPU {r['tokens_per_s_per_gpu']:,.0f}")
+        print(f"  state_aware over the best baseline: TTFT P90 x{v['ttft_p90']:.3f} ({v['ttft_p90_best']}),"
+              f" P90 interactivity x{v['interactivity_p90']:.4f} ({v['interactivity_p90_best']}),"
+              f" tok/s/GPU x{v['tokens_per_s_per_gpu']:.3f} ({v['tokens_per_s_per_gpu_best']}),"
+              f" hit/bound {v['hit_vs_bound']:.3f} -> {'PASS' if v['pass'] else 'miss'}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\n{sum(v['pass'] for v in summary.values())}/{len(summary)} cells reach every figure")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
