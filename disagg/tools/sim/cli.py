@@ -255,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t1
         print(f"[{i + 1}/{len(policies)}] {policy}: {sum(r.finish >= 0 for r in res.records)} requests in "
               f"{wall:.1f} s wall ({res.sim_events} events)", file=sys.stderr, flush=True)
-        if not args.no_bound:  # hit against what the capacities allow (NOTE in disagg.tools.sim.bound)
+        if not args.no_bound:  # hit against what the capacities allow (disagg.tools.sim.bound)
             lanes = int(args.concurrency) if args.mode == "closed" else 0
             bound = capacity_bound(requests, res.records, cluster, cost, lanes)
             cached = sum(r.cached_tokens for r in res.records if r.finish >= 0)
