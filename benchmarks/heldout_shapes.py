@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     extra = ["--retention", args.retention] if args.retention else []
     cells = [(s, m) for s in args.shapes.split(",") for m in args.modes.split(",")]
-    unknown = {s for s, _ in cells} - set(SHAPES) or {m for _, m in cells} - set(MODES)
+    unknown = ({s for s, _ in cells} - set(SHAPES)) | ({m for _, m in cells} - set(MODES))
     if unknown:
         ap.error(f"unknown shapes or modes: {sorted(unknown)}")
     summary: dict[str, dict] = {}

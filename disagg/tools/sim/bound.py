@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
+from disagg.tools.sim.state import checkpoint_units
 from disagg.tools.sim.workload import DigestCache, SimRequest
 
 if TYPE_CHECKING:
@@ -111,8 +112,6 @@ def capacity_bound(requests: Sequence[SimRequest], records: Sequence[RequestReco
     """The bound of a finished run: its finished requests, in the order they arrived, against the
     cluster's pooled capacity (every device, every node's host and disk tiers) less one resume
     checkpoint per live session (``live_sessions``: a closed loop's lanes)."""
-    from disagg.tools.sim.state import checkpoint_units
-
     done = sorted((r for r in records if r.finish >= 0), key=attrgetter("arrival"))
     if not done:
         return 0

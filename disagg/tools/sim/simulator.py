@@ -49,11 +49,11 @@ NOTES
    loaded them (a point evicted in between is a recompute).
 4. Spill to the pool (``ClusterConfig.spill_to_pool``, P/D, on by default as serving's
    ``transfer.spill`` is, deployments.node_store NOTE 2): the last tier of a node without
-   prefill workers (its disk, else its host) writes what it evicts to the host tier of a node with prefill workers (node k of
-   those without: the ((k mod m)+1)-th of the m with), where a prefill worker resumes it from
-   its own node. The write is taken as background traffic: it costs no time. What the
-   retention demoted (cache NOTE 4: ended sessions' objects, superseded checkpoints) is not
-   spilled: nothing is expected to read it again. At 64 workers
+   prefill workers (its disk, else its host) writes what it evicts to the host tier of a node
+   with prefill workers (node k of those without: the ((k mod m)+1)-th of the m with), where a
+   prefill worker resumes it from its own node. The write is taken as background traffic: it
+   costs no time. What the retention demoted (cache NOTE 4: ended sessions' objects,
+   superseded checkpoints) is not spilled: nothing is expected to read it again. At 64 workers
    the decode nodes' host tiers are the ones that fill, while the pool's nodes hold a quarter
    of the cluster's host capacity (docs/router.md, "Round 7"). A spilled object enters the
    receiving host tier as its newest; serving's default host policy (S3-FIFO) puts it in
@@ -110,7 +110,7 @@ class ClusterConfig:
     stats_period_s: float = 0.0  # router sees stats this stale (0 = live)
     macro_steps: int = 64  # decode steps per event at most
     node_compute_slots: float = 0.0  # engines a node runs at full speed at once (0: no sharing; CPU nodes)
-    retention: str = "lru"  # tier eviction order: "lru" or "session" (disagg.tools.sim.retention)
+    retention: str = "lru"  # tier eviction order: RETENTION_POLICIES (disagg.tools.sim.retention)
     peer_reads: bool = True  # P/D: a prefill reads its decode worker's node tiers (Simulator NOTE 1)
     spill_to_pool: bool = True  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
 
