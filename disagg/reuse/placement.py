@@ -11,8 +11,8 @@ engine keeps one at the prompt end and at its last full block
    predecessor's last full block it diverged (``observe``); a decayed
    histogram of those distances (bounded: at most ``max_blocks_back`` bins; a
    follow-up that kept less than half of its predecessor, a compaction or a
-   rewrite, is not learned) picks the ``max_points`` most frequent ones
-   covering ``coverage`` of the mass, and each prefill keeps a checkpoint
+   rewrite, is not learned) picks up to ``max_points + 1`` of them at its
+   quantiles up to ``coverage`` (NOTE 3), and each prefill keeps a checkpoint
    there (``positions``)::
 
        prompt k     |....|....|....|eph.|eph.|e|      last full block: A
@@ -59,6 +59,15 @@ NOTES
 1. ``len(positions(...)) <= max_extra``; every position is a block boundary in
    ``(resume, num_prompt)`` other than the prompt's last full block.
 2. ``positions`` is pure: the same histogram and arguments give the same points.
+3. Quantiles, not the most frequent distances: a point at distance d serves every follow-up
+   that diverges at most d blocks back (it resumes d - D blocks short of its divergence D).
+   Agentic prompts end in tails of varying length (reminders, a tool result the next turn
+   rewrites), so the distances spread over tens of blocks; the most frequent few cover a
+   fraction of them, and a follow-up diverging past the furthest point kept falls back to an
+   older turn's point (a whole turn recomputed). The quantiles keep one at the ``coverage``
+   quantile, so all but ``1 - coverage`` of the follow-ups resume within one quantile gap;
+   a distribution with one distance (a fixed tail, or 0: follow-ups extend the whole prompt)
+   still gets exactly that one. Measured in docs/router.md, "Round 10".
 """
 
 from __future__ import annotations
@@ -73,7 +82,7 @@ class CheckpointPlacement:
 
     block_size: int
     max_points: int = 3  # extra checkpoints per prompt from the divergence histogram
-    coverage: float = 0.98  # stop adding distances once this share of the mass is covered
+    coverage: float = 0.98  # the furthest learned point: this quantile of the distances (NOTE 3)
     decay: float = 0.995  # weight kept by older observations at each new one
     max_blocks_back: int = 64  # distances beyond this (a rewrite, a compaction) are not learned
     prior_back: tuple[int, ...] = (1, 2, 4)  # cold start: blocks back from the last full block, nearest first
@@ -109,16 +118,30 @@ class CheckpointPlacement:
         self.num_observed += 1
 
     def learned(self) -> list[int]:
-        """Distances (blocks back from the last full block) that get a checkpoint, most frequent first."""
-        total = sum(self._weights.values())
-        out: list[int] = []
-        covered = 0.0
-        for back, w in sorted(self._weights.items(), key=lambda kv: (-kv[1], kv[0])):
-            if covered >= self.coverage * total or len(out) >= self.max_points + 1:
-                break
-            out.append(back)
-            covered += w
-        return out
+        """Distances (blocks back from the last full block) that get a checkpoint: the quantiles of
+        the learned distribution at ``coverage * i / (max_points + 1)``, i = 1.., so a follow-up that
+        diverges anywhere up to the ``coverage`` quantile resumes at the nearest point at or past its
+        divergence (NOTE 3); those serving the most mass first."""
+        if not self._weights:
+            return []
+        k = self.max_points + 1
+        items = sorted(self._weights.items())
+        total = sum(w for _, w in items)
+        levels = [self.coverage * total * (i + 1) / k for i in range(k)]
+        chosen: list[tuple[int, float]] = []  # (distance, mass it serves: divergences since the last point)
+        cum = served = 0.0
+        level = 0
+        for back, w in items:
+            cum += w
+            served += w
+            if cum >= levels[level] * (1 - 1e-9):
+                chosen.append((back, served))
+                served = 0.0
+                while level < k and cum >= levels[level] * (1 - 1e-9):
+                    level += 1
+                if level == k:
+                    break
+        return [b for b, _ in sorted(chosen, key=lambda x: (-x[1], x[0]))]
 
     def prior(self) -> list[int]:
         """The back prior's distances in use now: all of ``prior_back`` on a cold start, fewer as
