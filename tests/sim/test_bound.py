@@ -68,3 +68,41 @@ def test_capacity_bound_of_a_run_pools_the_tiers_and_reserves_a_checkpoint_per_l
     assert capacity_bound(prompts, recs, cluster, cost, live_sessions=1) == 2 * BS
     assert capacity_bound(prompts, recs, cluster, cost, live_sessions=2) == BS  # room for one block
     assert capacity_bound(prompts, recs[::-1], cluster, cost, live_sessions=1) == 2 * BS  # sorted by arrival
+
+
+def test_learned_placement_makes_every_block_boundary_a_resume_point_of_the_bound():
+    """A learned placement may keep a checkpoint anywhere: the bound resumes at any boundary."""
+    from disagg.tools.sim.bound import capacity_bound
+    from disagg.tools.sim.cost_model import CostModel
+    from disagg.tools.sim.metrics import RequestRecord
+    from disagg.tools.sim.simulator import ClusterConfig
+
+    prompts = [SimRequest("s", 0, 0.0, 0.0, 4 * BS + 1, 1, [1, 2, 3, 4, 5], BS),
+               SimRequest("s", 1, 0.0, 0.0, 4 * BS + 1, 1, [1, 2, 3, 9, 10], BS)]  # diverges at block 3
+    recs = [RequestRecord(str(t), "s", t, 4 * BS + 1, 1, arrival=float(t), finish=1.0) for t in range(2)]
+    cost = CostModel(bytes_per_token=1.0, checkpoint_bytes=BS)
+    periodic = ClusterConfig(num_workers=1, device_blocks=64, host_blocks=0, checkpoint_every_blocks=2)
+    learned = ClusterConfig(num_workers=1, device_blocks=64, host_blocks=0, checkpoint_every_blocks=0,
+                            learned_checkpoints=True)
+    assert capacity_bound(prompts, recs, periodic, cost, live_sessions=1) == 2 * BS  # the multiple of 2 below 3
+    assert capacity_bound(prompts, recs, learned, cost, live_sessions=1) == 3 * BS
+
+
+def test_a_prefix_in_flight_is_no_resume_point_of_the_bound():
+    """With times, blocks exist from their prompt's first token on: a session arriving while
+    another computes the prefix they share cannot resume it; one arriving after it can."""
+    a, b = _p("a", [1, 2, 3]), _p("b", [1, 2, 7])
+    assert belady_hits([a, b], [0, 0], 100, 1) == [0, 2 * BS]  # no times: a's blocks at once
+    assert belady_hits([a, b], [0, 0], 100, 1, times=[(0.0, 1.0), (0.5, 1.5)]) == [0, 0]
+    assert belady_hits([a, b], [0, 0], 100, 1, times=[(0.0, 1.0), (1.0, 2.0)]) == [0, 2 * BS]  # ready at 1.0
+    assert belady_hits([a, b], [0, 0], 100, 1, times=[(0.0, 0.0), (0.0, 0.0)]) == [0, 0]  # ready on arrival: after
+    with pytest.raises(ValueError):
+        belady_hits([a, b], [0, 0], 100, 1, times=[(0.0, 1.0)])
+
+
+def test_an_earlier_prompt_end_inside_the_next_block_is_a_resume_point():
+    """A follow-up that extends its predecessor exactly resumes at the predecessor's end (its
+    unaligned tail), as the engine's prompt-end checkpoint lets it."""
+    first = SimRequest("s", 0, 0.0, 0.0, 2 * BS + 3, 1, [1, 2, 3], BS)  # ends 3 tokens into block 2
+    second = SimRequest("s", 1, 0.0, 0.0, 4 * BS, 1, [1, 2, 3, 4], BS)
+    assert belady_hits([first, second], [0, 0], 100, 0) == [0, 2 * BS + 3]

@@ -354,3 +354,31 @@ def test_spill_to_pool_leaves_a_disk_tier_first_in_line():
     sim.disk[d.node_id].put(b"filler", 128)
     got = sim._resume(ps, p, p)
     assert (got.tokens, got.tier) == (8 * bs, "host")
+
+
+def _ephemeral_session(turns: int, bs: int = 64) -> list[SimRequest]:
+    """Each prompt: the context so far, then 2 blocks of reminders and 10 tokens the next one drops."""
+    out, ctx, nxt = [], list(range(10)), 1000
+    for t in range(turns):
+        eph = [nxt, nxt + 1, nxt + 2]
+        nxt += 3
+        out.append(SimRequest("s", t, 0.0, 0.0, (len(ctx) + 2) * bs + 10, 2, ctx + eph, bs))
+        ctx = ctx + list(range(nxt, nxt + 4))  # the next turn keeps the context and adds 4 blocks
+        nxt += 4
+    return out
+
+
+def test_learned_placement_resumes_where_follow_ups_diverge():
+    """Serving's learned placement (disagg.reuse.placement) keeps a checkpoint where the next turn
+    drops the previous prompt's tail; the engine's own points alone (prompt end, last full block)
+    are past it, so every follow-up would recompute."""
+    reqs = _ephemeral_session(6)
+    runs = {}
+    for learned in (False, True):
+        cluster = ClusterConfig(num_workers=1, checkpoint_every_blocks=0, checkpoint_prompt_end=True,
+                                learned_checkpoints=learned)
+        runs[learned] = Simulator(reqs, "round_robin", cluster, HAND).run().records
+    diverged = [len(r.hash_ids) - 3 for r in reqs[:-1]]  # blocks of context each follow-up keeps
+    assert [r.cached_tokens for r in runs[False][1:]] == [0] * 5
+    assert [r.cached_tokens for r in runs[True][1:]] == [n * 64 for n in diverged]
+    assert all(r.theoretical_tokens == n * 64 for r, n in zip(runs[True][1:], diverged, strict=True))

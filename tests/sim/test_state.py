@@ -122,3 +122,12 @@ def test_a_peer_resume_is_charged_at_the_remote_link_and_a_dry_one_copies_nothin
     assert (got.tokens, got.tier, got.nbytes) == (4 * BS, "remote", nbytes)
     assert got.load_s == pytest.approx(nbytes / 1e9)  # the remote link, not the host's 10 GB/s
     assert all(d in dev for d in nxt.digests[:4])
+
+
+def test_extra_positions_join_the_policy_checkpoints_in_position_order():
+    """Learned positions: block boundaries past the resume and short of the prompt end, once each."""
+    ps = PromptState([bytes([i]) * 16 for i in range(10)], 9 * 64 + 5, 64, [])
+    sm = model(CheckpointPolicy(every_blocks=4, last_full_block=True, prompt_end=False))
+    keys = sm.checkpoint_keys(ps, 64, extra=(0, 64, 128, 256, 300, 9 * 64 + 5, 9 * 64))
+    # 128 (learned), 256 (learned and periodic), 512 (periodic), 576 (last full block and learned)
+    assert keys == [b"K" + ps.digests[i] for i in (1, 3, 7, 8)]

@@ -8,19 +8,29 @@ workers' device blocks plus every node's host and disk blocks) run by
 Belady's rule: on a miss, keep the block whose next use is furthest away out
 (the newcomer itself, when it is the one used last or never again)::
 
-    access     every full block of every prompt, in arrival order
-    hit(r)     = q * block_size capped at prompt - 1, q = the furthest resume
+    access     every full block of every prompt: looked up at its arrival, stored
+               from its first token on (capacity_bound; belady_hits: at once
+               without times)
+    hit(r)     = q * block_size capped at prompt - 1 (or, past it, an earlier
+                 prompt's end inside the block after the leading run), q = the furthest resume
                  point <= the prompt's leading run of cached blocks, where a
                  resume point is a multiple of ``checkpoint_every`` blocks or
                  the last full block of an earlier prompt (the simulator's
                  checkpoint positions); every_blocks 0: the last-full-block
-                 points only
+                 points only (``capacity_bound`` with learned placement:
+                 every block boundary)
     bound      = sum_r hit(r)  over the measured requests
 
 It is an optimistic bound, not a placement: one pooled cache (no worker
 boundaries, no duplicate device/host copies), checkpoints free of space,
-reads free of time. A router's hit / bound near 1 means placement and
-eviction lose little to what the capacities allow.
+reads free of time. It keeps one thing of time: a prompt's blocks exist from
+its first token on (``capacity_bound``: a run's own arrival and first-token
+times), so a session that arrives while another computes the prefix they
+share cannot resume it, in the bound as in the run (the suite's sessions
+start together; with every block boundary a resume point, a 2K system prompt
+sent by 32 sessions at once was counted as 31 resumes nobody could make).
+A router's hit / bound near 1 means placement and eviction lose little to
+what the capacities allow.
 """
 
 from __future__ import annotations
@@ -42,44 +52,76 @@ _NEVER = 1 << 62
 
 
 def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_blocks: int,
-                checkpoint_every: int) -> list[int]:
-    """Bound of the resumed tokens of each prompt, replayed in the given order.
+                checkpoint_every: int, times: Sequence[tuple[float, float]] | None = None) -> list[int]:
+    """Bound of the resumed tokens of each prompt.
 
     Args:
         prompts: requests in arrival order.
         salts: each request's cache-busting salt (0 without recycling).
         capacity_blocks: the pooled cache, in blocks.
         checkpoint_every: periodic checkpoint spacing in blocks (0: none).
+        times: per prompt (arrival, ready): it looks its blocks up at arrival and they exist from
+            ``ready`` on (its prefill's end), in time order, an insert before a lookup at the same
+            time; None: each prompt is looked up and inserted at once, in the given order.
     """
     if capacity_blocks < 0 or checkpoint_every < 0:
         raise ValueError("capacity_blocks and checkpoint_every must be >= 0")
+    if times is not None and len(times) != len(prompts):
+        raise ValueError("one (arrival, ready) pair per prompt")
     cache = DigestCache()
-    chains = [cache.digests(r.session_id, s, r.hash_ids, r.num_full_blocks) for r, s in zip(prompts, salts,
-                                                                                           strict=True)]
-    keys = [d for chain in chains for d in chain]
+    alls = [cache.digests(r.session_id, s, r.hash_ids, min(-(-r.input_length // r.block_size), len(r.hash_ids)))
+            for r, s in zip(prompts, salts, strict=True)]
+    chains = [d[: r.num_full_blocks] for d, r in zip(alls, prompts, strict=True)]
+    if times is None:
+        events = [(i, 0, i) for i in range(len(prompts))] + [(i, 1, i) for i in range(len(prompts))]
+        events.sort()
+    else:  # at a tie: others' inserts, then lookups, then the inserts of prompts ready on arrival
+        events = sorted([(a, 1, i) for i, (a, _) in enumerate(times)]
+                        + [(r, 0, i) if r > a else (a, 2, i) for i, (a, r) in enumerate(times)])
+        events = [(t, 0 if kind == 1 else 1, i) for t, kind, i in events]  # 0: lookup, 1: insert
+    lookups = [i for _, kind, i in events if kind == 0]
+    keys = [d for i in lookups for d in chains[i]]  # every lookup access, in event order
     n = len(keys)
-    nxt = [_NEVER] * n
-    seen: dict[bytes, int] = {}
+    nxt = [_NEVER] * n  # the key's next lookup access after access t
+    upcoming: dict[bytes, int] = {}  # key -> its next lookup access from the current event on
     for t in range(n - 1, -1, -1):
         k = keys[t]
-        nxt[t] = seen.get(k, _NEVER)
-        seen[k] = t
+        nxt[t] = upcoming.get(k, _NEVER)
+        upcoming[k] = t
     held: dict[bytes, int] = {}  # key -> its next use
     heap: list[tuple[int, bytes]] = []  # (-next use, key), stale entries skipped
     lfb: set[bytes] = set()  # last full blocks of earlier prompts (resume points)
-    out: list[int] = []
+    ends: dict[bytes, int] = {}  # an earlier prompt's partial last block -> its tokens (a prompt end)
+    out = [0] * len(prompts)
     t = 0
-    for r, chain in zip(prompts, chains, strict=True):
-        lead = -1
-        for i, k in enumerate(chain):
-            nu = nxt[t]
-            t += 1
+    for _, kind, i in events:
+        chain, r = chains[i], prompts[i]
+        if kind == 0:  # lookup: the leading run held now, back to a resume point
+            lead = -1
+            for j, k in enumerate(chain):
+                nu = nxt[t]
+                upcoming[k] = nu
+                t += 1
+                if k in held:
+                    held[k] = nu
+                    heapq.heappush(heap, (-nu, k))
+                elif lead < 0:
+                    lead = j
+            q = len(chain) if lead < 0 else lead
+            while q > 0 and not (checkpoint_every and q % checkpoint_every == 0) and chain[q - 1] not in lfb:
+                q -= 1
+            hit = q * r.block_size
+            n = len(chain) if lead < 0 else lead
+            if n < len(alls[i]) and alls[i][n] in ends:  # an earlier prompt ended inside block n
+                hit = max(hit, n * r.block_size + ends[alls[i][n]])
+            out[i] = min(hit, r.input_length - 1)
+            continue
+        for k in chain:  # insert: Belady's rule, bypassing a newcomer used last or never
+            nu = upcoming.get(k, _NEVER)
             if k in held:
                 held[k] = nu
                 heapq.heappush(heap, (-nu, k))
                 continue
-            if lead < 0:
-                lead = i
             if nu == _NEVER or capacity_blocks == 0:
                 continue
             if len(held) >= capacity_blocks:
@@ -89,18 +131,17 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
                         break
                     heapq.heappop(heap)
                 if -neg <= nu:
-                    continue  # the newcomer is the one used last: bypass
+                    continue
                 heapq.heappop(heap)
                 del held[far]
             held[k] = nu
             heapq.heappush(heap, (-nu, k))
-        lead = len(chain) if lead < 0 else lead
-        q = lead
-        while q > 0 and not (checkpoint_every and q % checkpoint_every == 0) and chain[q - 1] not in lfb:
-            q -= 1
-        out.append(min(q * r.block_size, r.input_length - 1))
         if chain:
             lfb.add(chain[-1])
+        off = r.input_length % r.block_size
+        if off and len(alls[i]) > len(chain):
+            tail = alls[i][len(chain)]
+            ends[tail] = max(ends.get(tail, 0), off)
         if len(heap) > 4 * capacity_blocks + 1024:  # drop stale entries now and then
             heap = [(-nu, k) for k, nu in held.items()]
             heapq.heapify(heap)
@@ -111,7 +152,9 @@ def capacity_bound(requests: Sequence[SimRequest], records: Sequence[RequestReco
                    cost: CostModel, live_sessions: int) -> int:
     """The bound of a finished run: its finished requests, in the order they arrived, against the
     cluster's pooled capacity (every device, every node's host and disk tiers) less one resume
-    checkpoint per live session (``live_sessions``: a closed loop's lanes)."""
+    checkpoint per live session (``live_sessions``: a closed loop's lanes). With learned checkpoint
+    placement a prefill may keep a checkpoint at any block boundary, so every boundary is a resume
+    point of the bound; else the cluster's periodic ones (and last full blocks)."""
     done = sorted((r for r in records if r.finish >= 0), key=attrgetter("arrival"))
     if not done:
         return 0
@@ -121,4 +164,6 @@ def capacity_bound(requests: Sequence[SimRequest], records: Sequence[RequestReco
     pooled = cluster.num_engines * cluster.device_blocks + nodes * (cluster.host_blocks + cluster.disk_blocks)
     units = checkpoint_units(cost, prompts[0].block_size)
     capacity = max(pooled - live_sessions * units, 0)
-    return sum(belady_hits(prompts, [r.salt for r in done], capacity, cluster.checkpoint_every_blocks))
+    times = [(r.arrival, max(r.first_token, r.arrival)) for r in done]
+    every = 1 if cluster.learned_checkpoints else cluster.checkpoint_every_blocks  # learned: any boundary
+    return sum(belady_hits(prompts, [r.salt for r in done], capacity, every, times))

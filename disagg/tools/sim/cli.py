@@ -101,9 +101,15 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-blocks", type=int,
                    help="device cache per worker, in --block-size blocks (default: the profile's memory, else 2048)")
     g.add_argument("--disk-blocks", type=int, default=0, help="disk tier per node, in blocks (0 = none)")
-    g.add_argument("--checkpoint-every", type=int, default=16, help="periodic checkpoints every N blocks (0 = off)")
-    g.add_argument("--checkpoint-prompt-end", action="store_true", help="checkpoints at prompt ends (engine style)")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="periodic checkpoints every N blocks (0 = off, as serving's engine.checkpoint_interval)")
+    g.add_argument("--checkpoint-prompt-end", action=argparse.BooleanOptionalAction, default=True,
+                   help="a checkpoint at each prompt end (the engine keeps one: a hand-off and an exact "
+                        "follow-up resume there)")
     g.add_argument("--no-last-full-block", action="store_true", help="no checkpoint at the last full block")
+    g.add_argument("--learned-checkpoints", action=argparse.BooleanOptionalAction, default=True,
+                   help="extra checkpoints where follow-ups diverge, as serving places them "
+                        "(engine.learned_checkpoints, disagg.reuse.placement)")
     g.add_argument("--retention", default="checkpoints", choices=list(RETENTION_POLICIES),
                    help="tier eviction order (disagg.tools.sim.retention): lru; checkpoints, what serving "
                         "does (a session's superseded checkpoints go first); session, also what only the "
@@ -197,6 +203,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_every_blocks=args.checkpoint_every,
                             checkpoint_last_full_block=not args.no_last_full_block,
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
+                            learned_checkpoints=args.learned_checkpoints,
                             retention=args.retention, peer_reads=not args.no_peer_reads,
                             spill_to_pool=args.spill_to_pool,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None

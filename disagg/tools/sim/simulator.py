@@ -58,6 +58,17 @@ NOTES
    of the cluster's host capacity (docs/router.md, "Round 7"). A spilled object enters the
    receiving host tier as its newest; serving's default host policy (S3-FIFO) puts it in
    the small FIFO instead, where it cannot push the receiver's re-read state out.
+5. Learned checkpoint placement (``ClusterConfig.learned_checkpoints``; serving's
+   ``engine.learned_checkpoints``, on by default there): besides the policy's points (serving:
+   the prompt end and the last full block, no periodic ones), a prefill keeps a checkpoint where
+   ``disagg.reuse.placement.CheckpointPlacement`` puts one, the same class serving runs: each
+   decode-side worker (the flow that plans the prefill, ``disagg.flow`` NOTE 7) has its own,
+   which learns from the follow-ups it serves how far back from their predecessors' last full
+   block they diverge, with its cold-start prior, the branch point where a prompt stops sharing
+   another session's blocks and points at powers of two in a prompt's unseen part. Where serving
+   asks its worker's ledger, the simulator uses the run's: the prefix any earlier prompt sent
+   (``bound``), the session that sent a block first (``branch``), and the resume point itself
+   (for the ledger's furthest published point).
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -78,6 +89,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.reuse.placement import CheckpointPlacement
 from disagg.router.baselines import BASELINES
 from disagg.router.index import PrefixIndex
 from disagg.router.router import StateAwareRouter
@@ -113,6 +125,7 @@ class ClusterConfig:
     retention: str = "lru"  # tier eviction order: RETENTION_POLICIES (disagg.tools.sim.retention)
     peer_reads: bool = True  # P/D: a prefill reads its decode worker's node tiers (Simulator NOTE 1)
     spill_to_pool: bool = True  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
+    learned_checkpoints: bool = False  # serving's learned checkpoint placement (NOTE 5)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -143,7 +156,7 @@ class ClusterConfig:
 
     def checkpoint_policy(self) -> CheckpointPolicy:
         return CheckpointPolicy(self.checkpoint_every_blocks, self.checkpoint_last_full_block,
-                                self.checkpoint_prompt_end)
+                                self.checkpoint_prompt_end, self.learned_checkpoints)
 
 
 def build_router(policy: str, index: PrefixIndex, clock: Callable[[], float], seed: int = 0,
@@ -209,7 +222,8 @@ class Simulator:
             raise ValueError("every request of a simulated trace needs the same block_size")
         self.state = StateModel(self.cost, c.checkpoint_policy(), bs, self.index)
         self.digests = DigestCache(shared_ids)
-        self._seen: set[bytes] = set()
+        self._seen: dict[bytes, tuple[str, int]] = {}  # every digest sent -> the session that sent it first
+        self._placement: dict[str, tuple[CheckpointPlacement, dict[tuple[str, int], int]]] = {}  # NOTE 5
         self._theory = [0, 0]  # measured requests: blocks seen before, blocks
         self._ends: dict[tuple[str, int], deque[int]] = {}  # (session, salt) -> recent unaligned prompt ends
         self._rid = 0
@@ -334,7 +348,10 @@ class Simulator:
         if not rec.warmup:
             self._theory[0] += sum(flags)
             self._theory[1] += len(flags)
-        self._seen.update(digests[lead:])
+        seen = self._seen
+        for d in digests[lead:]:
+            if d not in seen:
+                seen[d] = skey
         self.retention.on_prompt(skey, digests, nfull, lead, self._tiers)
         probes = []
         ends = self._ends.get(skey)
@@ -355,10 +372,29 @@ class Simulator:
         rec.prefill_worker, rec.decode_worker, rec.reason = target.worker_id, dec.worker_id, decision.reason
         job = SimJob(rec.request_id, plen, req.output_length, ps, rec, req, res.tokens, res.tokens,
                      None if dec is target else dec)
+        if self.state.policy.learned:
+            job.extra = self._learned_points(dec.worker_id, skey, digests, plen, lead, res.tokens)
         if res.load_s > 0:  # the state loads off the engine's step loop
             self.schedule(now + res.load_s, target.enqueue_prefill, job)
         else:
             target.enqueue_prefill(now, job)
+
+    def _learned_points(self, wid: str, skey: tuple[str, int], digests: list[bytes], plen: int, lead: int,
+                        resume: int) -> tuple[int, ...]:
+        """NOTE 5: where the prefill keeps extra checkpoints, as the flow of decode-side worker ``wid``
+        plans them (its placement learns from the follow-ups it serves)."""
+        pair = self._placement.get(wid)
+        if pair is None:
+            pair = self._placement[wid] = (CheckpointPlacement(self.block_size), {})
+        placement, last_len = pair
+        bs = self.block_size
+        bound = min(lead * bs, plen - 1)
+        prev = last_len.get(skey)
+        if prev is not None:
+            placement.observe(prev, min(bound, prev))
+        last_len[skey] = plen
+        branch = lead * bs if lead and lead * bs < plen and self._seen[digests[lead - 1]] != skey else 0
+        return placement.positions(plen, resume, branch, bound)
 
     def _resume(self, ps: PromptState, target: SimWorker, dec: SimWorker, named: str = "") -> Resume:
         """Where ``target`` resumes ``ps``: its device and node tiers or, with ``peer_reads``, the
@@ -378,7 +414,7 @@ class Simulator:
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
-        job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id])
+        job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id], extra=job.extra)
         skey = (job.record.session_id, job.record.salt)
         self.retention.on_store(skey, job.ckpts, self._tiers)
         if job.record.cached_tier == "remote" and job.decode_worker is not None:  # a peer read (NOTE 1): the

@@ -38,7 +38,7 @@ NOTES
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from operator import gt, or_
 from typing import TYPE_CHECKING
@@ -61,6 +61,7 @@ class CheckpointPolicy:
     every_blocks: int = 16  # periodic checkpoints every this many blocks (0: off)
     last_full_block: bool = True  # aligned checkpoint at the prompt's last full block before its end
     prompt_end: bool = False  # checkpoint at the prompt end (with an MLA tail when unaligned)
+    learned: bool = False  # serving's learned placement too (``disagg.reuse.placement``; Simulator NOTE 5)
 
     def __post_init__(self) -> None:
         if self.every_blocks < 0:
@@ -147,23 +148,27 @@ class StateModel:
         return on_event
 
     # ---- checkpoints ---------------------------------------------------------------
-    def checkpoint_keys(self, ps: PromptState, from_pos: int) -> list[bytes]:
-        """Keys of the checkpoints a prefill from ``from_pos`` to the prompt end leaves."""
+    def checkpoint_keys(self, ps: PromptState, from_pos: int, extra: Sequence[int] = ()) -> list[bytes]:
+        """Keys of the checkpoints a prefill from ``from_pos`` to the prompt end leaves: the policy's,
+        and one at each block boundary of ``extra`` in ``(from_pos, plen)`` (a learned placement's)."""
         bs, plen, pol = self.block_size, ps.prompt_len, self.policy
         d = ps.digests
-        keys: list[bytes] = []
+        nbs = {p // bs for p in extra if from_pos < p < plen and p % bs == 0}
         if pol.every_blocks:
             step = pol.every_blocks
             first = (from_pos // bs) // step * step + step  # first multiple of step blocks past from_pos
-            for nb in range(first, (plen - 1) // bs + 1, step):
-                keys.append(_K + d[nb - 1])
+            nbs.update(range(first, (plen - 1) // bs + 1, step))
         if pol.last_full_block:
             nb = plen // bs
-            if nb and from_pos < nb * bs < plen and (not pol.every_blocks or nb % pol.every_blocks):
-                keys.append(_K + d[nb - 1])
+            if nb and from_pos < nb * bs < plen:
+                nbs.add(nb)
+        keys = [_K + d[nb - 1] for nb in sorted(nbs)]  # ascending positions: the newest last
         if pol.prompt_end and plen > from_pos:
             nb, off = divmod(plen, bs)
-            keys.append(_K + d[nb - 1] if off == 0 else _T + tail_digest(d[nb], off))
+            if off:
+                keys.append(_T + tail_digest(d[nb], off))
+            elif nb not in nbs:
+                keys.append(_K + d[nb - 1])
         return keys
 
     def prompt_end_key(self, ps: PromptState) -> tuple[int, bytes] | None:
@@ -237,13 +242,13 @@ class StateModel:
 
     # ---- store -------------------------------------------------------------------------
     def store(self, ps: PromptState, from_pos: int, device: LRUTier, host: LRUTier | None,
-              ckpts: list[bytes] | None = None) -> list[bytes]:
+              ckpts: list[bytes] | None = None, extra: Sequence[int] = ()) -> list[bytes]:
         """The prompt's blocks and checkpoints after a prefill from ``from_pos``: device, write-through host.
 
         Returns the checkpoint keys (so a decode worker receiving the state stores the same ones).
         """
         full = ps.full()
-        keys = self.checkpoint_keys(ps, from_pos) if ckpts is None else ckpts
+        keys = self.checkpoint_keys(ps, from_pos, extra) if ckpts is None else ckpts
         device.put_many(full)
         for k in keys:
             device.put(k, self.ckpt_units)

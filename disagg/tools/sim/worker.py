@@ -99,6 +99,7 @@ class SimJob:
     computed: int = 0  # prompt tokens processed (starts at cached)
     decode_worker: SimWorker | None = None  # None: decode where it was prefilled
     ckpts: list[bytes] = field(default_factory=list)  # checkpoint keys the prefill stored
+    extra: tuple[int, ...] = ()  # extra checkpoint positions for the prefill (learned placement)
     context: int = 0  # tokens in the sequence when it joins the decode batch
     remaining: int = 0  # tokens to produce when it joins
     join_step: int = 0  # worker decode-step count at join
