@@ -37,6 +37,9 @@ run's summary and each cell's verdict), ``table.txt`` and ``suite.png``
 of a change tuned on the suite's own traces. Every policy runs with the simulator's spill of
 decode nodes' evictions to the prefill nodes' host tiers (Simulator NOTE 4; serving's
 ``transfer.spill``), as serving does; ``--no-spill-to-pool`` runs without it (rounds 1-7).
+Prefills keep KDA checkpoints where serving's do (the prompt end, the last full block and the
+learned placement's points, Simulator NOTE 5); ``--checkpoints periodic`` keeps one every 16
+blocks instead (rounds 1-9).
 """
 
 from __future__ import annotations
@@ -66,6 +69,13 @@ BLOCK_SIZE = 64
 DEVICE_TOKENS = 131_072  # per worker, full scale
 HOST_TOKENS = 2_097_152  # per node, full scale
 WORKERS_PER_NODE = 8
+# where prefills keep KDA checkpoints: serving's (engine.checkpoint_interval 0: the prompt end and
+# last full block, plus engine.learned_checkpoints' points, Simulator NOTE 5), or every 16 blocks
+# and the last full block (rounds 1-9)
+CHECKPOINT_MODELS = {
+    "serving": {"checkpoint_every_blocks": 0, "checkpoint_prompt_end": True, "learned_checkpoints": True},
+    "periodic": {"checkpoint_every_blocks": 16},
+}
 FIGURES = ("ttft_p50", "ttft_p90", "interactivity_p90", "tokens_per_s_per_gpu")
 LOWER_IS_BETTER = {"ttft_p50", "ttft_p90"}
 
@@ -91,12 +101,14 @@ class Scale:
     router_config: str = ""  # state_aware's RouterConfig as JSON ("" = defaults)
     seed_offset: int = 0  # added to every member's seed (0: the suite's own traces)
     spill_to_pool: bool = True  # ClusterConfig.spill_to_pool (Simulator NOTE 4)
+    checkpoints: str = "serving"  # CHECKPOINT_MODELS: where prefills keep KDA checkpoints
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
         key = f"{self.tokens}/{self.turns}/{self.sessions_per_worker}/{self.lanes_per_worker}/{self.retention}"
         key = f"{key}/seed+{self.seed_offset}" if self.seed_offset else key
-        return f"{key}/spill" if self.spill_to_pool else key
+        key = f"{key}/spill" if self.spill_to_pool else key
+        return key if self.checkpoints == "periodic" else f"{key}/ckpt-{self.checkpoints}"
 
 
 @lru_cache(maxsize=8)
@@ -115,7 +127,7 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
     pre = cell.workers // 4 if cell.mode == "pd" else 0
     return ClusterConfig(num_workers=cell.workers, num_prefill=pre, num_decode=cell.workers - pre if pre else 0,
                          workers_per_node=WORKERS_PER_NODE, device_blocks=dev, host_blocks=host,
-                         retention=sc.retention, spill_to_pool=sc.spill_to_pool)
+                         retention=sc.retention, spill_to_pool=sc.spill_to_pool, **CHECKPOINT_MODELS[sc.checkpoints])
 
 
 def run_one(task: tuple[Cell, str, Scale]) -> dict:
@@ -219,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,
                     help="P/D: decode nodes' evictions go to the prefill nodes' host tiers (every policy; "
                          "--no-spill-to-pool: rounds 1-7's runs)")
+    ap.add_argument("--checkpoints", default="serving", choices=list(CHECKPOINT_MODELS),
+                    help="where prefills keep KDA checkpoints: serving's placement, or every 16 blocks "
+                         "(rounds 1-9)")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members = [m.strip() for m in args.members.split(",") if m.strip()]
@@ -234,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rc = json.dumps(yaml.safe_load(Path(rc).read_text()) or {})
     sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc,
-               args.seed_offset, args.spill_to_pool)
+               args.seed_offset, args.spill_to_pool, args.checkpoints)
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
