@@ -55,3 +55,36 @@ def test_a_demoted_key_evicted_unread_is_reported_as_such():
     t.demote([5])
     t.discard(5)
     assert log[-1] == ("evicted_demoted", 5)
+
+
+def test_policy_tier_runs_serving_s3fifo_with_serving_semantics():
+    """A host tier ordered by serving's S3-FIFO class: new keys enter its small FIFO and leave
+    first unless read; a put of a resident key is no read (serving skips what a tier holds); a
+    demoted key goes before all, reported as such."""
+    from disagg.tools.sim.cache import PolicyTier
+
+    events = []
+    t = PolicyTier("host", 10, "s3fifo", lambda op, k: events.append((op, k)))
+    for k in range(10):
+        t.put(k)
+    t.read([3])  # read while in S: promoted to M when it reaches the head
+    t.put(4)  # resident: no read
+    assert t.put(10) == [0] and t.put(11) == [1] and t.put(12) == [2]
+    assert t.put(13) == [4] and 3 in t  # 3 was read: kept; 4 only re-put: evicted
+    t.demote([8])
+    assert t.put(14) == [8] and events[-2] == ("evicted_demoted", 8)
+    assert t.used == 10 and len(t) == 10 and t.put(99, size=11) is None
+
+
+def test_a_cluster_resumes_from_a_policy_host_tier_as_from_an_lru_one():
+    """Host tiers of serving's S3-FIFO (``ClusterConfig.host_policy``): with a device too small to
+    keep a session, each follow-up resumes from the host tier at its predecessor's last full block."""
+    from disagg.tools.sim.simulator import ClusterConfig, Simulator
+    from disagg.tools.sim.workload import SimRequest
+
+    reqs = [SimRequest("s", t, 0.0, 0.0, 4 * 64 + 10 + 128 * t, 2, list(range(5 + 2 * t)), 64) for t in range(3)]
+    for policy in ("lru", "s3fifo"):
+        res = Simulator(reqs, "round_robin", ClusterConfig(num_workers=1, device_blocks=8, host_blocks=64,
+                                                           host_policy=policy)).run()
+        assert [r.cached_tokens for r in res.records] == [0, 4 * 64, 6 * 64]
+        assert [r.cached_tier for r in res.records][1:] == ["host", "host"]

@@ -1,4 +1,5 @@
-"""LRU tiers of the simulator (device per worker, host and disk per node).
+"""LRU tiers of the simulator (device per worker, host and disk per node), and host tiers
+ordered by serving's own eviction policies (``PolicyTier``).
 
 Keys are opaque hashables (the simulator uses bytes: a 16-byte block digest
 for an MLA block, a one-byte kind tag + digest for a checkpoint, see
@@ -71,6 +72,10 @@ class LRUTier:
             if key in items:
                 items.move_to_end(key)
                 cold.discard(key)
+
+    def read(self, keys: Iterable[Hashable]) -> None:
+        """``keys`` were read: nothing for an LRU tier (the simulator's store refreshes what a
+        turn resumed, a put of a resident key; ``PolicyTier`` refreshes on reads, as serving does)."""
 
     def demote(self, keys: Iterable[Hashable]) -> None:
         """Resident ``keys`` become the next to be evicted; the last key given goes first (NOTE 2)."""
@@ -163,3 +168,84 @@ class LRUTier:
 
     def utilization(self) -> float:
         return self.used / self.capacity if self.capacity else 1.0
+
+
+class PolicyTier(LRUTier):
+    """A tier ordered by one of serving's eviction policies (``kv_transfer.tiers.eviction``: the
+    same classes the host tier runs), with serving's semantics where they differ from ``LRUTier``:
+
+    - a put of a resident key changes nothing (serving's ``put_state`` skips what a tier holds);
+    - a read refreshes (``read``: the tier's ``acquire`` calls the policy's ``on_access``); the
+      simulator reads a host tier on every resume from it (``StateModel.resume``);
+    - ``touch`` (the retention's refresh of a shared prefix) is a read too.
+
+    NOTE 4 (cold keys) holds as in ``LRUTier``: a demoted key not read since is cold.
+    """
+
+    def __init__(self, name: str, capacity: int, policy: str, on_event: EventFn | None = None):
+        from kv_transfer.tiers.eviction import make_policy
+
+        super().__init__(name, capacity, on_event)
+        self.policy_name = policy
+        self._policy = make_policy(policy, max(capacity, 1))
+
+    def read(self, keys: Iterable[Hashable]) -> None:
+        items, cold, access = self._items, self._cold, self._policy.on_access
+        for key in keys:
+            if key in items:
+                access(key)
+                cold.discard(key)
+
+    def touch(self, key: Hashable) -> None:
+        self.read((key,))
+
+    def touch_many(self, keys: list[Hashable]) -> None:
+        self.read(keys)
+
+    def touch_present(self, keys: Iterable[Hashable]) -> None:
+        self.read(keys)
+
+    def demote(self, keys: Iterable[Hashable]) -> None:
+        items, cold, demote = self._items, self._cold, self._policy.demote
+        for key in keys:
+            if key in items:
+                demote(key)
+                cold.add(key)
+
+    def _evict_one(self) -> Hashable:
+        key = next(self._policy.victims())
+        self.used -= self._items.pop(key)
+        self.num_evictions += 1
+        self._policy.on_remove(key, True)
+        op = self._evicted(key)
+        if self.on_event:
+            self.on_event(op, key)
+        return key
+
+    def put(self, key: Hashable, size: int = 1) -> list[Hashable] | None:
+        if key in self._items:
+            return []
+        if size > self.capacity:
+            return None
+        evicted = []
+        while self.used + size > self.capacity:
+            evicted.append(self._evict_one())
+        self._items[key] = size
+        self.used += size
+        self._policy.on_insert(key, size)  # type: ignore[arg-type]
+        if self.on_event:
+            self.on_event("stored", key)
+        return evicted
+
+    def put_many(self, keys: list[Hashable], size: int = 1) -> None:
+        for key in keys:
+            self.put(key, size)
+
+    def discard(self, key: Hashable) -> None:
+        size = self._items.pop(key, None)
+        if size is not None:
+            self.used -= size
+            self._policy.on_remove(key, False)  # type: ignore[arg-type]
+            op = self._evicted(key)
+            if self.on_event:
+                self.on_event(op, key)

@@ -94,7 +94,7 @@ from disagg.router.baselines import BASELINES
 from disagg.router.index import PrefixIndex
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
-from disagg.tools.sim.cache import LRUTier
+from disagg.tools.sim.cache import LRUTier, PolicyTier
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import Driver, ReplayConfig
 from disagg.tools.sim.metrics import RequestRecord, bench_summary, summarize
@@ -103,7 +103,9 @@ from disagg.tools.sim.state import TIER_NAMES, CheckpointPolicy, PromptState, Re
 from disagg.tools.sim.worker import SimJob, SimWorker
 from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
 
-__all__ = ["TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
+HOST_POLICIES = ("lru", "s3fifo")  # "s3fifo": serving's default host tier (transfer.host.policy)
+
+__all__ = ["HOST_POLICIES", "TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
 
 
 @dataclass(slots=True)
@@ -126,6 +128,7 @@ class ClusterConfig:
     peer_reads: bool = True  # P/D: a prefill reads its decode worker's node tiers (Simulator NOTE 1)
     spill_to_pool: bool = True  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
     learned_checkpoints: bool = False  # serving's learned checkpoint placement (NOTE 5)
+    host_policy: str = "lru"  # host tiers: "lru" (LRUTier) or one of serving's policies (cache.PolicyTier)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -138,6 +141,8 @@ class ClusterConfig:
             raise ValueError("tier sizes and stats_period_s must be >= 0, macro_steps >= 1")
         if self.node_compute_slots < 0:
             raise ValueError("node_compute_slots must be >= 0")
+        if self.host_policy not in HOST_POLICIES:
+            raise ValueError(f"host_policy must be one of {HOST_POLICIES}")
         if self.retention not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}")
 
@@ -262,9 +267,13 @@ class Simulator:
             if c.disk_blocks else None
         self.disk[node] = disk
         after_host = disk if disk is not None else spill  # (an empty tier is falsy: no ``or``)
-        self.host[node] = LRUTier("host", c.host_blocks,
-                                  self.state.listener("host", reporter, after_host, demoted_too=disk is not None)) \
-            if c.host_blocks else None
+        listener = self.state.listener("host", reporter, after_host, demoted_too=disk is not None)
+        if not c.host_blocks:
+            self.host[node] = None
+        elif c.host_policy == "lru":
+            self.host[node] = LRUTier("host", c.host_blocks, listener)
+        else:
+            self.host[node] = PolicyTier("host", c.host_blocks, c.host_policy, listener)
 
     def _spill_targets(self, roles: list[str]) -> dict[str, LRUTier]:
         """NOTE 4: node -> the host tier its evictions spill to, for the nodes without prefill
