@@ -111,9 +111,9 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
             while q > 0 and not (checkpoint_every and q % checkpoint_every == 0) and chain[q - 1] not in lfb:
                 q -= 1
             hit = q * r.block_size
-            n = len(chain) if lead < 0 else lead
-            if n < len(alls[i]) and alls[i][n] in ends:  # an earlier prompt ended inside block n
-                hit = max(hit, n * r.block_size + ends[alls[i][n]])
+            held_run = len(chain) if lead < 0 else lead
+            if held_run < len(alls[i]) and alls[i][held_run] in ends:  # an earlier prompt ended in that block
+                hit = max(hit, held_run * r.block_size + ends[alls[i][held_run]])
             out[i] = min(hit, r.input_length - 1)
             continue
         for k in chain:  # insert: Belady's rule, bypassing a newcomer used last or never
@@ -131,7 +131,7 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
                         break
                     heapq.heappop(heap)
                 if -neg <= nu:
-                    continue
+                    continue  # the newcomer is the one used last: bypass
                 heapq.heappop(heap)
                 del held[far]
             held[k] = nu

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 
+from kv_transfer.tiers.eviction import make_policy
+
 EventFn = Callable[[str, Hashable], None]
 
 
@@ -183,8 +185,6 @@ class PolicyTier(LRUTier):
     """
 
     def __init__(self, name: str, capacity: int, policy: str, on_event: EventFn | None = None):
-        from kv_transfer.tiers.eviction import make_policy
-
         super().__init__(name, capacity, on_event)
         self.policy_name = policy
         self._policy = make_policy(policy, max(capacity, 1))

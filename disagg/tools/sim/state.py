@@ -236,7 +236,9 @@ class StateModel:
         load_s = sum(self.cost.transfer_time(nb, names[i]) for i, nb in enumerate(nbytes_tier) if nb)
         if dry:
             return Resume(best_p, names[slowest], load_s, sum(nbytes_tier))
-        read = [*full[:m], best_key]
+        read = [k for k, on in zip(full[:m], on_dev, strict=True) if not on]  # what the device lacked
+        if ck_tier:
+            read.append(best_key)
         for tier in tiers[1:]:  # a read refreshes a policy tier (cache.PolicyTier), as serving's does
             tier.read(read)
         device.put_many(full[:m])
