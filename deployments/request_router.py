@@ -353,6 +353,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._policy.on_routed(req, decision)
         if decision.state_position > params.state_position:  # a moved session's last node (router step 4)
             params.state_node, params.state_position = decision.state_node, decision.state_position
+        if decision.checkpoint_back is not None:  # where follow-ups diverge (router step 5)
+            params.checkpoint_back = decision.checkpoint_back
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         pick = by_id[decision.decode_worker]
         rest = sorted((r for r in candidate_replicas if r is not pick),

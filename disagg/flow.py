@@ -391,7 +391,8 @@ class RequestFlow:
                 await asyncio.wait(list(pending), timeout=self.options.load_deadline_s)
             tokens = list(params.prompt_token_ids)
             self.counters["resumed_requests"] += int(params.resumed_output_tokens > 0)
-            ticket = self.reuse.begin(tokens, hasher, params.session_id, params.request_id, params.cache_salt)  # reuse
+            ticket = self.reuse.begin(tokens, hasher, params.session_id, params.request_id, params.cache_salt,
+                                      params.checkpoint_back)  # reuse
             try:
                 async with aclosing(self._generate(params, hasher, prefill_fn, release_fn, ticket)) as chunks:
                     async for chunk in chunks:

@@ -44,6 +44,8 @@ class GenerateParams:
     route_reason: str = ""  # why the router placed it here (metrics)
     resumed_output_tokens: int = 0  # trailing prompt tokens that are this request's own earlier output
     checkpoint_at: tuple[int, ...] = ()  # extra KDA checkpoints the prefill keeps (disagg.reuse.placement)
+    checkpoint_back: tuple[int, ...] | None = None  # the router's learned divergences, tokens back from the
+    # prompt's last full block (disagg.router.divergence); None: the decode worker's placement uses its own
     ack: bool = False  # the decode replica first sends an empty chunk as it takes the call (disagg.stream_resume)
     state_node: str = ""  # a node whose shared tiers hold a resumable prefix of the prompt (disagg.flow NOTE 10)
     state_position: int = 0  # ... that prefix's length in tokens (0: none named)

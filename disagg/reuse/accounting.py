@@ -64,7 +64,9 @@ class ReuseAccounting:
         self.bound_tokens = 0  # sum of the bounds counted
 
     def begin(self, tokens: list[int], hasher: BlockHasher, session: str | None, request_id: str,
-              cache_salt: str = "") -> ReuseTicket:
+              cache_salt: str = "", back: Sequence[int] | None = None) -> ReuseTicket:
+        """``back``: the router's learned divergences in tokens back from the prompt's last full block
+        (placement NOTE 4), in place of this worker's placement's own; None: its own."""
         owner = session or request_id
         unsalted = hasher.with_salt("") if cache_salt else None
         hashes = hasher.block_hashes(tokens)
@@ -82,7 +84,8 @@ class ReuseAccounting:
         if self.placement is not None:
             branch = view.branch if view.branch not in view.published else 0
             likely = max(view.published, default=0)  # where the lookup will most likely resume
-            planned = self.placement.positions(len(tokens), likely, branch, view.bound)
+            blocks = None if back is None else [t // bs for t in back]
+            planned = self.placement.positions(len(tokens), likely, branch, view.bound, blocks)
         own = {len(tokens), len(tokens) // bs * bs} - {0}
         noted = tuple(sorted((own | set(planned)) - set(view.pending)))  # another's in-flight point stays its
         self.ledger.note_points(tokens, hasher, noted, "pending", hashes)

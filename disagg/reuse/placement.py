@@ -68,11 +68,19 @@ NOTES
    quantile, so all but ``1 - coverage`` of the follow-ups resume within one quantile gap;
    a distribution with one distance (a fixed tail, or 0: follow-ups extend the whole prompt)
    still gets exactly that one. Measured in docs/router.md, "Round 10".
+4. One worker learns only from the follow-ups it serves whose predecessor it also served: a few
+   dozen in a run of ``deep_context/16/agg`` (docs/router.md, "Round 11"), too few for quantiles,
+   and each new worker a session lands on starts cold. The router sees every follow-up: it runs
+   this class over all of them (``disagg.router.divergence``) and each decision carries the
+   distances (``RouteDecision.checkpoint_back``), which the decode-side flow passes to
+   ``positions(back=...)`` in place of its own. The worker's own stay the fallback (a router
+   without sessions, a baseline router).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -151,7 +159,14 @@ class CheckpointPlacement:
         left = max(0.0, 1.0 - self.num_observed / self.prior_mass)
         return list(self.prior_back[: math.ceil(len(self.prior_back) * left)])
 
-    def positions(self, num_prompt: int, resume: int = 0, branch: int = 0, seen: int = 0) -> tuple[int, ...]:
+    def distances(self) -> list[int]:
+        """Blocks back from a prompt's last full block where it keeps checkpoints: the learned ones
+        (``learned``, distance 0 is the engine's own), then the back prior's (``prior``)."""
+        out = [b for b in self.learned() if b > 0]
+        return out + [b for b in self.prior() if b not in out]
+
+    def positions(self, num_prompt: int, resume: int = 0, branch: int = 0, seen: int = 0,
+                  back: Sequence[int] | None = None) -> tuple[int, ...]:
         """Block boundaries in ``(resume, num_prompt)`` where this prompt's prefill keeps checkpoints,
         besides the engine's own (prompt end, last full block); at most ``max_extra`` (NOTE 1).
 
@@ -160,6 +175,9 @@ class CheckpointPlacement:
             resume: where its prefill resumes (points at or before it exist already).
             branch: where it stops sharing another session's blocks (0: nowhere).
             seen: the longest prefix an earlier prompt sent (the start prior places points past it).
+            back: distances in blocks back from the last full block, ranked, in place of this
+                placement's own ``distances()`` (NOTE 4: the router's, learned from every worker's
+                follow-ups); None: its own.
         """
         bs = self.block_size
         last_full = num_prompt // bs * bs  # the engine keeps this one (or the prompt end, when aligned)
@@ -168,8 +186,7 @@ class CheckpointPlacement:
             return resume < p < num_prompt and p != last_full
 
         ranked: list[int] = [branch // bs * bs] if branch else []
-        ranked += [last_full - back * bs for back in self.learned() if back > 0]
-        ranked += [last_full - back * bs for back in self.prior()]
+        ranked += [last_full - b * bs for b in (self.distances() if back is None else back) if b > 0]
         ranked += sorted((bs << k for k in range(max(1, num_prompt // bs).bit_length())
                           if (bs << k) > seen), reverse=True)[: self.start_points]
         out: list[int] = []

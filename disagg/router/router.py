@@ -26,6 +26,10 @@ Per request:
        target's own walk row, the decision names that node and how much
        (``state_node`` / ``state_position``); the target reads it through that node's
        state service (``disagg.flow`` NOTE 10), and its turn lands on the new node
+    5. the decision names where the prompt's prefill keeps extra KDA checkpoints
+       (``checkpoint_back``): the distances back from a prompt's end at which the
+       sessions' follow-ups diverge, learned from every session the router routes
+       (``disagg.router.divergence``; a worker learns from its own sessions only)
 
 Effective loads (live stats + in-flight predictions, active sessions and a
 time-averaged queue per worker) come from ``disagg.router.loads``.
@@ -52,6 +56,7 @@ from typing import Any
 
 from disagg.router.context import EffectiveLoad, RoutingContext
 from disagg.router.decider import PDDecider
+from disagg.router.divergence import DivergenceLearner
 from disagg.router.filters.role import ALLOWED_ROLES
 from disagg.router.index import PrefixIndex
 from disagg.router.loads import LoadTracker
@@ -78,6 +83,7 @@ class RouterConfig:
     queue_avg_tau_s: float = 60.0  # time constant of the time-averaged queued prefill
     area_tau_s: float = math.inf  # decay of the booked prefill area (inf: none)
     peer_reads: bool = False  # P/D: credit the pool with the decode worker's node tiers (3b)
+    checkpoint_hints: bool = True  # learn where follow-ups diverge and name it in each decision (step 5)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.common_fraction <= 1.0:
@@ -122,6 +128,7 @@ class StateAwareRouter:
         self._inflight: dict[str, tuple[int, int, str, str, float, int]] = {}
         self._to_decode: dict[str, int] = {}  # decode worker -> routed there, not finished
         self._known: list[str] = []  # worker ids registered by the last route() call
+        self.divergence = DivergenceLearner()  # where follow-ups diverge (step 5)
 
     # ---- effective state ---------------------------------------------------
     def effective_loads(self, workers: list[WorkerState], now: float) -> dict[str, EffectiveLoad]:
@@ -233,6 +240,7 @@ class StateAwareRouter:
             scores=res.totals,
             state_node=state_node,
             state_position=state_position,
+            checkpoint_back=self.divergence.hint() if self.config.checkpoint_hints else None,
         )
 
     def _state_home(self, request: RouteRequest, ctx: RoutingContext, decode_id: str, target: str,
@@ -263,6 +271,9 @@ class StateAwareRouter:
                                               decision.decode_worker, decision.prefill_target, now, uncached)
         self._to_decode[decision.decode_worker] = self._to_decode.get(decision.decode_worker, 0) + 1
         self.metrics.record_decision(decision.reason, decision.source_tier)
+        if self.config.checkpoint_hints:
+            self.divergence.observe(_session_key(request), request.block_hashes, request.prompt_len,
+                                    request.block_size)
 
     def on_finished(self, request_id: str, realized_cached_tokens: int | None) -> None:
         """The request ended: with the cached tokens it reused, or None without a result (abandoned,

@@ -100,6 +100,8 @@ class RouteDecision:
     scores: dict[str, float] = field(default_factory=dict)  # total score per worker
     state_node: str = ""  # another node whose shared tiers hold more of the prompt (a moved session's last node)
     state_position: int = 0  # ... resumable tokens there (0: none named; disagg.router.router step 4)
+    checkpoint_back: tuple[int, ...] | None = None  # tokens back from the prompt's last full block where its
+    # prefill keeps checkpoints, learned from every session's follow-ups (disagg.router.divergence); None: the worker's own
 
     @property
     def prefill_target(self) -> str:

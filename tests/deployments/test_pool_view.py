@@ -253,3 +253,22 @@ def test_the_routers_named_node_goes_on_the_request_when_it_names_more():
         params.state_node, params.state_position = have
         asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
         assert (params.state_node, params.state_position) == want
+
+
+def test_the_routers_learned_divergences_go_on_the_request():
+    """The Serve router learns where a session's follow-ups diverge (router step 5) from the requests
+    it routes and names the distances on each request it places (``GenerateParams.checkpoint_back``);
+    before any follow-up it names none and the replica's own placement decides."""
+    rr = _pool()
+    replicas = list(rr._replicas.values())
+    rng = random.Random(5)
+    turn0 = [rng.randrange(1000) for _ in range(20 * BS + 5)]
+    turn1 = turn0[: 17 * BS] + [rng.randrange(1000) for _ in range(6 * BS)]  # drops a 3-block tail
+    sent = []
+    for rid, prompt, session in (("t0", turn0, "s"), ("t1", turn1, "s"), ("o", turn0[:40], "other")):
+        params = _params(prompt, request_id=rid)
+        params.session_id = session
+        asyncio.run(rr.choose_replicas(replicas, SimpleNamespace(args=[params])))
+        sent.append(params)
+    assert sent[0].checkpoint_back is None and sent[1].checkpoint_back is None  # nothing learned yet
+    assert sent[2].checkpoint_back is not None and sent[2].checkpoint_back[0] == 3 * BS

@@ -104,6 +104,31 @@ def test_follow_ups_diverging_before_the_last_block(threads, placement):
         assert all(set(x.reuse_misses) == {"no_checkpoint"} for x in later)
 
 
+@pytest.mark.parametrize("hint", [None, (3 * BS,)])
+def test_the_routers_distances_place_the_first_follow_ups_checkpoint(threads, hint):
+    """The router names where follow-ups diverge (``GenerateParams.checkpoint_back``, learned from
+    every session, disagg.router.divergence); the decode flow's prefill keeps its checkpoint there
+    before this worker saw any follow-up. The next turn drops a 3-block tail: at the named distance it
+    resumes where it diverges; with the worker's cold prior (1, 2, 4 blocks back) a block short."""
+    b = backend()
+    ctx = ids(9 * BS, 1)  # not a power of two of blocks: no start-prior point at the divergence
+    try:
+        async def go():
+            p0 = ctx + ids(3 * BS + 22, 100)  # 12 full blocks; the next turn keeps 9
+            await b.complete(GenerateParams("t0", p0, SamplingParams(max_tokens=3, ignore_eos=True),
+                                            session_id="s", checkpoint_back=hint))
+            _, last = await send(b, "t1", ctx + ids(200, 101), "s")
+            adds_up(last)
+            return last
+        last = asyncio.run(go())
+    finally:
+        b.shutdown()
+    if hint:
+        assert last.num_cached_tokens == 9 * BS and not last.reuse_misses
+    else:  # the prior's points: 8 (start), 8, 10, 11 blocks (back)
+        assert last.num_cached_tokens == 8 * BS and last.reuse_misses == {"no_checkpoint": BS}
+
+
 def test_tenant_salt_and_evicted(threads):
     b = backend(engine={"resident_sessions": False})
     a = ids(400, 5)

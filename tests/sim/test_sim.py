@@ -7,6 +7,7 @@ import pytest
 from disagg.router.types import RouteRequest
 from disagg.tools.sim.cache import LRUTier
 from disagg.tools.sim.cost_model import CostModel
+from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.profile import cost_profile
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
 from disagg.tools.sim.state import PromptState
@@ -382,3 +383,41 @@ def test_learned_placement_resumes_where_follow_ups_diverge():
     assert [r.cached_tokens for r in runs[False][1:]] == [0] * 5
     assert [r.cached_tokens for r in runs[True][1:]] == [n * 64 for n in diverged]
     assert all(r.theoretical_tokens == n * 64 for r, n in zip(runs[True][1:], diverged, strict=True))
+
+
+def _tail_dropping_sessions(sessions: int, turns: int, tail: int, bs: int = 64) -> list[SimRequest]:
+    """``sessions`` sessions one after another (open loop); each prompt is the context so far, ``tail``
+    blocks of reminders and 10 tokens that the next prompt drops, so every follow-up diverges ``tail``
+    blocks back from its predecessor's last full block."""
+    out = []
+    for s in range(sessions):
+        ctx, nxt = list(range(s * 100_000, s * 100_000 + 10)), s * 100_000 + 1000
+        for t in range(turns):
+            eph = list(range(nxt, nxt + tail + 1))
+            nxt += tail + 1
+            out.append(SimRequest(f"s{s}", t, 0.0, s * 100_000.0 + t * 5_000.0, (len(ctx) + tail) * bs + 10, 2,
+                                  ctx + eph, bs))
+            ctx = ctx + list(range(nxt, nxt + 4))
+            nxt += 4
+    return out
+
+
+def test_router_learned_divergence_reaches_workers_that_saw_none():
+    """The state-aware router learns where follow-ups diverge from every session it routes and names
+    it in each decision (disagg.router.divergence); a worker's own placement learns only from the
+    follow-ups it served. Sessions after the first land on workers that saw none: with the router's
+    distances their first follow-ups resume exactly where they diverge; with each worker's own cold
+    prior (1, 2, 4 blocks back) a 3-block tail resumes a block short."""
+    reqs = _tail_dropping_sessions(4, 4, tail=3)
+    cluster = ClusterConfig(num_workers=4, checkpoint_every_blocks=0, checkpoint_prompt_end=True,
+                            learned_checkpoints=True)
+    runs = {}
+    for hints in (False, True):
+        res = Simulator(reqs, "state_aware", cluster, HAND, router_config={"checkpoint_hints": hints},
+                        replay=ReplayConfig(mode="open")).run()
+        runs[hints] = sorted(res.records, key=lambda r: (r.session_id, r.turn))
+    later = [(r, q) for r, q in zip(runs[True], reqs, strict=True) if q.session_id != "s0" and q.turn > 0]
+    assert len({r.decode_worker for r in runs[True]}) > 1  # sessions spread: workers that saw no follow-up
+    assert all(r.cached_tokens == r.theoretical_tokens > 0 for r, _ in later)
+    without = [r for r in runs[False] if r.session_id != "s0" and r.turn > 0]
+    assert sum(r.cached_tokens for r in without) < sum(r.cached_tokens for r, _ in later)

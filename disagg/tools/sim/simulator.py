@@ -68,7 +68,9 @@ NOTES
    another session's blocks and points at powers of two in a prompt's unseen part. Where serving
    asks its worker's ledger, the simulator uses the run's: the prefix any earlier prompt sent
    (``bound``), the session that sent a block first (``branch``), and the resume point itself
-   (for the ledger's furthest published point).
+   (for the ledger's furthest published point). The state-aware router learns the distances from
+   every session's follow-ups and names them in its decision (``RouteDecision.checkpoint_back``,
+   placement NOTE 4); the worker's placement uses them in place of its own, as serving's flow does.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -382,16 +384,18 @@ class Simulator:
         job = SimJob(rec.request_id, plen, req.output_length, ps, rec, req, res.tokens, res.tokens,
                      None if dec is target else dec)
         if self.state.policy.learned:
-            job.extra = self._learned_points(dec.worker_id, skey, digests, plen, lead, res.tokens)
+            job.extra = self._learned_points(dec.worker_id, skey, digests, plen, lead, res.tokens,
+                                             decision.checkpoint_back)
         if res.load_s > 0:  # the state loads off the engine's step loop
             self.schedule(now + res.load_s, target.enqueue_prefill, job)
         else:
             target.enqueue_prefill(now, job)
 
     def _learned_points(self, wid: str, skey: tuple[str, int], digests: list[bytes], plen: int, lead: int,
-                        resume: int) -> tuple[int, ...]:
+                        resume: int, hint: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """NOTE 5: where the prefill keeps extra checkpoints, as the flow of decode-side worker ``wid``
-        plans them (its placement learns from the follow-ups it serves)."""
+        plans them (its placement learns from the follow-ups it serves; the router's distances ``hint``,
+        in tokens, replace its own)."""
         pair = self._placement.get(wid)
         if pair is None:
             pair = self._placement[wid] = (CheckpointPlacement(self.block_size), {})
@@ -403,7 +407,8 @@ class Simulator:
             placement.observe(prev, min(bound, prev))
         last_len[skey] = plen
         branch = lead * bs if lead and lead * bs < plen and self._seen[digests[lead - 1]] != skey else 0
-        return placement.positions(plen, resume, branch, bound)
+        back = None if hint is None else [t // bs for t in hint]
+        return placement.positions(plen, resume, branch, bound, back)
 
     def _resume(self, ps: PromptState, target: SimWorker, dec: SimWorker, named: str = "") -> Resume:
         """Where ``target`` resumes ``ps``: its device and node tiers or, with ``peer_reads``, the

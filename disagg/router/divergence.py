@@ -1,0 +1,104 @@
+"""Where sessions' follow-ups diverge, learned by the router from every request it routes.
+
+A worker's checkpoint placement (``disagg.reuse.placement``) learns how far back
+from its predecessor's last full block a follow-up diverges, but only from the
+follow-ups it serves whose predecessor it also served (placement NOTE 4). The
+router sees every turn of every session, so it runs the same class over all of
+them, and each decision carries the learned distances
+(``RouteDecision.checkpoint_back``, in tokens); the decode-side flow keeps its
+prefill's extra checkpoints there instead of at its own.
+
+Per session the router keeps its previous prompt's length, its number of full
+blocks ``n`` and the 8-byte prefixes of its last ``max_blocks_back + 1`` block
+digests (``W`` of them). Digests are chained, so a follow-up shares its
+predecessor's first ``i`` blocks exactly when their ``i``-th digests agree, and
+whether they agree is monotone in ``i``: a binary search over the window finds
+the divergence::
+
+    predecessor  h1 h2 ... | h(n-W+1) ... h(n-2) h(n-1) h(n)   <- window kept
+    follow-up    h1 h2 ... | h(n-W+1) ... h(n-2) g(n-1) ...    shares n - 2 blocks: 1 back
+
+A follow-up that diverged before the window (a compaction, a rewrite) is past
+``max_blocks_back`` and would not be learned anyway (placement ``observe``).
+
+Cost: ``observe`` is one binary search (log2 W ~ 7 digest compares), a join of
+W 8-byte slices and the placement's update (at most ``max_blocks_back + 1``
+bins); ``hint`` is cached between observations. Memory: at most ``max_sessions``
+windows of ``8 W`` bytes (520 B at W = 65).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from disagg.reuse.placement import CheckpointPlacement
+
+_PREFIX = 8  # bytes of a block digest kept per window entry
+
+
+class DivergenceLearner:
+    """The router's ``CheckpointPlacement``, fed from the sessions it routes (module docstring)."""
+
+    def __init__(self, max_sessions: int = 1 << 15):
+        self.max_sessions = max_sessions
+        self.placement: CheckpointPlacement | None = None  # made at the first session's request (its block size)
+        self._prev: OrderedDict[str, tuple[int, int, bytes]] = OrderedDict()  # session -> (len, full blocks, window)
+        self._hint: tuple[int, ...] | None = None  # cached ``hint()`` (None: recompute)
+
+    def observe(self, session: str, hashes: Sequence[bytes], prompt_len: int, block_size: int) -> None:
+        """A prompt of ``session`` ("" = none: nothing learned) was routed; ``hashes`` are its full blocks'
+        chained digests."""
+        if not session:
+            return
+        pl = self.placement
+        if pl is None or pl.block_size != block_size:
+            pl = self.placement = CheckpointPlacement(block_size)
+            self._prev.clear()
+            self._hint = None
+        prev = self._prev.pop(session, None)
+        if prev is not None:
+            shared = _shared_blocks(hashes, prev[1], prev[2])
+            if shared is not None:
+                before = pl.num_observed
+                pl.observe(prev[0], shared * block_size)
+                if pl.num_observed != before:
+                    self._hint = None
+        n = len(hashes)
+        lo = max(0, n - pl.max_blocks_back - 1)
+        self._prev[session] = (prompt_len, n, b"".join([h[:_PREFIX] for h in hashes[lo:n]]))
+        if len(self._prev) > self.max_sessions:
+            self._prev.popitem(last=False)
+
+    def hint(self) -> tuple[int, ...] | None:
+        """Where prompts keep their learned checkpoints, in tokens back from their last full block
+        (``CheckpointPlacement.distances``, ranked); None until a follow-up was learned."""
+        pl = self.placement
+        if pl is None or not pl.num_observed:
+            return None
+        if self._hint is None:
+            self._hint = tuple(b * pl.block_size for b in pl.distances())
+        return self._hint
+
+
+def _shared_blocks(hashes: Sequence[bytes], n_prev: int, window: bytes) -> int | None:
+    """Leading full blocks a prompt shares with its predecessor (``n_prev`` full blocks, the digest
+    prefixes of its last ones in ``window``); None when it diverged before the window."""
+    w = len(window) // _PREFIX
+    lo = n_prev - w  # the window's first entry is block lo + 1 (1-based)
+    hi = min(n_prev, len(hashes))
+
+    def same(i: int) -> bool:  # do the i-th (1-based) digests agree? i in (lo, hi]
+        k = (i - 1 - lo) * _PREFIX
+        return hashes[i - 1][:_PREFIX] == window[k : k + _PREFIX]
+
+    if hi <= lo or not same(lo + 1):
+        return 0 if lo == 0 else None
+    a, b = lo + 1, hi  # same(a) holds; find the largest i in [a, b] with same(i)
+    while a < b:
+        mid = (a + b + 1) // 2
+        if same(mid):
+            a = mid
+        else:
+            b = mid - 1
+    return a
