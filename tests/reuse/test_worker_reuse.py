@@ -125,7 +125,7 @@ def test_the_routers_distances_place_the_first_follow_ups_checkpoint(threads, hi
         b.shutdown()
     if hint:
         assert last.num_cached_tokens == 9 * BS and not last.reuse_misses
-    else:  # the prior's points: 8 (start), 8, 10, 11 blocks (back)
+    else:  # the cold prior's points: 11, 10, 8 blocks (back) and 8, 4, 2 (start)
         assert last.num_cached_tokens == 8 * BS and last.reuse_misses == {"no_checkpoint": BS}
 
 
