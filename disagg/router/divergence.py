@@ -29,9 +29,9 @@ windows of ``8 W`` bytes (520 B at W = 65).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
+from disagg.reuse.ledger import _Lru
 from disagg.reuse.placement import CheckpointPlacement
 
 _PREFIX = 8  # bytes of a block digest kept per window entry
@@ -41,9 +41,8 @@ class DivergenceLearner:
     """The router's ``CheckpointPlacement``, fed from the sessions it routes (module docstring)."""
 
     def __init__(self, max_sessions: int = 1 << 15):
-        self.max_sessions = max_sessions
         self.placement: CheckpointPlacement | None = None  # made at the first session's request (its block size)
-        self._prev: OrderedDict[str, tuple[int, int, bytes]] = OrderedDict()  # session -> (len, full blocks, window)
+        self._prev = _Lru(max_sessions)  # session -> (prompt length, full blocks, window), oldest evicted first
         self._hint: tuple[int, ...] | None = None  # cached ``hint()`` (None: recompute)
 
     def observe(self, session: str, hashes: Sequence[bytes], prompt_len: int, block_size: int) -> None:
@@ -66,9 +65,7 @@ class DivergenceLearner:
                     self._hint = None
         n = len(hashes)
         lo = max(0, n - pl.max_blocks_back - 1)
-        self._prev[session] = (prompt_len, n, b"".join([h[:_PREFIX] for h in hashes[lo:n]]))
-        if len(self._prev) > self.max_sessions:
-            self._prev.popitem(last=False)
+        self._prev.put(session, (prompt_len, n, b"".join([h[:_PREFIX] for h in hashes[lo:n]])))
 
     def hint(self) -> tuple[int, ...] | None:
         """Where prompts keep their learned checkpoints, in tokens back from their last full block
