@@ -4,10 +4,12 @@ The router suite (``benchmarks/router_suite.py``) runs the trace family of
 ``disagg.tools.bench.family`` at a reduced scale with the suite's retention.
 This script writes traces of other shapes with a generator of its own (not
 the family's code), in the documented trace format, then replays each with
-the plain CLI, every policy, at the CLI's defaults except the block size::
+the plain CLI, every policy, at the CLI's defaults except the block size and
+the cluster (``--workers``: 16 by default; P/D a quarter of them prefill)::
 
     disagg sim run --trace T --block-size 64 --policy all --workers 16 --json
-    disagg sim run --trace T --block-size 64 --policy all --prefill 4 --decode 12 --json   (--pd)
+    disagg sim run --trace T --block-size 64 --policy all --prefill 4 --decode 12 --json   (pd)
+    disagg sim run --trace T --block-size 64 --policy all --prefill 16 --decode 48 --json  (pd, --workers 64)
 
 Shapes (sessions, shared prompt, first turn, per-turn growth, turns, think time):
 
@@ -21,11 +23,13 @@ Printed per shape: every policy's row, then the state-aware router's verdict
 against the best baseline per figure (TTFT P90 and P90 interactivity as
 ratios where > 1 is better; tok/s/GPU as a ratio; hit against the capacity
 bound). Written: ``OUT/<shape>.jsonl`` (the trace), ``OUT/<shape>_<mode>.json``
-(the rows), ``OUT/summary.json``.
+(the rows; ``<shape>_<workers>_<mode>.json`` for sizes other than 16),
+``OUT/summary.json`` (keys ``shape/mode``, or ``shape/workers/mode``).
 
     python benchmarks/heldout_shapes.py --out results/heldout
     python benchmarks/heldout_shapes.py --out results/heldout --shapes issue,longdoc --modes agg,pd
     python benchmarks/heldout_shapes.py --out results/heldout --retention session
+    python benchmarks/heldout_shapes.py --out results/heldout --modes agg,pd --workers 16,64
 """
 
 from __future__ import annotations
@@ -111,12 +115,20 @@ def write_trace(shape: Shape, path: Path) -> int:
     return len(rows)
 
 
-MODES = {"agg": ["--workers", "16"], "pd": ["--prefill", "4", "--decode", "12"]}
+MODES = ("agg", "pd")
 
 
-def run(trace: Path, mode: str, extra: list[str]) -> list[dict]:
+def cluster_args(mode: str, workers: int) -> list[str]:
+    """The CLI's cluster flags: ``workers`` engines, or for P/D a quarter of them prefilling."""
+    if mode == "agg":
+        return ["--workers", str(workers)]
+    prefill = max(1, workers // 4)
+    return ["--prefill", str(prefill), "--decode", str(workers - prefill)]
+
+
+def run(trace: Path, mode: str, extra: list[str], workers: int = 16) -> list[dict]:
     cmd = [sys.executable, "-m", "disagg", "sim", "run", "--trace", str(trace), "--block-size", str(BLOCK),
-           "--policy", "all", "--json", *MODES[mode], *extra]
+           "--policy", "all", "--json", *cluster_args(mode, workers), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr}")
@@ -144,24 +156,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/heldout")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--modes", default="agg", help="comma list of agg, pd")
+    ap.add_argument("--workers", default="16", help="comma list of cluster sizes (engines), e.g. 16,64")
     ap.add_argument("--retention", help="passed to disagg sim run (default: the CLI's)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = ["--retention", args.retention] if args.retention else []
-    cells = [(s, m) for s in args.shapes.split(",") for m in args.modes.split(",")]
-    unknown = ({s for s, _ in cells} - set(SHAPES)) | ({m for _, m in cells} - set(MODES))
+    try:
+        sizes = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        ap.error(f"--workers: a comma list of integers, got {args.workers!r}")
+    if min(sizes) < 2:
+        ap.error("--workers: at least 2 (P/D needs a prefill and a decode engine)")
+    cells = [(s, w, m) for s in args.shapes.split(",") for w in sizes for m in args.modes.split(",")]
+    unknown = ({s for s, _, _ in cells} - set(SHAPES)) | ({m for _, _, m in cells} - set(MODES))
     if unknown:
         ap.error(f"unknown shapes or modes: {sorted(unknown)}")
     summary: dict[str, dict] = {}
-    for name, mode in tqdm(cells, desc="held-out shapes", unit="cell", file=sys.stderr):
+    for name, workers, mode in tqdm(cells, desc="held-out shapes", unit="cell", file=sys.stderr):
         trace = out / f"{name}.jsonl"
         if not trace.exists():
             write_trace(SHAPES[name], trace)
-        rows = run(trace, mode, extra)
-        (out / f"{name}_{mode}.json").write_text(json.dumps(rows, indent=1))
-        v = summary[f"{name}/{mode}"] = verdict(rows)
-        print(f"\n{name}/{mode} ({rows[0]['requests']} requests)")
+        rows = run(trace, mode, extra, workers)
+        label = f"{name}/{mode}" if workers == 16 else f"{name}/{workers}/{mode}"
+        (out / f"{label.replace('/', '_')}.json").write_text(json.dumps(rows, indent=1))
+        v = summary[label] = verdict(rows)
+        print(f"\n{label} ({rows[0]['requests']} requests)")
         for r in rows:
             print(f"  {r['policy']:>16}  hit {r['hit_rate']:.3f}  hit/bound {r.get('hit_vs_bound', float('nan')):.3f}"
                   f"  TTFT P50 {r['ttft_p50']:.3f}  P90 {r['ttft_p90']:.3f}"
