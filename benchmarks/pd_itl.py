@@ -1,7 +1,8 @@
-"""What a suite cell's P90 ITL tail is made of, per policy: hand-off, prefill stalls, batch.
+"""What a P/D run's P90 ITL tail is made of, per policy: hand-off, prefill stalls, batch.
 
-Replays one cell of ``benchmarks/router_suite.py`` (same scale) with each given
-policy and splits every finished request's inter-token latency::
+Replays one cell of ``benchmarks/router_suite.py`` (same scale), or a trace file
+as ``disagg sim run`` does (``--trace``, with its cluster flags), with each
+given policy and splits every finished request's inter-token latency::
 
     ITL       = (finish - first token) / (output - 1)          (the suite's figure)
     handoff   = decode start - first token                     state transfer to the decode worker
@@ -16,14 +17,24 @@ router's reason), and the mean of each part per token; the same for the whole
 run; then the decode workers' batch at join (mean and P90) and the requests
 that stalled a batch with a local prefill.
 
+``--oracle-spread`` asks how far decode placement alone could go: every
+disaggregated request's decode worker is replaced, after the policy decided,
+by the decode worker with the fewest requests routed to it and not finished
+(the count the router keeps as ``C_d``, here exact and current); decode-local
+prefills keep their worker. What it leaves of the gap to a baseline is not
+placement's to close (docs/router.md, "Round 12").
+
     python benchmarks/pd_itl.py long_agentic/64/pd
     python benchmarks/pd_itl.py chat_burst/64/pd --policies state_aware,round_robin,prefix_affinity
+    python benchmarks/pd_itl.py --trace T.jsonl --sim-args "--block-size 64 --prefill 4 --decode 12" --oracle-spread
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shlex
 from collections import Counter
 
 import numpy as np
@@ -66,15 +77,62 @@ def instrument(sim: Simulator) -> dict[str, dict]:
     return info
 
 
-def run(cell: Cell, policy: str, router_config: dict | None, seed_offset: int = 0) -> dict:
+def suite_sim(cell: Cell, policy: str, router_config: dict | None, seed_offset: int = 0) -> Simulator:
+    """The simulator of one router-suite cell, at the suite's scale."""
     sc = Scale(0.25, 0.5, 3.0, 2.0, "session", seed_offset)
     reqs = list(_trace(cell.member, round(sc.sessions_per_worker * cell.workers), sc.tokens, sc.turns,
                        seed_offset))
     lanes = round(sc.lanes_per_worker * cell.workers)
-    sim = Simulator(reqs, policy, cluster_of(cell, sc), CostModel(checkpoint_bytes=CostModel().checkpoint_bytes
-                                                                 * sc.tokens),
-                    replay=ReplayConfig(mode="closed", concurrency=lanes, think_scale=sc.tokens),
-                    router_config=router_config if policy == "state_aware" else None)
+    return Simulator(reqs, policy, cluster_of(cell, sc), CostModel(checkpoint_bytes=CostModel().checkpoint_bytes
+                                                                  * sc.tokens),
+                     replay=ReplayConfig(mode="closed", concurrency=lanes, think_scale=sc.tokens),
+                     router_config=router_config if policy == "state_aware" else None)
+
+
+def trace_sim(trace: str, sim_args: list[str], policy: str, router_config: dict | None) -> Simulator:
+    """The simulator ``disagg sim run --trace trace *sim_args`` runs."""
+    from disagg.tools.sim.cli import add_sim_parsers, build_cluster, build_replay, load_workload
+
+    ap = argparse.ArgumentParser()
+    add_sim_parsers(ap.add_subparsers())
+    args = ap.parse_args(["sim", "run", "--trace", trace, *sim_args])
+    reqs = load_workload(args)
+    cluster, cost = build_cluster(args, args.workers, args.prefill, args.decode)
+    return Simulator(reqs, policy, cluster, cost, replay=build_replay(args, int(args.concurrency)), seed=args.seed,
+                     router_config=router_config if policy == "state_aware" else None)
+
+
+def spread_decodes(sim: Simulator) -> None:
+    """``--oracle-spread``: a disaggregated request decodes on the decode worker with the fewest
+    requests routed to it and not finished (ties: the policy's pick, else the first)."""
+    decoders = [w for w, x in sim.workers.items() if x.role == "decode"]
+    if not decoders:
+        raise SystemExit("--oracle-spread needs a P/D cluster (decode workers)")
+    live = dict.fromkeys(decoders, 0)
+    owner: dict[str, str] = {}
+    route, finish = sim.router.route, sim.finish
+
+    def routed(req, states):
+        d = route(req, states)
+        if d.prefill_worker is not None and live.get(d.decode_worker, 0) > min(live.values()):
+            d = dataclasses.replace(d, decode_worker=min(decoders, key=live.__getitem__))
+        if d.decode_worker in live:
+            live[d.decode_worker] += 1
+            owner[req.request_id] = d.decode_worker
+        return d
+
+    def finished(job, w, now):
+        wid = owner.pop(job.rid, None)
+        if wid is not None:
+            live[wid] -= 1
+        finish(job, w, now)
+
+    sim.router.route, sim.finish = routed, finished
+
+
+def run(sim: Simulator, policy: str, oracle: bool = False) -> dict:
+    if oracle:
+        spread_decodes(sim)
     info = instrument(sim)
     res = sim.run()
     rows = []
@@ -107,16 +165,30 @@ def run(cell: Cell, policy: str, router_config: dict | None, seed_offset: int = 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("cell", help="member/workers/mode, e.g. long_agentic/64/pd")
+    ap.add_argument("cell", nargs="?", help="a suite cell, member/workers/mode, e.g. long_agentic/64/pd")
+    ap.add_argument("--trace", help="replay this trace file instead of a suite cell")
+    ap.add_argument("--sim-args", default="--prefill 4 --decode 12",
+                    help="with --trace: disagg sim run's flags (cluster, block size, replay)")
     ap.add_argument("--policies", default="state_aware,round_robin")
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig as JSON")
     ap.add_argument("--seed-offset", type=int, default=0, help="added to the member's seed, as in the suite")
+    ap.add_argument("--oracle-spread", action="store_true",
+                    help="decode on the decode worker with the fewest unfinished requests (see above)")
     args = ap.parse_args(argv)
-    member, workers, mode = args.cell.split("/")
-    cell = Cell(member, int(workers), mode)
+    if (args.cell is None) == (args.trace is None):
+        ap.error("give a suite cell or --trace, not both")
     rc = json.loads(args.router_config) if args.router_config else None
+    if args.trace:
+        def make(policy: str) -> Simulator:
+            return trace_sim(args.trace, shlex.split(args.sim_args), policy, rc)
+    else:
+        member, workers, mode = args.cell.split("/")
+        cell = Cell(member, int(workers), mode)
+
+        def make(policy: str) -> Simulator:
+            return suite_sim(cell, policy, rc, args.seed_offset)
     for p in args.policies.split(","):
-        out = run(cell, p.strip(), rc, args.seed_offset)
+        out = run(make(p.strip()), p.strip(), args.oracle_spread)
         print(json.dumps(out))
         for k in ("tail", "band", "all"):
             t = out[k]
