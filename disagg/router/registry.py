@@ -67,7 +67,10 @@ BALANCE_LOAD: dict[str, Any] = {
 # baseline on long_agentic/16 and agentx/16). With serving's checkpoint placement and the router's
 # learned divergences a session resumes more of its prompt, and 6 tied that baseline's P90
 # interactivity on agentx/16 (x0.9999) on every seed; 10 meets it in 35 of the 36 aggregated
-# cell-seeds (docs/router.md, "Round 11").
+# cell-seeds (docs/router.md, "Round 11"). At 10, a held-out shape at 64 workers (docqa) still sent
+# 90 of 1,256 turns to their own busy worker while a node mate sat idle: the time-averaged prefill
+# queue (load) favoured the busy one by more than the decode term charged for the shared batch.
+# 14 halves that tail's batch and keeps the suite's 35 of 36 ("Round 12").
 AGGREGATED_PREFIX: dict[str, Any] = {
     "weight": 2.0,
     "params": {"tier_weights": {"device": 1.0, "host": 0.95, "disk": 0.5, "remote": 0.4}},
@@ -75,7 +78,7 @@ AGGREGATED_PREFIX: dict[str, Any] = {
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "both": {
         "filters": ["healthy", "role", "load_guard"],
-        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD, "decode": 10.0,
+        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD, "decode": 14.0,
                     "affinity": 0.1},
     },
     "prefill": {
