@@ -1,4 +1,4 @@
-"""What a P/D run's P90 ITL tail is made of, per policy: hand-off, prefill stalls, batch.
+"""What a run's P90 ITL tail is made of, per policy: hand-off (P/D), prefill stalls, batch.
 
 Replays one cell of ``benchmarks/router_suite.py`` (same scale), or a trace file
 as ``disagg sim run`` does (``--trace``, with its cluster flags), with each
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode on the decode worker with the fewest unfinished requests (see above)")
     args = ap.parse_args(argv)
     if (args.cell is None) == (args.trace is None):
-        ap.error("give a suite cell or --trace, not both")
+        ap.error("give exactly one of: a suite cell, --trace")
     rc = json.loads(args.router_config) if args.router_config else None
     if args.trace:
         def make(policy: str) -> Simulator:
