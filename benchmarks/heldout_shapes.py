@@ -24,7 +24,8 @@ against the best baseline per figure (TTFT P90 and P90 interactivity as
 ratios where > 1 is better; tok/s/GPU as a ratio; hit against the capacity
 bound). Written: ``OUT/<shape>.jsonl`` (the trace), ``OUT/<shape>_<mode>.json``
 (the rows; ``<shape>_<workers>_<mode>.json`` for sizes other than 16),
-``OUT/summary.json`` (keys ``shape/mode``, or ``shape/workers/mode``).
+``OUT/summary.json`` (keys ``shape/mode``, or ``shape/workers/mode``) and
+``OUT/summary.png`` (the verdicts as bars, as the router suite draws them).
 
     python benchmarks/heldout_shapes.py --out results/heldout
     python benchmarks/heldout_shapes.py --out results/heldout --shapes issue,longdoc --modes agg,pd
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
               f" tok/s/GPU x{v['tokens_per_s_per_gpu']:.3f} ({v['tokens_per_s_per_gpu_best']}),"
               f" hit/bound {v['hit_vs_bound']:.3f} -> {'PASS' if v['pass'] else 'miss'}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    # the suite's chart of verdicts (this script's directory is on sys.path)
+    from router_suite import plot
+
+    plot(summary, out / "summary.png", title="Held-out shapes")
     print(f"\n{sum(v['pass'] for v in summary.values())}/{len(summary)} cells reach every figure")
     return 0
 
