@@ -70,7 +70,7 @@ BALANCE_LOAD: dict[str, Any] = {
 # cell-seeds (docs/router.md, "Round 11"). At 10, a held-out shape at 64 workers (docqa) still sent
 # 90 of 1,256 turns to their own busy worker while a node mate sat idle: the time-averaged prefill
 # queue (load) favoured the busy one by more than the decode term charged for the shared batch.
-# 14 halves that tail's batch and keeps the suite's 35 of 36 ("Round 12").
+# At 14 such turns fall to 26, the P90 band decodes alone, and the suite keeps 35 of 36 ("Round 12").
 AGGREGATED_PREFIX: dict[str, Any] = {
     "weight": 2.0,
     "params": {"tier_weights": {"device": 1.0, "host": 0.95, "disk": 0.5, "remote": 0.4}},
