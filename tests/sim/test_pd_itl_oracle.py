@@ -43,21 +43,20 @@ def test_oracle_spread_picks_the_least_busy_decode_worker(tmp_path: Path, monkey
     decoders = [w for w, x in sim.workers.items() if x.role == "decode"]
     live = dict.fromkeys(decoders, 0)
     seen = {"disagg": 0, "local": 0}
+    picks: list = []  # what the policy decided, before the oracle
 
-    def route(req, states, inner=sim.router.route):  # what the policy decides, before the oracle
-        d = inner(req, states)
-        checks.append((dict(live), d))
-        return d
+    def route(req, states, inner=sim.router.route):
+        picks.append(inner(req, states))
+        return picks[-1]
 
     sim.router.route = route
-    checks: list = []
     pd_itl.spread_decodes(sim)
     oracle_route, oracle_finish = sim.router.route, sim.finish
 
     def outer(req, states):
         before = dict(live)
         d = oracle_route(req, states)
-        policy_pick = checks[-1][1]
+        policy_pick = picks[-1]
         if d.prefill_worker is not None:
             seen["disagg"] += 1
             assert before[d.decode_worker] == min(before.values())
