@@ -167,6 +167,10 @@ class StateStore:
             todo = [k for k, h in zip(todo, hits, strict=True) if not h]
         return found
 
+    def block_keys(self, hashes: Sequence[bytes]) -> list[str]:
+        """The keys of the MLA blocks named by ``hashes`` (every DCP shard of each), in order."""
+        return [k for h in hashes for k in self._shards("mla", h)]
+
     def checkpoint_keys(self, digest: bytes, unaligned: bool | None = None) -> list[str]:
         """The keys of the resume point whose prefix digest is ``digest``: every KDA shard, and
         the tail shards when the point is ``unaligned`` (None: when this store put a tail there;

@@ -99,9 +99,9 @@ class KeyBatch:
 
 @dataclass(slots=True)
 class FlagBatch:
-    """Reply of Contains, Delete and Push: one boolean per key, in order."""
+    """Reply of Contains, Delete, Demote and Push: one boolean per key, in order."""
 
-    flags: list[bool]  # Contains: present; Delete: removed; Push: stored
+    flags: list[bool]  # Contains: present; Delete: removed; Demote: held and demoted; Push: stored
 
     def encode(self) -> bytes:
         return bytes(1 if f else 0 for f in self.flags)
@@ -259,6 +259,7 @@ class ServerStats:
     num_push_refused: int = 0  # objects the store refused (put_bytes False)
     num_bytes_received: int = 0  # payload bytes received by Push
     num_deleted: int = 0  # objects removed by Delete
+    num_demoted: int = 0  # objects put first in line for eviction by Demote
     num_auth_failures: int = 0  # calls refused for a missing or wrong token
     num_bad_requests: int = 0  # calls refused for malformed or oversize frames
     num_store_errors: int = 0  # exceptions raised by the store (turned into misses)

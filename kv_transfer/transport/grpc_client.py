@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -124,7 +124,7 @@ class RemoteStore:
             (
                 "hits", "misses", "timeouts", "unavailable", "auth_failures", "rejected",
                 "errors", "corrupt_frames", "reconnects", "bytes_fetched", "bytes_pushed",
-                "puts_ok", "puts_failed",
+                "puts_ok", "puts_failed", "demoted",
             ),
             0,
         )  # fmt: skip
@@ -164,6 +164,7 @@ class RemoteStore:
         self._fetch = channel.unary_stream(method_path("Fetch"))
         self._push = channel.stream_unary(method_path("Push"))
         self._delete = channel.unary_unary(method_path("Delete"))
+        self._demote = channel.unary_unary(method_path("Demote"))
         self._stats = channel.unary_unary(method_path("Stats"))
         self._last_connect = time.monotonic()
 
@@ -374,6 +375,33 @@ class RemoteStore:
         except FramingError:
             self._count("corrupt_frames")
         return False
+
+    def demote(self, keys: Sequence[str]) -> int:
+        """Have the peer's store evict ``keys`` before every other object, ``keys[0]`` first
+        (a host tier's ``demote``: still readable until evicted): how many it held. A call that
+        fails demotes nothing here and counts 0 (NOTE 1): eviction by recency stays."""
+        batches = list(batched(list(keys), self.config.max_keys_per_call))
+        if self._closed or not batches:
+            return 0
+        n = 0
+        for batch in reversed(batches):  # each batch goes to the head: the first batch goes last
+            request = KeyBatch(batch).encode()  # a malformed key raises ValueError here
+            try:
+                reply = self._demote(request, timeout=self.config.timeout_s, metadata=self._metadata)
+                flags = FlagBatch.decode(reply).flags
+                self._on_success()
+            except grpc.RpcError as e:
+                self._on_error("Demote", e)
+                continue
+            except FramingError:
+                self._count("corrupt_frames")
+                continue
+            if len(flags) != len(batch):
+                self._count("corrupt_frames")
+                continue
+            n += sum(flags)
+        self._count("demoted", n)
+        return n
 
     def server_stats(self) -> ServerStats | None:
         """The peer's counters, or None when it cannot be asked."""

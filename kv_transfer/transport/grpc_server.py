@@ -122,6 +122,7 @@ class _StateServicer:
                 "Fetch": grpc.unary_stream_rpc_method_handler(self.fetch),
                 "Push": grpc.stream_unary_rpc_method_handler(self.push),
                 "Delete": grpc.unary_unary_rpc_method_handler(self.delete),
+                "Demote": grpc.unary_unary_rpc_method_handler(self.demote),
                 "Stats": grpc.unary_unary_rpc_method_handler(self.get_stats),
             },
         )
@@ -202,6 +203,23 @@ class _StateServicer:
         removed = [bool(self.store.delete(k)) for k in self._keys(request, context)]
         self.count("num_deleted", sum(removed))
         return FlagBatch(removed).encode()
+
+    def demote(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """The store evicts these keys before every other object, the first key first (a host
+        tier's ``demote``; a store without an eviction order keeps its own): one flag per key,
+        held and demoted."""
+        keys = self._keys(request, context)
+        demote = getattr(self.store, "demote", None)
+        flags = [False] * len(keys)
+        if demote is not None:
+            try:  # one key at a time, last first: each goes to the head, so the first ends up first
+                for i in range(len(keys) - 1, -1, -1):
+                    flags[i] = bool(demote([keys[i]]))
+            except Exception:
+                logger.exception("store %s failed to demote", self.store.name)
+                self.count("num_store_errors")
+        self.count("num_demoted", sum(flags))
+        return FlagBatch(flags).encode()
 
     def get_stats(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         with self._lock:

@@ -13,6 +13,8 @@ Service ``disagg.kv.v1.StateStore`` (messages are raw bytes; layouts in
                                                              a miss is one miss marker)
     Push       stream-unary     Chunk*              FlagBatch (stored, per object)
     Delete     unary-unary      KeyBatch            FlagBatch (removed)
+    Demote     unary-unary      KeyBatch            FlagBatch (held; evicted first from now,
+                                                             the first key first)
     Stats      unary-unary      empty               ServerStats (JSON)
 
 Framing: each object travels as chunks of at most ``chunk_bytes`` payload

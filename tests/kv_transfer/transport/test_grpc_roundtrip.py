@@ -87,3 +87,27 @@ def test_bad_key_is_a_caller_error(make_server, make_client) -> None:
         client.put_bytes("", b"x")
     with pytest.raises(ValueError):
         client.get_bytes("k" * 5000)
+
+
+def test_demote_orders_the_peer_tiers_evictions(make_server, make_client) -> None:
+    """Demote puts a peer host tier's objects first in line for eviction, the first key first,
+    across batches too; absent keys and stores without an eviction order count nothing."""
+    from kv_transfer.tiers.host import HostTier
+
+    kib = 1024
+    evicted: list[str] = []
+    with HostTier(16 * 64 * kib, slab_bytes=16 * 64 * kib, on_evict=lambda k, d: evicted.append(k)) as host:
+        server = make_server(host)
+        client = make_client(server.address, max_keys_per_call=2)
+        for i in range(16):  # full: sixteen 64 KiB objects
+            assert host.put_bytes(f"k{i}", bytes([i]) * (64 * kib))
+        assert client.demote(["k6", "k5", "gone", "k7"]) == 3  # two batches
+        assert client.stats()["demoted"] == 3
+        assert server.stats().num_demoted == 3
+        for i in range(16, 20):
+            assert host.put_bytes(f"k{i}", bytes([i]) * (64 * kib))
+        assert evicted == ["k6", "k5", "k7", "k0"]  # the demoted in the order given, then the oldest
+        assert client.get_bytes("k1") == bytes([1]) * (64 * kib)  # the rest stay readable
+    plain = make_client(make_server(DictByteStore()).address)
+    plain.put_bytes("a", b"1")
+    assert plain.demote(["a"]) == 0 and plain.get_bytes("a") == b"1"
