@@ -375,6 +375,9 @@ class FaultyState:
     async def demote(self, points):
         return await self.inner.demote(points)
 
+    async def demote_blocks(self, node_id, hashes):
+        return await self.inner.demote_blocks(node_id, hashes)
+
     async def _faulted(self, params, work: Callable):
         fault = self.faults.on_load(params)
         if fault is None:

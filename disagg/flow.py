@@ -99,6 +99,18 @@ NOTES
    the rows it skipped from its resident session at admission, or computes them if that
    session was evicted in between (reference engine NOTE 8). A device hand-off (one peer copy
    on the host) carries the whole state.
+12. One copy after a cross-node hand-off: a prefill replica on another node published the
+   prompt's state on its node for the hand-off; once this worker has loaded it, the session
+   lives here (its turn end lands on this node, which its next turn names: NOTE 10), and the
+   copy there would only push out the sessions that node serves. The flow has that node's
+   tiers evict the prompt's private MLA blocks first (``FlowState.demote_blocks``, over its
+   state service; the prefill demotes its checkpoints itself, tiered NOTE 3), the end of the
+   context first, in the background. Private: past the leading blocks the reuse accounting
+   knows another session sent (``ReuseAccounting.shared_blocks``: a system prompt, a
+   conversation's parent). Demoting only reorders eviction: the blocks stay readable until
+   evicted and a read refreshes them (a shared prefix this worker had not seen shared, the
+   session's next prefill on that node). Doing it after the load, not as the prefill
+   publishes, keeps the hand-off's own blocks from being the first evicted before the load.
 """
 
 from __future__ import annotations
@@ -132,7 +144,8 @@ ReleaseFn = Callable[[PrefillHandle], Awaitable[None]]
 PoolFn = Callable[[PoolQuery], "PoolView | None"]  # the prefill pool for one request (NOTE 5)
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
-            "publish_waits", "publish_waits_expired", "checkpoints_demoted", "peer_resumes", "peer_resume_misses")
+            "publish_waits", "publish_waits_expired", "checkpoints_demoted", "peer_resumes", "peer_resume_misses",
+            "handed_over_demoted")
 
 
 @dataclass(slots=True)
@@ -206,6 +219,11 @@ class FlowState(Protocol):
     async def demote(self, points: list[PublishedPoint]) -> int:
         """Have the tiers evict these resume points' objects first (NOTE 9): how many of them
         some tier held."""
+        ...
+
+    async def demote_blocks(self, node_id: str, hashes: list[bytes]) -> int:
+        """Have node ``node_id``'s tiers (another node's, never this one's) evict the MLA blocks
+        ``hashes`` first, the first first (NOTE 12): how many of them it held."""
         ...
 
 
@@ -449,6 +467,8 @@ class RequestFlow:
                 if not going_on and handle.device_state is not None and release_fn is not None:
                     self.spawn(_quietly(release_fn(handle), f"device hand-off {handle.device_state.share_id}"))
             plan = await self.open(handle, tokens, hasher, params, release_fn, plan.resident_blocks)  # load result
+            if plan.state is not None and handle.device_state is None and handle.node_id not in ("", self.node_id):
+                self.spawn(self.hand_over(handle.node_id, ticket))  # NOTE 12
             tokens = tokens + [handle.first_token]
             sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
             first_index += 1
@@ -618,6 +638,19 @@ class RequestFlow:
             log.warning("demoting %d superseded checkpoints failed", len(points), exc_info=True)
             return
         self.counters["checkpoints_demoted"] += len(points)
+
+    async def hand_over(self, node_id: str, ticket: ReuseTicket) -> None:
+        """NOTE 12: the prompt's state, loaded from ``node_id``, lives here now: that node's tiers
+        evict its private blocks first, the end of the context first; a failure leaves recency."""
+        blocks = ticket.hashes[self.reuse.shared_blocks(ticket):len(ticket.tokens) // self.engine.block_size]
+        if not blocks or self.state is None:
+            return
+        try:
+            n = await self.state.demote_blocks(node_id, blocks[::-1])
+        except Exception:  # noqa: BLE001 - a demote that fails leaves eviction by recency (NOTE 3)
+            log.warning("demoting %d handed-over blocks on node %s failed", len(blocks), node_id, exc_info=True)
+            return
+        self.counters["handed_over_demoted"] += n
 
     # -- background work ---------------------------------------------------------------
     def spawn(self, coro, session: str | None = None) -> None:

@@ -147,6 +147,16 @@ class ReuseAccounting:
             return []
         return self.retention.published(session, turn, tokens, hasher, positions, hashes)
 
+    def shared_blocks(self, ticket: ReuseTicket) -> int:
+        """The ticket's prompt's leading full blocks known to be another session's too: up to its
+        branch point, or further while the retention has seen the blocks shared."""
+        n = ticket.view.branch // self.block_size
+        if self.retention is not None:
+            shared, hashes = self.retention.shared, ticket.hashes
+            while n < len(hashes) and hashes[n] in shared:
+                n += 1
+        return n
+
     def published(self, tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[int]) -> None:
         self.ledger.note_points(tokens, hasher, positions, "published")
 

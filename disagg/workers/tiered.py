@@ -188,6 +188,23 @@ class TierState:
 
         return await asyncio.to_thread(demote_all)
 
+    async def demote_blocks(self, node_id: str, hashes: list[bytes]) -> int:
+        """``node_id``'s tiers, through its state service (NOTE 2), evict these MLA blocks first, the
+        first first (``disagg.flow`` NOTE 12); this node's tiers, which the peer store reads
+        first, keep theirs. How many that node held (0 without a peer store for it)."""
+        if self.peer_stores is None or not node_id or node_id == self.node_id or not hashes:
+            return 0
+
+        def demote() -> int:
+            store = self.peer_stores(node_id)  # may block (NOTE 2): in this thread
+            if store is None:
+                return 0
+            own = {id(t) for t in (self.store.tiers if self.store is not None else ())}
+            keys = store.block_keys(hashes)
+            return sum(t.demote(keys) for t in store.tiers if id(t) not in own and hasattr(t, "demote"))
+
+        return await asyncio.to_thread(demote)
+
     def _present_blocks(self, tokens: list[int], hasher: BlockHasher) -> int:
         digests = hasher.block_hashes(tokens)
         if not digests:

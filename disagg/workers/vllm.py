@@ -79,6 +79,9 @@ class ConnectorState:
     async def demote(self, points: list) -> int:
         return 0  # the connector's saves are not this flow's publishes: nothing of them is demoted here
 
+    async def demote_blocks(self, node_id: str, hashes: list[bytes]) -> int:
+        return 0  # the connector loads hand-offs from this node's tiers: no other node holds a copy
+
 
 class VLLMWorker:
     """Prefill / decode over a ``VLLMEngine`` (a ``disagg.flow.FlowEngine``).
