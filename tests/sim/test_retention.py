@@ -119,8 +119,10 @@ def test_a_moved_session_leaves_its_old_device_copy_first_in_line():
 
 def test_checkpoints_policy_does_what_serving_does_and_no_more():
     """Policy "checkpoints" (the CLI's default, serving's behaviour): superseded checkpoints go first,
-    and a hand-off demotes the session's checkpoints but not its MLA blocks; a session's end and a
-    move demote nothing (serving is not told of either)."""
+    and a hand-off to another node demotes the session's private objects in the prefill node's
+    tiers, checkpoints and MLA blocks (the decode side demotes the blocks after its load,
+    ``disagg.flow`` NOTE 12); a session's end and a move demote nothing (serving is not told of
+    either)."""
     t, other = LRUTier("host", 16), LRUTier("device", 16)
     r = SessionRetention("checkpoints", keep_checkpoints=1)
     ds = [_d(i) for i in range(3)]
@@ -133,12 +135,13 @@ def test_checkpoints_policy_does_what_serving_does_and_no_more():
     r.on_placed(("s", 0), [other])
     r.on_placed(("s", 0), [LRUTier("device", 4)])  # moved off `other`: nothing demoted there
     assert other.keys() == [_k(1), *ds, _k(2), "live"]
-    r.on_handed_off(("s", 0), [t])  # its checkpoints, the newest last in line
-    assert t.keys() == [_k(2), _k(1), *ds, "live"]
+    r.on_handed_off(("s", 0), [t])  # its checkpoints and blocks, the end of its context first
+    handed = [_k(2), _k(1), *ds[::-1], "live"]
+    assert t.keys() == handed
     r.on_session_end(("s", 0), [t])  # forgotten, nothing demoted
-    assert t.keys() == [_k(2), _k(1), *ds, "live"]
+    assert t.keys() == handed
     r.on_store(("s", 0), [_k(5), _k(6)], [t])  # a session that ended is not tracked any more
-    assert t.keys() == [_k(2), _k(1), *ds, "live"]
+    assert t.keys() == handed
 
 
 def test_bad_configuration():

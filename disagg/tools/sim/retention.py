@@ -34,12 +34,11 @@ Shared objects (system prompts, a parent's prefix) are never demoted.
 
 Policy "lru" does nothing (plain LRU tiers); "session" does the above;
 "checkpoints" does what serving does (``transfer.host.keep_checkpoints``,
-``disagg.reuse.retention``; ``disagg.workers.tiered`` NOTE 3), without what
-only the trace knows: a turn's superseded checkpoints, a borrowed turn's
-checkpoints and a handed-off turn's checkpoints in the prefill node's tiers
-go first; a session's end and the devices a session left demote nothing
-(serving is not told when a session ends), and a hand-off demotes the
-checkpoints only, not the MLA blocks.
+``disagg.reuse.retention``; ``disagg.workers.tiered`` NOTE 3, ``disagg.flow``
+NOTE 12), without what only the trace knows: a turn's superseded checkpoints,
+a borrowed turn's checkpoints and a handed-off session's private objects in
+the prefill node's tiers go first; a session's end and the devices a session
+left demote nothing (serving is not told when a session ends).
 
 NOTES
 1. ``shared`` only grows; an object whose digest is in it is never demoted.
@@ -68,7 +67,7 @@ class SessionRetention:
         if keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be >= 1")
         self.enabled = policy != "lru"  # sessions tracked, checkpoints demoted
-        self.full = policy == "session"  # also session ends, moves and handed-off MLA blocks
+        self.full = policy == "session"  # also session ends and moves
         self.keep_checkpoints = keep_checkpoints
         self.shared: set[bytes] = set()  # NOTE 1
         self._sessions: dict[tuple[str, int], tuple[list[bytes], list[bytes]]] = {}  # NOTE 2
@@ -133,7 +132,7 @@ class SessionRetention:
         private objects in ``tiers`` (the prefill node's host and disk) go first."""
         state = self._sessions.get(skey)
         if self.enabled and state is not None:
-            self._demote(self._private(state) if self.full else state[1], tiers)
+            self._demote(self._private(state), tiers)
 
     def _private(self, state: tuple[list[bytes], list[bytes]]) -> list[bytes]:
         """The session's private objects, start to end (the end is demoted last: evicted first)."""
