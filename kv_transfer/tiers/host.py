@@ -121,10 +121,13 @@ class HostTier:
     NOTES
     1. allocated_bytes (committed + reserved slots) never exceeds capacity_bytes.
     2. An object with num_pins > 0 is never evicted, deleted or freed.
-    3. Committed objects are immutable; a put of an existing key is a no-op (True).
+    3. Committed objects are immutable; a put of an existing key is a no-op (True), except that
+       a demoted object put again is refreshed as a read would (NOTE 5).
     4. used_bytes == sum of committed object sizes; num_objects == len(index).
     5. ``demote`` only reorders: a demoted object stays readable until evicted, and a read
-       refreshes it (``on_access``) like any other.
+       refreshes it (``on_access``) like any other. So does a put of it: whoever writes it
+       again wants it kept (another node spilling the copy it evicted: once the session left
+       that node, this copy, demoted as a duplicate, is the one left).
     6. With ``hand_on_demoted`` False, an object evicted while demoted (not read since) is not
        handed to ``on_evict``: nothing is expected to read it again, so a spill to another
        node (``kv_transfer.spill``) passes it by. Other evictions are handed on as before.
@@ -170,8 +173,12 @@ class HostTier:
         """Reserve ``nbytes`` for ``key``, evicting if needed. None: no room (backpressure)."""
         evicted: list[tuple[str, bytes | None, int]] = []
         with self._lock:
-            if key in self._index:
+            entry = self._index.get(key)
+            if entry is not None:
                 self._counters["num_duplicate_puts"] += 1
+                if entry.demoted:  # NOTE 3
+                    entry.demoted = False
+                    self._policy.on_access(key)
                 return Reservation(key, 0, -1, nbytes, None)
             alloc = self._alloc.allocate(nbytes) if nbytes > 0 else None
             if alloc is None and 0 < nbytes <= self._alloc.max_object_bytes:

@@ -240,3 +240,23 @@ def test_demoted_objects_are_handed_on_only_when_asked(hand_on_demoted):
         assert handed == ["k0", "k1", "k2"], "k5 and k7 went without a hand-on"
     assert tier.stats()["num_evictions"] == 5
     tier.close()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+def test_a_demoted_object_put_again_is_refreshed(eviction):
+    """NOTE 3 / 5: a put of a demoted key (another node spilling the copy it evicted) refreshes it
+    as a read does: it no longer goes first; a put of a key not demoted changes nothing."""
+    evicted: list[str] = []
+    tier = HostTier(16 * 64 * KiB, slab_bytes=16 * 64 * KiB, eviction=eviction,
+                    on_evict=lambda k, d: evicted.append(k))
+    for i in range(16):
+        assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+    assert tier.demote(["k5", "k6"]) == 2
+    assert tier.put_bytes("k6", payload("k6", 64 * KiB))  # a duplicate: the bytes stay, the order changes
+    assert tier.put_bytes("k0", payload("k0", 64 * KiB))
+    assert tier.stats()["num_duplicate_puts"] == 2
+    for i in (16, 17):
+        assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+    assert evicted[0] == "k5" and len(evicted) == 2 and "k6" not in evicted  # k6 went back among the others
+    assert tier.get_bytes("k6") == payload("k6", 64 * KiB)
+    tier.close()
