@@ -1,0 +1,145 @@
+"""Where a run's reuse falls short of the capacity bound: placement or eviction.
+
+Replays a trace as ``disagg sim run --trace`` does (its cluster flags in
+``--sim-args``) with one policy. At each request's arrival it also asks every
+worker how far it could resume the prompt from its device and its node's
+tiers (a dry resume, nothing moved), and compares, summed over the finished
+requests, against ``disagg.tools.sim.bound`` per request::
+
+    realized    the prompt tokens the run resumed
+    anywhere    the furthest any worker could have resumed, at arrival
+    bound       Belady's optimum with the cluster's pooled capacity
+
+    bound - realized = (anywhere - realized)      placement: held, not used
+                     + (bound - anywhere)         eviction: held nowhere
+
+and splits the eviction part by turn (bands of five). ``--know`` adds, on top
+of the run's retention policy, the parts of retention "session" that only the
+trace knows, one at a time or together (``disagg.tools.sim.retention``):
+
+    end       a session's private objects go first the moment it ends
+    moved     its private copies on the devices it left go first
+
+so the run answers what each piece of knowledge would be worth. Serving knows
+neither (the simulator's default retention, "checkpoints", is serving's).
+
+    python benchmarks/hit_loss.py --trace T.jsonl --sim-args "--block-size 64 --prefill 4 --decode 12"
+    python benchmarks/hit_loss.py --trace T.jsonl --sim-args "--block-size 64 --workers 16" --know end
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from collections import defaultdict
+from operator import attrgetter
+
+from disagg.tools.sim.bound import belady_hits
+from disagg.tools.sim.simulator import Simulator
+from disagg.tools.sim.state import checkpoint_units
+
+KNOWLEDGE = {"end": "on_session_end", "moved": "on_placed"}
+
+
+def know(sim: Simulator, parts: set[str]) -> None:
+    """Run the retention's ``parts`` (KNOWLEDGE) as policy "session" does, the rest as configured."""
+    ret = sim.retention
+    if not ret.enabled and parts:
+        raise SystemExit("--know needs a retention that tracks sessions (checkpoints or session)")
+    for part in parts:
+        method = getattr(ret, KNOWLEDGE[part])
+
+        def full(*args, _method=method):
+            was, ret.full = ret.full, True
+            try:
+                return _method(*args)
+            finally:
+                ret.full = was
+
+        setattr(ret, KNOWLEDGE[part], full)
+
+
+def watch(sim: Simulator) -> dict[str, int]:
+    """request id -> the furthest any worker could resume its prompt at arrival (a dry resume)."""
+    anywhere: dict[str, int] = {}
+    arrive, resume = sim.arrive, sim._resume
+    current: list = [None]
+
+    def arriving(now, req, rec=None):
+        current[0] = rec
+        arrive(now, req, rec)
+
+    def measured(ps, target, dec, named=""):
+        anywhere[current[0].request_id] = max(
+            sim.state.resume(ps, w.device, sim.host[w.node_id], sim.disk[w.node_id], dry=True).tokens
+            for w in sim.workers.values())
+        return resume(ps, target, dec, named)
+
+    sim.arrive, sim._resume = arriving, measured
+    return anywhere
+
+
+def bound_per_request(sim: Simulator, done: list, lanes: int) -> list[int]:
+    """``capacity_bound``'s per-request hits for the finished requests ``done`` (arrival order)."""
+    c = sim.cluster
+    by_key = {(r.session_id, r.turn): r for r in sim.requests}
+    prompts = [by_key[(r.session_id, r.turn)] for r in done]
+    nodes = -(-c.num_engines // c.workers_per_node)
+    pooled = c.num_engines * c.device_blocks + nodes * (c.host_blocks + c.disk_blocks)
+    capacity = max(pooled - lanes * checkpoint_units(sim.cost, sim.block_size), 0)
+    every = 1 if c.learned_checkpoints else c.checkpoint_every_blocks
+    times = [(r.arrival, max(r.first_token, r.arrival)) for r in done]
+    return belady_hits(prompts, [r.salt for r in done], capacity, every, times)
+
+
+def split(sim: Simulator, anywhere: dict[str, int], lanes: int) -> dict:
+    done = sorted((r for r in sim.records if r.finish >= 0), key=attrgetter("arrival"))
+    bound = bound_per_request(sim, done, lanes)
+    total = sum(bound) or 1
+    realized = sum(r.cached_tokens for r in done)
+    held = sum(anywhere[r.request_id] for r in done)
+    by_turn: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for r, b in zip(done, bound, strict=True):
+        band = by_turn[r.turn // 5 * 5]
+        band[0] += max(0, b - anywhere[r.request_id])
+        band[1] += b
+    return {"requests": len(done), "hit_vs_bound": realized / total, "anywhere_vs_bound": held / total,
+            "placement_loss": (held - realized) / total, "eviction_loss": (total - held) / total,
+            "eviction_loss_by_turn": {f"{t}-{t + 4}": round(lost / max(b, 1), 4)
+                                      for t, (lost, b) in sorted(by_turn.items())}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from pd_itl import trace_sim  # the same replay as the ITL split
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--sim-args", default="", help="disagg sim run's flags (cluster, retention, replay)")
+    ap.add_argument("--policy", default="state_aware")
+    ap.add_argument("--router-config", default=None, help="JSON: the state-aware router's config")
+    ap.add_argument("--know", default="", help=f"comma list of {', '.join(KNOWLEDGE)} (module docstring)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    parts = {p for p in args.know.split(",") if p}
+    if parts - set(KNOWLEDGE):
+        ap.error(f"--know: unknown {sorted(parts - set(KNOWLEDGE))}; known: {', '.join(KNOWLEDGE)}")
+    rc = json.loads(args.router_config) if args.router_config else None
+    sim = trace_sim(args.trace, shlex.split(args.sim_args), args.policy, rc)
+    know(sim, parts)
+    anywhere = watch(sim)
+    sim.run()
+    lanes = sim.replay.concurrency if sim.replay.mode == "closed" else 0
+    out = {"policy": args.policy, "know": sorted(parts), **split(sim, anywhere, lanes)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{args.policy} (know: {','.join(sorted(parts)) or 'nothing more'}), {out['requests']} requests")
+        print(f"  hit / bound {out['hit_vs_bound']:.3f}; anywhere / bound {out['anywhere_vs_bound']:.3f}")
+        print(f"  lost to placement {out['placement_loss']:.3f}, to eviction {out['eviction_loss']:.3f} of the bound")
+        print("  eviction loss by turn:", "  ".join(f"{k}: {v:.3f}" for k, v in out["eviction_loss_by_turn"].items()))
+    return out
+
+
+if __name__ == "__main__":
+    main()
