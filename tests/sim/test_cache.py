@@ -73,6 +73,9 @@ def test_policy_tier_runs_serving_s3fifo_with_serving_semantics():
     assert t.put(13) == [4] and 3 in t  # 3 was read: kept; 4 only re-put: evicted
     t.demote([8])
     assert t.put(14) == [8] and events[-2] == ("evicted_demoted", 8)
+    t.demote([9, 7])
+    t.put(7)  # a put of a demoted key is a read (serving's HostTier NOTE 3)
+    assert t.put(15) == [9] and 7 in t
     assert t.used == 10 and len(t) == 10 and t.put(99, size=11) is None
 
 
