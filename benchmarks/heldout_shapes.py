@@ -159,10 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="agg", help="comma list of agg, pd")
     ap.add_argument("--workers", default="16", help="comma list of cluster sizes (engines), e.g. 16,64")
     ap.add_argument("--retention", help="passed to disagg sim run (default: the CLI's)")
+    ap.add_argument("--host-write", choices=("through", "back"), help="passed to disagg sim run (default: the CLI's)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    extra = ["--retention", args.retention] if args.retention else []
+    extra = (["--retention", args.retention] if args.retention else []) + \
+        (["--host-write", args.host_write] if args.host_write else [])
     try:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:

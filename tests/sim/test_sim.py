@@ -421,3 +421,32 @@ def test_router_learned_divergence_reaches_workers_that_saw_none():
     assert all(r.cached_tokens == r.theoretical_tokens > 0 for r, _ in later)
     without = [r for r in runs[False] if r.session_id != "s0" and r.turn > 0]
     assert sum(r.cached_tokens for r in without) < sum(r.cached_tokens for r, _ in later)
+
+
+def test_write_back_host_tiers_hold_what_devices_evicted():
+    """NOTE 6: with ``host_write="back"`` a turn's store goes to the device only and the node's host
+    tier receives what the device evicts; written through, the host holds the turn at once. A
+    prefill's hand-off still publishes to its node's host tier (the decode worker loads it there)."""
+    a = SimRequest("a", 0, 0, 0, 1000, 2, list(range(4)), 256)  # 3 full blocks
+    b = SimRequest("b", 0, 0, 0, 2048, 2, list(range(10, 18)), 256)  # 8 full blocks: the device, after a
+    held = {}
+    for write in ("through", "back"):
+        cl = ClusterConfig(num_workers=1, device_blocks=8, host_blocks=1000, checkpoint_every_blocks=0,
+                           checkpoint_last_full_block=False, host_write=write)
+        sim = Simulator([a, b], "round_robin", cl, HAND, lanes=1)
+        sim.run()
+        da = sim.digests.digests("a", 0, a.hash_ids, 4)[:3]
+        db = sim.digests.digests("b", 0, b.hash_ids, 8)
+        dev, host = sim.workers["w00"].device, sim.host["n0"]
+        held[write] = (dev.present(da), host.present(da), dev.present(db), host.present(db))
+    t, f = [True], [False]
+    assert held["through"] == (f * 3, t * 3, t * 8, t * 8)
+    assert held["back"] == (f * 3, t * 3, t * 8, f * 8)  # a's blocks reached the host as b pushed them out
+    r = SimRequest("s", 0, 0, 0, 4000, 5, list(range(16)), 256)
+    cl = ClusterConfig(num_prefill=1, num_decode=1, workers_per_node=1, host_write="back")
+    sim = Simulator([r], "round_robin", cl, HAND)
+    sim.run()
+    full = sim.digests.digests("s", 0, r.hash_ids, 16)[:15]
+    assert all(sim.host["n0"].present(full)) and not any(sim.host["n1"].present(full))
+    with pytest.raises(ValueError):
+        ClusterConfig(host_write="around")

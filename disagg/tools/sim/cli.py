@@ -35,7 +35,7 @@ from disagg.tools.sim.cost_model import PROFILES
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.profile import cost_profile, profile_names
 from disagg.tools.sim.retention import RETENTION_POLICIES
-from disagg.tools.sim.simulator import HOST_POLICIES, ClusterConfig
+from disagg.tools.sim.simulator import HOST_POLICIES, HOST_WRITES, ClusterConfig
 from disagg.tools.sim.workload import (
     SimRequest,
     SynthConfig,
@@ -117,6 +117,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-policy", default="lru", choices=list(HOST_POLICIES),
                    help="host tiers' eviction order: lru (refreshed by each turn's store), or serving's "
                         "s3fifo (transfer.host.policy; its own class, refreshed by reads)")
+    g.add_argument("--host-write", default="through", choices=list(HOST_WRITES),
+                   help="through: every store writes the node's host tier too (serving); back: stores go "
+                        "to the device, and what a device evicts to the host tier (Simulator NOTE 6)")
     g.add_argument("--no-peer-reads", action="store_true",
                    help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
     g.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,
@@ -207,7 +210,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_last_full_block=not args.no_last_full_block,
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
                             learned_checkpoints=args.learned_checkpoints,
-                            host_policy=args.host_policy,
+                            host_policy=args.host_policy, host_write=args.host_write,
                             retention=args.retention, peer_reads=not args.no_peer_reads,
                             spill_to_pool=args.spill_to_pool,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None

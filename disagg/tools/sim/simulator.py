@@ -71,6 +71,13 @@ NOTES
    (for the ledger's furthest published point). The state-aware router learns the distances from
    every session's follow-ups and names them in its decision (``RouteDecision.checkpoint_back``,
    placement NOTE 4); the worker's placement uses them in place of its own, as serving's flow does.
+6. Write-back host tiers (``ClusterConfig.host_write`` "back"; not what serving does, which
+   writes every turn's state through to the node's host tier): a store goes to the device only,
+   and what a device evicts (demoted objects aside) is written to its node's host tier, at no
+   cost, so a node's host and devices hold mostly different objects and the node keeps more
+   sessions. A prefill's hand-off to a decode worker still publishes to the prefill node's host
+   tier (the decode worker loads it from there). A session's state on one worker's device is
+   not readable by the other workers of its node until that device evicts it.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -106,8 +113,9 @@ from disagg.tools.sim.worker import SimJob, SimWorker
 from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
 
 HOST_POLICIES = ("lru", "s3fifo")  # "s3fifo": serving's default host tier (transfer.host.policy)
+HOST_WRITES = ("through", "back")  # NOTE 6
 
-__all__ = ["HOST_POLICIES", "TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
+__all__ = ["HOST_POLICIES", "HOST_WRITES", "TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
 
 
 @dataclass(slots=True)
@@ -131,6 +139,7 @@ class ClusterConfig:
     spill_to_pool: bool = True  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
     learned_checkpoints: bool = False  # serving's learned checkpoint placement (NOTE 5)
     host_policy: str = "lru"  # host tiers: "lru" (LRUTier) or one of serving's policies (cache.PolicyTier)
+    host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -147,6 +156,8 @@ class ClusterConfig:
             raise ValueError(f"host_policy must be one of {HOST_POLICIES}")
         if self.retention not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}")
+        if self.host_write not in HOST_WRITES:
+            raise ValueError(f"host_write must be one of {HOST_WRITES}")
 
     def roles(self) -> list[str]:
         if self.num_prefill:
@@ -252,7 +263,8 @@ class Simulator:
             self.index.add_worker(wid, node)
             if node not in self.host:
                 self._node_tiers(node, wid, spill_to.get(node))
-            dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid))
+            back = self.host[node] if c.host_write == "back" else None  # NOTE 6
+            dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid, back, demoted_too=False))
             self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, c.macro_steps, self.block_size)
         self._live = [w.state for w in self.workers.values()]
         self._tiers = [w.device for w in self.workers.values()] + [
@@ -428,7 +440,8 @@ class Simulator:
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
-        job.ckpts = self.state.store(ps, job.cached, w.device, self.host[w.node_id], extra=job.extra)
+        job.ckpts = self.state.store(ps, job.cached, w.device, self._write_host(w, job.decode_worker is not None),
+                                     extra=job.extra)
         skey = (job.record.session_id, job.record.salt)
         self.retention.on_store(skey, job.ckpts, self._tiers)
         if job.record.cached_tier == "remote" and job.decode_worker is not None:  # a peer read (NOTE 1): the
@@ -459,8 +472,15 @@ class Simulator:
         moved = cost.state_bytes(job.prompt_len - skip * self.block_size)
         self.schedule(first + cost.transfer_time(moved, tier), self._arrive_decode, job, d)
 
+    def _write_host(self, w: SimWorker, handing_off: bool = False) -> LRUTier | None:
+        """The host tier a store on ``w`` writes through to: its node's, or none with write-back
+        (NOTE 6) unless the state is a hand-off's, which the decode worker reads from there."""
+        if self.cluster.host_write == "back" and not handing_off:
+            return None
+        return self.host[w.node_id]
+
     def _arrive_decode(self, now: float, job: SimJob, d: SimWorker) -> None:
-        self.state.store(job.prompt, 0, d.device, self.host[d.node_id], job.ckpts)
+        self.state.store(job.prompt, 0, d.device, self._write_host(d), job.ckpts)
         p = self.workers[job.record.prefill_worker]
         if p.node_id != d.node_id:  # NOTE 3: the session lives on D's node now
             self.retention.on_handed_off((job.record.session_id, job.record.salt),
