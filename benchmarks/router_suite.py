@@ -102,12 +102,14 @@ class Scale:
     seed_offset: int = 0  # added to every member's seed (0: the suite's own traces)
     spill_to_pool: bool = True  # ClusterConfig.spill_to_pool (Simulator NOTE 4)
     checkpoints: str = "serving"  # CHECKPOINT_MODELS: where prefills keep KDA checkpoints
+    host_write: str = "through"  # ClusterConfig.host_write (Simulator NOTE 6)
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
         key = f"{self.tokens}/{self.turns}/{self.sessions_per_worker}/{self.lanes_per_worker}/{self.retention}"
         key = f"{key}/seed+{self.seed_offset}" if self.seed_offset else key
         key = f"{key}/spill" if self.spill_to_pool else key
+        key = f"{key}/write-{self.host_write}" if self.host_write != "through" else key
         return key if self.checkpoints == "periodic" else f"{key}/ckpt-{self.checkpoints}"
 
 
@@ -127,7 +129,8 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
     pre = cell.workers // 4 if cell.mode == "pd" else 0
     return ClusterConfig(num_workers=cell.workers, num_prefill=pre, num_decode=cell.workers - pre if pre else 0,
                          workers_per_node=WORKERS_PER_NODE, device_blocks=dev, host_blocks=host,
-                         retention=sc.retention, spill_to_pool=sc.spill_to_pool, **CHECKPOINT_MODELS[sc.checkpoints])
+                         retention=sc.retention, spill_to_pool=sc.spill_to_pool, host_write=sc.host_write,
+                         **CHECKPOINT_MODELS[sc.checkpoints])
 
 
 def run_one(task: tuple[Cell, str, Scale]) -> dict:
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", default="serving", choices=list(CHECKPOINT_MODELS),
                     help="where prefills keep KDA checkpoints: serving's placement, or every 16 blocks "
                          "(rounds 1-9)")
+    ap.add_argument("--host-write", default="through", choices=["through", "back"],
+                    help="host tiers written through by every store (serving), or back by device evictions "
+                         "(Simulator NOTE 6)")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members = [m.strip() for m in args.members.split(",") if m.strip()]
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rc = json.dumps(yaml.safe_load(Path(rc).read_text()) or {})
     sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc,
-               args.seed_offset, args.spill_to_pool, args.checkpoints)
+               args.seed_offset, args.spill_to_pool, args.checkpoints, args.host_write)
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
