@@ -16,8 +16,7 @@ import random
 import pytest
 import torch
 
-from deployments.node_store import grpc_client_config, grpc_server_config
-from disagg.config import GrpcConfig, load_config
+from disagg.config import load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
@@ -28,7 +27,7 @@ from disagg.router.decider import DeciderConfig
 from disagg.workers.tiered import StatefulWorker
 from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
-from kv_transfer.transport import RemoteStore, StateServer
+from tests.reuse.peer_util import TOKEN_ENV, served_tier
 
 TOKEN = "handover-demote-2b81"
 
@@ -37,39 +36,32 @@ TOKEN = "handover-demote-2b81"
 def cluster(monkeypatch, request):
     """(decode worker on "d", prefill worker on ``request.param`` whose tier is served, its server,
     its host tier, reference)."""
-    monkeypatch.setenv("DISAGG_TEST_PEER_TOKEN", TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
     threads = torch.get_num_threads()
     cfg = load_config({"model": {"name": "tiny"},
                        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1}})
     engine = build_reference_engine(cfg)
-    g = GrpcConfig(token_env="DISAGG_TEST_PEER_TOKEN")
-    p_tier = HostTier(64 << 20, pin_memory=False)
-    server = StateServer(p_tier, grpc_server_config(g, "127.0.0.1"))
-    port = server.start()
-    remote = RemoteStore(grpc_client_config(g, f"127.0.0.1:{port}"))
-    same = request.param == "d"
-    d_tier = p_tier if same else HostTier(64 << 20, pin_memory=False)
-    peer = StateStore([d_tier, remote], engine.layout, write_behind=False)  # "p" as node "d" reads it
+    with served_tier() as (p_tier, server, remote):
+        same = request.param == "d"
+        d_tier = p_tier if same else HostTier(64 << 20, pin_memory=False)
+        peer = StateStore([d_tier, remote], engine.layout, write_behind=False)  # "p" as node "d" reads it
 
-    def copy():
-        return AsyncEngine(ReferenceEngine(engine.model, engine.model_id, engine.options))
+        def copy():
+            return AsyncEngine(ReferenceEngine(engine.model, engine.model_id, engine.options))
 
-    # every prompt of these tests is longer than 200 tokens: the decode worker sends it to the pool
-    decode = StatefulWorker(copy(), StateStore([d_tier], engine.layout), "decode-d", "d",
-                            options=FlowOptions(DeciderConfig(local_prefill_max_tokens=200, local_harm_weight=0)),
-                            peer_stores=lambda node: peer if node == "p" else None)
-    prefill = StatefulWorker(copy(), StateStore([p_tier], engine.layout), "prefill", request.param)
-    try:
-        yield decode, prefill, server, p_tier, ReferenceEngine(engine.model, engine.model_id, engine.options)
-    finally:
-        server.stop(0)
-        remote.close()
-        decode.engine.shutdown()
-        prefill.engine.shutdown()
-        if not same:
-            d_tier.close()
-        p_tier.close()
-        torch.set_num_threads(threads)
+        # every prompt of these tests is longer than 200 tokens: the decode worker sends it to the pool
+        decode = StatefulWorker(copy(), StateStore([d_tier], engine.layout), "decode-d", "d",
+                                options=FlowOptions(DeciderConfig(local_prefill_max_tokens=200, local_harm_weight=0)),
+                                peer_stores=lambda node: peer if node == "p" else None)
+        prefill = StatefulWorker(copy(), StateStore([p_tier], engine.layout), "prefill", request.param)
+        try:
+            yield decode, prefill, server, p_tier, ReferenceEngine(engine.model, engine.model_id, engine.options)
+        finally:
+            decode.engine.shutdown()
+            prefill.engine.shutdown()
+            if not same:
+                d_tier.close()
+            torch.set_num_threads(threads)
 
 
 def _turn(decode, prefill, params) -> list[int]:

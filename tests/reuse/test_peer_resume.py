@@ -15,8 +15,7 @@ import random
 import pytest
 import torch
 
-from deployments.node_store import grpc_client_config, grpc_server_config
-from disagg.config import GrpcConfig, load_config
+from disagg.config import load_config
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.engine.protocol import EngineRequest, SamplingParams
@@ -27,7 +26,7 @@ from disagg.router.decider import DeciderConfig
 from disagg.workers.tiered import StatefulWorker
 from kv_transfer.store import StateStore
 from kv_transfer.tiers.host import HostTier
-from kv_transfer.transport import RemoteStore, StateServer
+from tests.reuse.peer_util import TOKEN_ENV, served_tier
 
 TOKEN = "peer-resume-7f3c"
 
@@ -39,35 +38,30 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def cluster(monkeypatch, request):
     """(decode worker on "d", prefill worker on "p" that reads "d" through gRPC, state server, reference),
     the engines on the CPU or on a GPU."""
-    monkeypatch.setenv("DISAGG_TEST_PEER_TOKEN", TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
     threads = torch.get_num_threads()
     cfg = load_config({"model": {"name": "tiny", "device": request.param},
                        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1}})
     engine = build_reference_engine(cfg)
-    g = GrpcConfig(token_env="DISAGG_TEST_PEER_TOKEN")
-    d_tier = HostTier(64 << 20, pin_memory=False)
-    server = StateServer(d_tier, grpc_server_config(g, "127.0.0.1"))
-    port = server.start()
-    remote = RemoteStore(grpc_client_config(g, f"127.0.0.1:{port}"))
-    p_tier = HostTier(64 << 20, pin_memory=False)
-    peer = StateStore([p_tier, remote], engine.layout, write_behind=False)  # "d" as node "p" reads it
+    with served_tier() as (d_tier, server, remote):
+        p_tier = HostTier(64 << 20, pin_memory=False)
+        peer = StateStore([p_tier, remote], engine.layout, write_behind=False)  # "d" as node "p" reads it
 
-    def copy():
-        return AsyncEngine(ReferenceEngine(engine.model, engine.model_id, engine.options))
+        def copy():
+            return AsyncEngine(ReferenceEngine(engine.model, engine.model_id, engine.options))
 
-    # the decode worker prefills short suffixes itself (the first turn) and sends long ones to the pool
-    decode = StatefulWorker(copy(), StateStore([d_tier], engine.layout), "decode-d", "d",
-                            options=FlowOptions(DeciderConfig(local_prefill_max_tokens=200, local_harm_weight=0)))
-    prefill = StatefulWorker(copy(), StateStore([p_tier], engine.layout), "prefill-p", "p",
-                             peer_stores=lambda node: peer if node == "d" else None)
-    try:
-        yield decode, prefill, server, ReferenceEngine(engine.model, engine.model_id, engine.options)
-    finally:
-        server.stop(0)
-        remote.close()
-        decode.engine.shutdown()
-        prefill.engine.shutdown()
-        torch.set_num_threads(threads)
+        # the decode worker prefills short suffixes itself (the first turn) and sends long ones to the pool
+        decode = StatefulWorker(copy(), StateStore([d_tier], engine.layout), "decode-d", "d",
+                                options=FlowOptions(DeciderConfig(local_prefill_max_tokens=200, local_harm_weight=0)))
+        prefill = StatefulWorker(copy(), StateStore([p_tier], engine.layout), "prefill-p", "p",
+                                 peer_stores=lambda node: peer if node == "d" else None)
+        try:
+            yield decode, prefill, server, ReferenceEngine(engine.model, engine.model_id, engine.options)
+        finally:
+            decode.engine.shutdown()
+            prefill.engine.shutdown()
+            p_tier.close()
+            torch.set_num_threads(threads)
 
 
 def _run(worker, params, prefill_fn=None, also=()) -> list[int]:
