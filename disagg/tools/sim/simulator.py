@@ -43,10 +43,11 @@ NOTES
    node's shared tiers evicted first (retention ``on_handed_off``): its next turn finds it on
    D's node (or, moved, through the node the router names), so a second copy would only push
    out the sessions that node serves. The prefill worker's device keeps its copy (its next
-   turn may prefill there again). The serving prefill does the same (``disagg/workers/tiered.py``
-   NOTE 3) with two differences: it demotes only the points it published for this turn, not the
-   session's older blocks there, and it demotes them as it publishes, before the decode has
-   loaded them (a point evicted in between is a recompute).
+   turn may prefill there again). Serving does the same in two steps: the prefill demotes the
+   points it published for the turn as it publishes them (``disagg/workers/tiered.py`` NOTE 3;
+   one evicted before the decode loads it is a recompute), and the decode replica, once it has
+   loaded the hand-off, demotes the prompt's private MLA blocks there (``disagg.flow`` NOTE 12:
+   private as far as its ledger knows; the simulator knows it from the whole run).
 4. Spill to the pool (``ClusterConfig.spill_to_pool``, P/D, on by default as serving's
    ``transfer.spill`` is, deployments.node_store NOTE 2): the last tier of a node without
    prefill workers (its disk, else its host) writes what it evicts to the host tier of a node
