@@ -84,9 +84,10 @@ class LRUPolicy:
             self._order.move_to_end(key, last=False)
 
     def victims(self) -> Iterator[str]:
-        for key in list(self._order):
-            if key in self._order:
-                yield key
+        skip: set[str] = set()  # candidates the tier passed by (pinned): they stay in the order
+        while (key := next((k for k in self._order if k not in skip), None)) is not None:
+            skip.add(key)
+            yield key
 
 
 class S3FIFOPolicy:
