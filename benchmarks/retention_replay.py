@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new", type=int, default=260, help="new tokens per turn, at most")
     ap.add_argument("--max-tokens", type=int, default=4, help="greedy tokens per request")
     ap.add_argument("--host-mb", type=int, default=48, help="host tier capacity (MiB)")
-    ap.add_argument("--policy", default="s3fifo", choices=("lru", "s3fifo"))
+    ap.add_argument("--policy", default="s3fifo", choices=("lru", "s3fifo", "arc"))
     ap.add_argument("--keep", default="0,8", help="keep_checkpoints values to run (0: off)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -88,7 +88,7 @@ class EngineConfig(_Strict):
 
 class HostTierConfig(_Strict):
     capacity_mb: int = 1024  # hard byte capacity of the node's shared host tier
-    policy: Literal["lru", "s3fifo"] = "s3fifo"  # eviction policy
+    policy: Literal["lru", "s3fifo", "arc"] = "s3fifo"  # eviction policy (kv_transfer.tiers.eviction)
     pin_memory: bool = True  # page-lock for fast device copies where a GPU exists
     # a session's newest private KDA checkpoints kept in eviction order; older ones are evicted
     # first (disagg.reuse.retention); 0: off (recency alone)

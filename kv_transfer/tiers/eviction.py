@@ -12,6 +12,15 @@ s3fifo  S3-FIFO (Yang et al., SOSP'23): new keys enter a small FIFO S; keys
         inserted straight into M; M reinserts hit keys (freq - 1) instead of
         evicting them. Evict from S while bytes(S) > small_ratio * capacity,
         else from M. A one-pass scan only churns S, so it cannot flush M.
+arc     ARC (Megiddo and Modha, FAST'03), weighed in bytes: T1 holds keys not read
+        since they were put, T2 keys read at least once since, each least recently
+        used first; ghost lists B1 and B2 remember what left each. A put of a key
+        in B1 (T1 gave it up too soon) grows T1's target p, one in B2 shrinks it;
+        evict from T1 while it holds more than p, else from T2. Scan-resistant
+        as s3fifo; keeps more than s3fifo under a cyclic load larger than the
+        tier. Like s3fifo it keeps a session's newest state (put, not yet read)
+        behind what was read, so on agentic traces recency (lru) keeps more
+        (docs/perf/reuse-cpu.md, docs/router.md "Round 14").
 
 ``demote(key)`` tells a policy a key will most likely not be read again (a
 session's superseded KDA checkpoint, ``disagg.reuse.retention``): it goes to
@@ -22,7 +31,7 @@ demoted is evicted first). A demoted key that is read again is refreshed by
 Config example::
 
     host_tier:
-      eviction: s3fifo        # or lru
+      eviction: s3fifo        # or lru, arc
 """
 
 from __future__ import annotations
@@ -221,9 +230,131 @@ class S3FIFOPolicy:
             yield key
 
 
+class ARCPolicy:
+    """ARC, in bytes (see module docstring).
+
+    NOTES
+    1. Every committed key is in exactly one of ``_demoted`` / ``_t1`` / ``_t2``; the ghost
+       lists ``_b1`` / ``_b2`` hold keys that are not committed (a put of a ghost key
+       moves it out).
+    2. ``_bytes[q]`` equals the sizes of queue ``q`` (ghosts keep the size they left with).
+    3. ``0 <= p <= capacity``; after every change ``bytes(T1) + bytes(B1) <= capacity`` and
+       all four lists hold at most ``2 * capacity`` (ghosts trimmed oldest first), as in
+       the paper's directory of 2c pages.
+    4. Demoted keys sit in their own queue, evicted first, the latest demoted first, as
+       S3-FIFO NOTE 4; a demoted key read again goes to T2; one evicted or deleted
+       leaves no ghost (its return says nothing about T1's size).
+    5. A ghost hit moves p by the object's size times the other ghost list's bytes over
+       its own (at least 1x): the paper's delta, weighed in bytes.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = max(1, capacity_bytes)
+        self.p = 0.0  # T1's target, bytes (NOTE 3)
+        self._t1: OrderedDict[str, int] = OrderedDict()
+        self._t2: OrderedDict[str, int] = OrderedDict()
+        self._b1: OrderedDict[str, int] = OrderedDict()
+        self._b2: OrderedDict[str, int] = OrderedDict()
+        self._demoted: OrderedDict[str, int] = OrderedDict()  # head = evicted first
+        self._where: dict[str, OrderedDict[str, int]] = {}  # committed key -> its queue (NOTE 1)
+        self._bytes: dict[int, int] = {id(q): 0 for q in (self._t1, self._t2, self._b1, self._b2, self._demoted)}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def queues(self) -> tuple[list[str], list[str], list[str], list[str]]:
+        """(T1, T2, B1, B2) keys, least recently used first (for tests and debugging)."""
+        return list(self._t1), list(self._t2), list(self._b1), list(self._b2)
+
+    def _add(self, q: OrderedDict[str, int], key: str, nbytes: int) -> None:
+        q[key] = nbytes
+        self._bytes[id(q)] += nbytes
+
+    def _pop(self, q: OrderedDict[str, int], key: str) -> int:
+        nbytes = q.pop(key)
+        self._bytes[id(q)] -= nbytes
+        return nbytes
+
+    def _trim_ghosts(self) -> None:  # NOTE 3
+        b = self._bytes
+        while self._b1 and b[id(self._t1)] + b[id(self._b1)] > self.capacity:
+            self._pop(self._b1, next(iter(self._b1)))
+        while self._b2 and sum(b.values()) - b[id(self._demoted)] > 2 * self.capacity:
+            self._pop(self._b2, next(iter(self._b2)))
+        while self._b1 and sum(b.values()) - b[id(self._demoted)] > 2 * self.capacity:
+            self._pop(self._b1, next(iter(self._b1)))
+
+    def on_insert(self, key: str, nbytes: int) -> None:
+        assert key not in self._where, f"double insert of {key}"
+        b1, b2 = self._bytes[id(self._b1)], self._bytes[id(self._b2)]
+        if key in self._b1:  # T1 gave it up too soon (NOTE 5)
+            self._pop(self._b1, key)
+            self.p = min(float(self.capacity), self.p + nbytes * max(1.0, b2 / max(b1, 1)))
+            q = self._t2
+        elif key in self._b2:  # T2 did
+            self._pop(self._b2, key)
+            self.p = max(0.0, self.p - nbytes * max(1.0, b1 / max(b2, 1)))
+            q = self._t2
+        else:
+            q = self._t1
+        self._add(q, key, nbytes)
+        self._where[key] = q
+        self._trim_ghosts()
+
+    def on_access(self, key: str) -> None:
+        q = self._where.get(key)
+        if q is None:
+            return
+        if q is self._t2:
+            q.move_to_end(key)
+            return
+        self._add(self._t2, key, self._pop(q, key))
+        self._where[key] = self._t2
+
+    def on_remove(self, key: str, evicted: bool) -> None:
+        q = self._where.pop(key, None)
+        if q is None:
+            return
+        nbytes = self._pop(q, key)
+        if evicted and q is not self._demoted:  # NOTE 4
+            self._add(self._b1 if q is self._t1 else self._b2, key, nbytes)
+            self._trim_ghosts()
+
+    def demote(self, key: str) -> None:
+        q = self._where.get(key)
+        if q is None:
+            return
+        nbytes = self._pop(q, key)
+        self._add(self._demoted, key, nbytes)
+        self._demoted.move_to_end(key, last=False)
+        self._where[key] = self._demoted
+
+    def demoted(self) -> list[str]:
+        """Demoted keys, next to be evicted first (NOTE 4)."""
+        return list(self._demoted)
+
+    def victims(self) -> Iterator[str]:
+        skip: set[str] = set()
+        while True:
+            key = next((k for k in self._demoted if k not in skip), None)
+            if key is None:
+                t1_first = self._bytes[id(self._t1)] > self.p or not self._t2
+                first, second = (self._t1, self._t2) if t1_first else (self._t2, self._t1)
+                key = next((k for k in first if k not in skip), None)
+                if key is None:
+                    key = next((k for k in second if k not in skip), None)
+                if key is None:
+                    return
+            skip.add(key)
+            yield key
+
+
 EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "s3fifo": S3FIFOPolicy,
+    "arc": ARCPolicy,
 }
 
 

@@ -1,8 +1,16 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from kv_transfer.tiers.eviction import EVICTION_POLICIES, LRUPolicy, S3FIFOPolicy, make_policy
+from kv_transfer.tiers.eviction import (
+    EVICTION_POLICIES,
+    ARCPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    make_policy,
+)
 from kv_transfer.tiers.host import HostTier
 
 OBJ = 4096  # one page: every object in one size class, so eviction follows the policy exactly
@@ -28,8 +36,9 @@ def _run(tier: HostTier, script: str) -> list[str]:
 
 
 def test_registry_is_one_explicit_table() -> None:
-    assert set(EVICTION_POLICIES) == {"lru", "s3fifo"}
+    assert set(EVICTION_POLICIES) == {"lru", "s3fifo", "arc"}
     assert isinstance(make_policy("lru", 1), LRUPolicy)
+    assert isinstance(make_policy("arc", 1), ARCPolicy)
     with pytest.raises(ValueError):
         make_policy("mru", 1)
 
@@ -112,10 +121,35 @@ def _hit_ratio(policy: str) -> float:
         return hits / total
 
 
-def test_s3fifo_resists_a_scan_that_flushes_lru() -> None:
-    lru, s3 = _hit_ratio("lru"), _hit_ratio("s3fifo")
+def test_s3fifo_and_arc_resist_a_scan_that_flushes_lru() -> None:
+    lru, s3, arc = _hit_ratio("lru"), _hit_ratio("s3fifo"), _hit_ratio("arc")
     assert lru < 0.1  # every scan pushes the whole hot set out of LRU
     assert s3 > 0.9
+    assert arc > 0.9  # the hot set was read: T2; the scan churns T1 (p stays 0: no ghost hits)
+
+
+@pytest.mark.parametrize(
+    "script,expected,queues,p",
+    [
+        # capacity 4, p = 0: never-read keys leave T1 oldest first; T1 fills the cache, so
+        # B1 has no room (|T1| + |B1| <= c, ARCPolicy NOTE 3)
+        ("+a +b +c +d +e", ["a"], (["b", "c", "d", "e"], [], [], []), 0),
+        # read keys are in T2; T1 (c, d) is over p and goes first, into B1
+        ("+a +b +c +d a b +e +f", ["c", "d"], (["e", "f"], ["a", "b"], ["c", "d"], []), 0),
+        # a put of a B1 ghost: T1 gave it up too soon, so it goes to T2 and p grows by one object
+        ("+a +b +c +d a b +e +c", ["c", "d"], (["e"], ["a", "b", "c"], ["d"], []), 1),
+        # T1 (e) is not over p = 1: T2's least recently used (a) goes, into B2; then T1 is
+        ("+a +b +c +d a b +e +c +f +g", ["c", "d", "a", "e"], (["f", "g"], ["b", "c"], ["d", "e"], ["a"]), 1),
+        # a put of a B2 ghost shrinks p by the object times |B1| / |B2| (3), floored at 0
+        ("+a +b +c +d a b +e +c +f +g +a", ["c", "d", "a", "e", "f"],
+         (["g"], ["b", "c", "a"], ["d", "e", "f"], []), 0),
+    ],
+)
+def test_arc_exact_order(script: str, expected: list[str], queues, p: int) -> None:
+    with _tier("arc", 4) as tier:
+        assert _run(tier, script) == expected
+        assert tier._policy.queues() == queues
+        assert tier._policy.p == p * OBJ
 
 
 @pytest.mark.parametrize(
@@ -171,3 +205,58 @@ def test_s3fifo_demote_resets_hits_and_keeps_the_byte_counts() -> None:
     assert (p._demoted_bytes, p.demoted()) == (OBJ, ["b"])
     p.demote("zz")  # unknown: ignored
     assert len(p) == 2
+
+
+@pytest.mark.parametrize(
+    "script,expected,ghosts",
+    [
+        # demoted keys go first (in the order given), before T1
+        ("+a +b +c +d a -a,c +e +f +g", ["a", "c", "b"], []),
+        # and leave no ghost (ARCPolicy NOTE 4): B1 has room for one (T1 holds c, d, e)
+        ("+a +b +c +d a b -a +e", ["a"], []),
+        # a demoted key read again goes to T2 instead; T1 (e, f, g) leaves room for one ghost
+        ("+a +b +c +d -c c +e +f +g", ["a", "b", "d"], ["d"]),
+    ],
+)
+def test_arc_demote_order(script: str, expected: list[str], ghosts: list[str]) -> None:
+    with _tier("arc", 4) as tier:
+        assert _run(tier, script) == expected
+        assert tier._policy.demoted() == []
+        t1, t2, b1, b2 = tier._policy.queues()
+        assert b1 + b2 == ghosts
+
+
+def test_arc_keeps_its_byte_counts_and_bounds() -> None:
+    """Random puts, reads, demotes and deletes of objects of several sizes: the counters equal
+    the queues, p stays in [0, capacity] and the directory within 2x capacity (ARCPolicy NOTES 1-3)."""
+    rng = random.Random(7)
+    cap = 40 * OBJ
+    p = ARCPolicy(cap)
+    held: dict[str, int] = {}
+    for i in range(4000):
+        key = f"k{rng.randrange(120)}"
+        op = rng.random()
+        if key in held:
+            if op < 0.6:
+                p.on_access(key)
+            elif op < 0.7:
+                p.demote(key)
+            else:
+                p.on_remove(key, evicted=op < 0.9)
+                del held[key]
+        else:
+            size = OBJ * rng.choice((1, 1, 1, 5))
+            while sum(held.values()) + size > cap:
+                victim = next(p.victims())
+                p.on_remove(victim, evicted=True)
+                del held[victim]
+            p.on_insert(key, size)
+            held[key] = size
+        t1, t2, b1, b2 = p.queues()
+        assert sorted(t1 + t2 + p.demoted()) == sorted(held), i
+        assert not (set(b1) | set(b2)) & set(held)
+        for q in (p._t1, p._t2, p._b1, p._b2, p._demoted):
+            assert p._bytes[id(q)] == sum(q.values())
+        assert 0 <= p.p <= cap
+        assert p._bytes[id(p._t1)] + p._bytes[id(p._b1)] <= cap
+        assert sum(p._bytes.values()) - p._bytes[id(p._demoted)] <= 2 * cap

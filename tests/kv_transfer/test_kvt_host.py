@@ -145,10 +145,11 @@ class HostTierMachine(RuleBasedStateMachine):
     """Allocator + eviction model: capacity, pins, exact accounting, contents."""
 
     leases = Bundle("leases")
+    eviction = "s3fifo"
 
     def __init__(self) -> None:
         super().__init__()
-        self.tier = HostTier(256 * KiB, slab_bytes=32 * KiB, eviction="s3fifo")
+        self.tier = HostTier(256 * KiB, slab_bytes=32 * KiB, eviction=self.eviction)
         self.sizes = {f"k{i}": 1 + (i * 7919) % (32 * KiB) for i in range(24)}
         self.pinned: dict[int, str] = {}
 
@@ -200,6 +201,14 @@ TestHostTierMachine = HostTierMachine.TestCase
 TestHostTierMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
+class ARCHostTierMachine(HostTierMachine):
+    eviction = "arc"
+
+
+TestARCHostTierMachine = ARCHostTierMachine.TestCase
+TestARCHostTierMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
 def test_an_arena_that_cannot_be_mapped_leaves_no_file(tmp_path, monkeypatch) -> None:
     """The arena's file lives in shared memory (/dev/shm): a failed mapping (no memory) must
     not leave it behind. The failure is injected through the arena module's ``mmap``."""
@@ -242,7 +251,7 @@ def test_demoted_objects_are_handed_on_only_when_asked(hand_on_demoted):
     tier.close()
 
 
-@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo", "arc"])
 def test_a_demoted_object_put_again_is_refreshed(eviction):
     """NOTE 3 / 5: a put of a demoted key (another node spilling the copy it evicted) refreshes it
     as a read does: it no longer goes first; a put of a key not demoted changes nothing."""

@@ -80,13 +80,13 @@ def test_policy_tier_runs_serving_s3fifo_with_serving_semantics():
 
 
 def test_a_cluster_resumes_from_a_policy_host_tier_as_from_an_lru_one():
-    """Host tiers of serving's S3-FIFO (``ClusterConfig.host_policy``): with a device too small to
+    """Host tiers of serving's S3-FIFO or ARC (``ClusterConfig.host_policy``): with a device too small to
     keep a session, each follow-up resumes from the host tier at its predecessor's last full block."""
     from disagg.tools.sim.simulator import ClusterConfig, Simulator
     from disagg.tools.sim.workload import SimRequest
 
     reqs = [SimRequest("s", t, 0.0, 0.0, 4 * 64 + 10 + 128 * t, 2, list(range(5 + 2 * t)), 64) for t in range(3)]
-    for policy in ("lru", "s3fifo"):
+    for policy in ("lru", "s3fifo", "arc"):
         res = Simulator(reqs, "round_robin", ClusterConfig(num_workers=1, device_blocks=8, host_blocks=64,
                                                            host_policy=policy)).run()
         assert [r.cached_tokens for r in res.records] == [0, 4 * 64, 6 * 64]

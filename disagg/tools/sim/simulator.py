@@ -113,7 +113,7 @@ from disagg.tools.sim.state import TIER_NAMES, CheckpointPolicy, PromptState, Re
 from disagg.tools.sim.worker import SimJob, SimWorker
 from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
 
-HOST_POLICIES = ("lru", "s3fifo")  # "s3fifo": serving's default host tier (transfer.host.policy)
+HOST_POLICIES = ("lru", "s3fifo", "arc")  # serving's host tier policies (transfer.host.policy)
 HOST_WRITES = ("through", "back")  # NOTE 6
 
 __all__ = ["HOST_POLICIES", "HOST_WRITES", "TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
