@@ -77,9 +77,11 @@ def instrument(sim: Simulator) -> dict[str, dict]:
     return info
 
 
-def suite_sim(cell: Cell, policy: str, router_config: dict | None, seed_offset: int = 0) -> Simulator:
-    """The simulator of one router-suite cell, at the suite's scale."""
-    sc = Scale(0.25, 0.5, 3.0, 2.0, "session", seed_offset)
+def suite_sim(cell: Cell, policy: str, router_config: dict | None, seed_offset: int = 0,
+              retention: str = "checkpoints") -> Simulator:
+    """The simulator of one router-suite cell, at the suite's scale and defaults (retention: the suite's
+    ``--retention``; rounds 1-13 ran "session")."""
+    sc = Scale(0.25, 0.5, 3.0, 2.0, retention, seed_offset=seed_offset)
     reqs = list(_trace(cell.member, round(sc.sessions_per_worker * cell.workers), sc.tokens, sc.turns,
                        seed_offset))
     lanes = round(sc.lanes_per_worker * cell.workers)
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="state_aware,round_robin")
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig as JSON")
     ap.add_argument("--seed-offset", type=int, default=0, help="added to the member's seed, as in the suite")
+    ap.add_argument("--retention", default="checkpoints", choices=["lru", "checkpoints", "session"],
+                    help="a suite cell's retention, as the suite's flag")
     ap.add_argument("--oracle-spread", action="store_true",
                     help="decode on the decode worker with the fewest unfinished requests (see above)")
     args = ap.parse_args(argv)
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         cell = Cell(member, int(workers), mode)
 
         def make(policy: str) -> Simulator:
-            return suite_sim(cell, policy, rc, args.seed_offset)
+            return suite_sim(cell, policy, rc, args.seed_offset, args.retention)
     for p in args.policies.split(","):
         out = run(make(p.strip()), p.strip(), args.oracle_spread)
         print(json.dumps(out))

@@ -227,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-scale", type=float, default=0.5)
     ap.add_argument("--sessions-per-worker", type=float, default=3.0)
     ap.add_argument("--lanes-per-worker", type=float, default=2.0)
-    ap.add_argument("--retention", default="session", choices=["lru", "checkpoints", "session"])
+    ap.add_argument("--retention", default="checkpoints", choices=["lru", "checkpoints", "session"],
+                    help="tier eviction order (disagg.tools.sim.retention): checkpoints, what serving does "
+                         "(the CLI's default); session also uses what only the trace knows (rounds 1-13)")
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig: JSON text or a JSON/YAML file")
     ap.add_argument("--reuse-baselines", metavar="DIR", help="baseline runs from DIR/runs.jsonl (same scale)")
     ap.add_argument("--seed-offset", type=int, default=0,
