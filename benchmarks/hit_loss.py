@@ -25,6 +25,7 @@ neither (the simulator's default retention, "checkpoints", is serving's).
 
     python benchmarks/hit_loss.py --trace T.jsonl --sim-args "--block-size 64 --prefill 4 --decode 12"
     python benchmarks/hit_loss.py --trace T.jsonl --sim-args "--block-size 64 --workers 16" --know end
+    python benchmarks/hit_loss.py deep_context/16/pd --know moved      # a router suite cell, its scale
 """
 
 from __future__ import annotations
@@ -111,21 +112,31 @@ def split(sim: Simulator, anywhere: dict[str, int], lanes: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from pd_itl import trace_sim  # the same replay as the ITL split
+    from pd_itl import Cell, suite_sim, trace_sim  # the same replays as the ITL split
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", required=True)
-    ap.add_argument("--sim-args", default="", help="disagg sim run's flags (cluster, retention, replay)")
+    ap.add_argument("cell", nargs="?", help="a router suite cell, member/workers/mode, e.g. deep_context/16/pd")
+    ap.add_argument("--trace", help="replay this trace file instead of a suite cell")
+    ap.add_argument("--sim-args", default="", help="with --trace: disagg sim run's flags (cluster, retention, replay)")
+    ap.add_argument("--seed-offset", type=int, default=0, help="a suite cell's seed offset, as the suite's flag")
+    ap.add_argument("--retention", default="checkpoints", choices=["lru", "checkpoints", "session"],
+                    help="a suite cell's retention, as the suite's flag")
     ap.add_argument("--policy", default="state_aware")
     ap.add_argument("--router-config", default=None, help="JSON: the state-aware router's config")
     ap.add_argument("--know", default="", help=f"comma list of {', '.join(KNOWLEDGE)} (module docstring)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if (args.cell is None) == (args.trace is None):
+        ap.error("give exactly one of: a suite cell, --trace")
     parts = {p for p in args.know.split(",") if p}
     if parts - set(KNOWLEDGE):
         ap.error(f"--know: unknown {sorted(parts - set(KNOWLEDGE))}; known: {', '.join(KNOWLEDGE)}")
     rc = json.loads(args.router_config) if args.router_config else None
-    sim = trace_sim(args.trace, shlex.split(args.sim_args), args.policy, rc)
+    if args.trace:
+        sim = trace_sim(args.trace, shlex.split(args.sim_args), args.policy, rc)
+    else:
+        member, workers, mode = args.cell.split("/")
+        sim = suite_sim(Cell(member, int(workers), mode), args.policy, rc, args.seed_offset, args.retention)
     know(sim, parts)
     anywhere = watch(sim)
     sim.run()

@@ -80,3 +80,17 @@ def test_bad_knowledge_is_refused(tmp_path: Path, hit_loss) -> None:
         hit_loss.main(["--trace", str(trace), "--know", "future"])
     with pytest.raises(SystemExit):
         hit_loss.main(["--trace", str(trace), "--sim-args", "--block-size 64 --retention lru", "--know", "end"])
+
+
+def test_a_suite_cell_is_the_suites_own_run(hit_loss) -> None:
+    """A router suite cell (``member/workers/mode``) replays the run the suite scores: the same
+    hit over the same capacity bound, at the suite's default retention (serving's)."""
+    import router_suite
+
+    sc = router_suite.Scale(0.25, 0.5, 3.0, 2.0, "checkpoints")
+    row = router_suite.run_one((router_suite.Cell("chat_burst", 16, "agg"), "state_aware", sc))
+    out = hit_loss.main(["chat_burst/16/agg", "--json"])
+    assert out["requests"] == row["requests"]
+    assert out["hit_vs_bound"] == pytest.approx(row["cached_tokens"] / row["bound_tokens"], rel=1e-12)
+    with pytest.raises(SystemExit):  # a cell or a trace, not both
+        hit_loss.main(["chat_burst/16/agg", "--trace", "t.jsonl"])
