@@ -45,6 +45,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from disagg.tools.sim.simulator import HOST_POLICIES
+
 BLOCK = 64
 
 
@@ -160,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="16", help="comma list of cluster sizes (engines), e.g. 16,64")
     ap.add_argument("--retention", help="passed to disagg sim run (default: the CLI's)")
     ap.add_argument("--host-write", choices=("through", "back"), help="passed to disagg sim run (default: the CLI's)")
+    ap.add_argument("--host-policy", choices=HOST_POLICIES, help="passed to disagg sim run (default: the CLI's, lru)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = (["--retention", args.retention] if args.retention else []) + \
-        (["--host-write", args.host_write] if args.host_write else [])
+        (["--host-write", args.host_write] if args.host_write else []) + \
+        (["--host-policy", args.host_policy] if args.host_policy else [])
     try:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:
