@@ -10,7 +10,7 @@ Example (``deployments/configs/local-cpu.yaml``)::
 
     model: {name: tiny, dtype: float32, device: cpu}
     engine: {block_size: 64, cache_budget_mb: 256}
-    transfer: {host: {capacity_mb: 1024, policy: s3fifo}}
+    transfer: {host: {capacity_mb: 1024, policy: lru}}
     deployment: {mode: disaggregated, prefill: {num_replicas: 1}, decode: {num_replicas: 1}}
 """
 
@@ -88,7 +88,7 @@ class EngineConfig(_Strict):
 
 class HostTierConfig(_Strict):
     capacity_mb: int = 1024  # hard byte capacity of the node's shared host tier
-    policy: Literal["lru", "s3fifo", "arc"] = "s3fifo"  # eviction policy (kv_transfer.tiers.eviction)
+    policy: Literal["lru", "s3fifo", "arc"] = "lru"  # eviction policy (kv_transfer.tiers.eviction; docs/router.md "Round 14")
     pin_memory: bool = True  # page-lock for fast device copies where a GPU exists
     # a session's newest private KDA checkpoints kept in eviction order; older ones are evicted
     # first (disagg.reuse.retention); 0: off (recency alone)

@@ -31,7 +31,7 @@ demoted is evicted first). A demoted key that is read again is refreshed by
 Config example::
 
     host_tier:
-      eviction: s3fifo        # or lru, arc
+      eviction: lru           # or s3fifo, arc
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Config example::
 
     host_tier:
       capacity_bytes: 68719476736   # 64 GiB, hard limit
-      eviction: s3fifo              # lru | s3fifo | arc
+      eviction: lru                 # lru | s3fifo | arc
       pin_memory: true              # cudaHostRegister where CUDA exists
 """
 

@@ -30,7 +30,8 @@ def _positions(tokens: list[int], hasher) -> dict[bytes, int]:
 def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads):  # noqa: F811
     # 2 GiB (sparse; 32 slabs): room for every size class, so nothing is evicted in this test
     b = backend(engine={"resident_sessions": False}, transfer={"host": {"capacity_mb": 2048, "pin_memory": False,
-                                                                        "keep_checkpoints": KEEP}})
+                                                                        "keep_checkpoints": KEEP,
+                                                                        "policy": "s3fifo"}})
     system = ids(5 * BS, 99)
     try:
         async def go():

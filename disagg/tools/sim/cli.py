@@ -115,9 +115,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "does (a session's superseded checkpoints go first); session, also what only the "
                         "trace knows (ended sessions' objects, the devices a session left)")
     g.add_argument("--host-policy", default="lru", choices=list(HOST_POLICIES),
-                   help="host tiers' eviction order: lru (refreshed by each turn's store), or one of "
-                        "serving's classes (transfer.host.policy: s3fifo, its default, or arc; refreshed "
-                        "by reads)")
+                   help="host tiers' eviction order: lru (serving's default, transfer.host.policy; here "
+                        "refreshed by each turn's store too), or serving's s3fifo or arc (its own classes, "
+                        "refreshed by reads)")
     g.add_argument("--host-write", default="through", choices=list(HOST_WRITES),
                    help="through: every store writes the node's host tier too (serving); back: stores go "
                         "to the device, and what a device evicts to the host tier (Simulator NOTE 6)")

@@ -57,8 +57,8 @@ NOTES
    superseded checkpoints) is not spilled: nothing is expected to read it again. At 64 workers
    the decode nodes' host tiers are the ones that fill, while the pool's nodes hold a quarter
    of the cluster's host capacity (docs/router.md, "Round 7"). A spilled object enters the
-   receiving host tier as its newest; serving's default host policy (S3-FIFO) puts it in
-   the small FIFO instead, where it cannot push the receiver's re-read state out.
+   receiving host tier as its newest, as in serving's default (LRU) host tier; its S3-FIFO
+   puts it in the small FIFO instead, where it cannot push the receiver's re-read state out.
 5. Learned checkpoint placement (``ClusterConfig.learned_checkpoints``; serving's
    ``engine.learned_checkpoints``, on by default there): besides the policy's points (serving:
    the prompt end and the last full block, no periodic ones), a prefill keeps a checkpoint where
@@ -139,7 +139,8 @@ class ClusterConfig:
     peer_reads: bool = True  # P/D: a prefill reads its decode worker's node tiers (Simulator NOTE 1)
     spill_to_pool: bool = True  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
     learned_checkpoints: bool = False  # serving's learned checkpoint placement (NOTE 5)
-    host_policy: str = "lru"  # host tiers: "lru" (LRUTier) or one of serving's policies (cache.PolicyTier)
+    host_policy: str = "lru"  # host tiers: "lru" (LRUTier, serving's default policy) or another of serving's
+    # policies (cache.PolicyTier)
     host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6
 
     def __post_init__(self) -> None:
