@@ -36,9 +36,9 @@ import shlex
 from collections import defaultdict
 from operator import attrgetter
 
-from disagg.tools.sim.bound import belady_hits
+from disagg.tools.sim.bound import capacity_bound_per_request
+from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import Simulator
-from disagg.tools.sim.state import checkpoint_units
 
 KNOWLEDGE = {"end": "on_session_end", "moved": "on_placed"}
 
@@ -81,22 +81,9 @@ def watch(sim: Simulator) -> dict[str, int]:
     return anywhere
 
 
-def bound_per_request(sim: Simulator, done: list, lanes: int) -> list[int]:
-    """``capacity_bound``'s per-request hits for the finished requests ``done`` (arrival order)."""
-    c = sim.cluster
-    by_key = {(r.session_id, r.turn): r for r in sim.requests}
-    prompts = [by_key[(r.session_id, r.turn)] for r in done]
-    nodes = -(-c.num_engines // c.workers_per_node)
-    pooled = c.num_engines * c.device_blocks + nodes * (c.host_blocks + c.disk_blocks)
-    capacity = max(pooled - lanes * checkpoint_units(sim.cost, sim.block_size), 0)
-    every = 1 if c.learned_checkpoints else c.checkpoint_every_blocks
-    times = [(r.arrival, max(r.first_token, r.arrival)) for r in done]
-    return belady_hits(prompts, [r.salt for r in done], capacity, every, times)
-
-
 def split(sim: Simulator, anywhere: dict[str, int], lanes: int) -> dict:
     done = sorted((r for r in sim.records if r.finish >= 0), key=attrgetter("arrival"))
-    bound = bound_per_request(sim, done, lanes)
+    bound = capacity_bound_per_request(sim.requests, sim.records, sim.cluster, sim.cost, lanes)
     total = sum(bound) or 1
     realized = sum(r.cached_tokens for r in done)
     held = sum(anywhere[r.request_id] for r in done)
@@ -119,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--trace", help="replay this trace file instead of a suite cell")
     ap.add_argument("--sim-args", default="", help="with --trace: disagg sim run's flags (cluster, retention, replay)")
     ap.add_argument("--seed-offset", type=int, default=0, help="a suite cell's seed offset, as the suite's flag")
-    ap.add_argument("--retention", default="checkpoints", choices=["lru", "checkpoints", "session"],
+    ap.add_argument("--retention", default="checkpoints", choices=RETENTION_POLICIES,
                     help="a suite cell's retention, as the suite's flag")
     ap.add_argument("--policy", default="state_aware")
     ap.add_argument("--router-config", default=None, help="JSON: the state-aware router's config")

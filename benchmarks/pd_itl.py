@@ -42,6 +42,7 @@ from router_suite import Cell, Scale, _trace, cluster_of
 
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import Simulator
 
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="state_aware,round_robin")
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig as JSON")
     ap.add_argument("--seed-offset", type=int, default=0, help="added to the member's seed, as in the suite")
-    ap.add_argument("--retention", default="checkpoints", choices=["lru", "checkpoints", "session"],
+    ap.add_argument("--retention", default="checkpoints", choices=RETENTION_POLICIES,
                     help="a suite cell's retention, as the suite's flag")
     ap.add_argument("--oracle-spread", action="store_true",
                     help="decode on the decode worker with the fewest unfinished requests (see above)")

@@ -61,6 +61,7 @@ from disagg.tools.bench.family import SUITE, member_trace
 from disagg.tools.sim.bound import capacity_bound
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
 from disagg.tools.sim.workload import SimRequest, from_trace_records
 
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-scale", type=float, default=0.5)
     ap.add_argument("--sessions-per-worker", type=float, default=3.0)
     ap.add_argument("--lanes-per-worker", type=float, default=2.0)
-    ap.add_argument("--retention", default="checkpoints", choices=["lru", "checkpoints", "session"],
+    ap.add_argument("--retention", default="checkpoints", choices=RETENTION_POLICIES,
                     help="tier eviction order (disagg.tools.sim.retention): checkpoints, what serving does "
                          "(the CLI's default); session also uses what only the trace knows (rounds 1-13)")
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig: JSON text or a JSON/YAML file")

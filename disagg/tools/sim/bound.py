@@ -155,9 +155,15 @@ def capacity_bound(requests: Sequence[SimRequest], records: Sequence[RequestReco
     checkpoint per live session (``live_sessions``: a closed loop's lanes). With learned checkpoint
     placement a prefill may keep a checkpoint at any block boundary, so every boundary is a resume
     point of the bound; else the cluster's periodic ones (and last full blocks)."""
+    return sum(capacity_bound_per_request(requests, records, cluster, cost, live_sessions))
+
+
+def capacity_bound_per_request(requests: Sequence[SimRequest], records: Sequence[RequestRecord],
+                               cluster: ClusterConfig, cost: CostModel, live_sessions: int) -> list[int]:
+    """``capacity_bound``'s hits per finished request, in the order they arrived."""
     done = sorted((r for r in records if r.finish >= 0), key=attrgetter("arrival"))
     if not done:
-        return 0
+        return []
     by_key = {(r.session_id, r.turn): r for r in requests}
     prompts = [by_key[(r.session_id, r.turn)] for r in done]
     nodes = -(-cluster.num_engines // cluster.workers_per_node)
@@ -166,4 +172,4 @@ def capacity_bound(requests: Sequence[SimRequest], records: Sequence[RequestReco
     capacity = max(pooled - live_sessions * units, 0)
     times = [(r.arrival, max(r.first_token, r.arrival)) for r in done]
     every = 1 if cluster.learned_checkpoints else cluster.checkpoint_every_blocks  # learned: any boundary
-    return sum(belady_hits(prompts, [r.salt for r in done], capacity, every, times))
+    return belady_hits(prompts, [r.salt for r in done], capacity, every, times)
