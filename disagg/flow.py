@@ -18,6 +18,8 @@ interfaces below and run this flow; neither has a decode flow of its own.
       5 turn end   engine.checkpoint_positions / export_state ->          (background)
                    state.publish, then engine.release
       6 retain     a session's superseded checkpoints -> state.demote     (background, NOTE 9)
+                   (a session's last turn, ``session_end``: no publish; its
+                   private state -> state.demote, demote_blocks, NOTE 13)
 
 ``FlowEngine`` is what the flow needs of an engine (``disagg.engine.async_engine.AsyncEngine``
 and ``disagg.engine.vllm.engine.VLLMEngine`` implement it); ``FlowState`` is what it needs of
@@ -111,6 +113,17 @@ NOTES
    evicted and a read refreshes them (a shared prefix this worker had not seen shared, the
    session's next prefill on that node). Doing it after the load, not as the prefill
    publishes, keeps the hand-off's own blocks from being the first evicted before the load.
+13. A session's end, when its client says so (``GenerateParams.session_end``: the API's
+   ``session_end`` on the session's last turn). Nothing will resume the session, yet by
+   recency its state, the newest, is the last of any to go, behind sessions in their think
+   time: serving is told nothing else about a session's end. When the last turn finishes the
+   flow publishes no turn end, releases the engine's request without keeping it resident, and
+   has this node's tiers evict the session's private state first, in the background: the
+   checkpoints its retention still tracks (``ReuseAccounting.end_session``), then the
+   prompt's private MLA blocks, the end of the context first (``FlowState.demote_blocks``
+   with this node). Private is as in NOTE 12; a prefill's copy on another node went at the
+   hand-off (NOTE 12, tiered NOTE 3). A client that says so wrongly costs a recompute of what
+   was evicted since, never a wrong token: demoted state is read (and refreshed) until evicted.
 """
 
 from __future__ import annotations
@@ -145,7 +158,7 @@ PoolFn = Callable[[PoolQuery], "PoolView | None"]  # the prefill pool for one re
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
             "publish_waits", "publish_waits_expired", "checkpoints_demoted", "peer_resumes", "peer_resume_misses",
-            "handed_over_demoted")
+            "handed_over_demoted", "sessions_ended", "session_end_demoted")
 
 
 @dataclass(slots=True)
@@ -195,7 +208,7 @@ class FlowEngine(Protocol):
 
     async def export_and_release(self, request_id: str, positions: tuple[int, ...], present: int) -> list: ...
 
-    async def release(self, request_id: str) -> None: ...
+    async def release(self, request_id: str, keep_resident: bool = True) -> None: ...
 
 
 class FlowState(Protocol):
@@ -222,8 +235,8 @@ class FlowState(Protocol):
         ...
 
     async def demote_blocks(self, node_id: str, hashes: list[bytes]) -> int:
-        """Have node ``node_id``'s tiers (another node's, never this one's) evict the MLA blocks
-        ``hashes`` first, the first first (NOTE 12): how many of them it held."""
+        """Have node ``node_id``'s tiers (another node's, NOTE 12, or this node's, NOTE 13) evict
+        the MLA blocks ``hashes`` first, the first first: how many of them it held."""
         ...
 
 
@@ -459,6 +472,8 @@ class RequestFlow:
                 if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
                     first.finished, first.finish_reason = True, "stop" if stop else "length"
                     first.reuse_misses, first.reuse_bound = ticket.misses, ticket.bound
+                    if params.session_end:  # NOTE 13 (nothing held here: the hand-off was not loaded)
+                        self._end_session(params, ticket, None)
                     yield first
                     return
                 yield first
@@ -519,7 +534,9 @@ class RequestFlow:
                         await self.reuse_finish(ticket, out.num_cached_tokens, plan.failure, params)
                     first = False
                     cached, source = reported or (out.num_cached_tokens, out.cached_source)
-                    if out.finished and keep and out.finish_reason in ("length", "stop"):
+                    if out.finished and params.session_end and out.finish_reason in ("length", "stop"):
+                        self._end_session(params, ticket, rid if keep else None)  # NOTE 13
+                    elif out.finished and keep and out.finish_reason in ("length", "stop"):
                         session = session_key(params.cache_salt, params.session_id) or None
                         mine = ticket if reported is None else None  # a local prefill's points land with it
                         if mine is not None:
@@ -651,6 +668,37 @@ class RequestFlow:
             log.warning("demoting %d handed-over blocks on node %s failed", len(blocks), node_id, exc_info=True)
             return
         self.counters["handed_over_demoted"] += n
+
+    def _end_session(self, params: GenerateParams, ticket: ReuseTicket, held: str | None) -> None:
+        """NOTE 13: the request ends its session; ``held``: the engine request to release."""
+        session = session_key(params.cache_salt, params.session_id)
+        if not session:  # the API refuses session_end without a session: nothing to end
+            return
+        self.spawn(self.end_session(session, ticket, held), session)
+
+    async def end_session(self, session: str, ticket: ReuseTicket, held: str | None = None) -> None:
+        """NOTE 13: ``session`` will not come back: release ``held`` without keeping it resident,
+        then this node's tiers evict the session's private checkpoints and the prompt's private
+        MLA blocks first (the end of the context first); a failure leaves eviction by recency."""
+        self.counters["sessions_ended"] += 1
+        if held is not None:
+            try:
+                await self.engine.release(held, keep_resident=False)
+            except Exception:  # noqa: BLE001 - the engine expires what it holds; nothing to publish
+                log.warning("releasing the last turn %s failed", held, exc_info=True)
+        points = self.reuse.end_session(session)
+        if self.state is None:
+            return
+        blocks = ticket.hashes[self.reuse.shared_blocks(ticket):len(ticket.tokens) // self.engine.block_size]
+        n = 0
+        try:
+            if points:
+                n += await self.state.demote(points)
+            if blocks:
+                n += await self.state.demote_blocks(self.node_id or "", blocks[::-1])
+        except Exception:  # noqa: BLE001 - a demote that fails leaves eviction by recency (NOTE 3)
+            log.warning("demoting the state of an ended session failed", exc_info=True)
+        self.counters["session_end_demoted"] += n
 
     # -- background work ---------------------------------------------------------------
     def spawn(self, coro, session: str | None = None) -> None:

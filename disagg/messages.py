@@ -39,6 +39,7 @@ class GenerateParams:
     prompt_token_ids: list[int]  # full prompt, tenant-independent token ids
     sampling: SamplingParams  # how to pick tokens
     session_id: str | None = None  # conversation id for affinity (optional)
+    session_end: bool = False  # the session's last turn: its state goes first once answered (disagg.flow NOTE 13)
     cache_salt: str = ""  # tenant salt entering every state key
     prefill: PrefillHandle | None = None  # set when a prefill replica ran first
     route_reason: str = ""  # why the router placed it here (metrics)

@@ -193,6 +193,9 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         if best_of not in (1, n):  # best_of = n is n; best_of = 1 is the default beside any n
             raise APIError(400, f"best_of {best_of} is not supported: {UNSERVED_WHY['best_of']}", param="best_of",
                            code="unsupported_parameter")
+        if body.session_end and not (body.session_id or body.user):
+            raise APIError(400, "session_end needs the session it ends: set session_id (or user)",
+                           param="session_end")
         if not ids:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         vocab = getattr(backend, "vocab_size", None)
@@ -213,7 +216,7 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         params = GenerateParams(
             request_id=f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
             prompt_token_ids=ids, sampling=sampling, session_id=body.session_id or body.user,
-            cache_salt=_cache_salt(request, body.cache_salt))
+            session_end=bool(body.session_end), cache_salt=_cache_salt(request, body.cache_salt))
         runs = [_Run(backend, metrics, p, stops, kind, body.model, body.return_token_ids, echo, index=i)
                 for i, p in enumerate(choice_params(params, n))]
         response = _Response(runs, params.request_id, kind, body.model)

@@ -17,8 +17,10 @@ Free-text fields that are not the prompt are short (``MAX_FIELD_CHARS``); the
 prompt and messages are bounded by the body size and the context length.
 
 Extensions beyond OpenAI's fields, all optional: ``ignore_eos``,
-``session_id`` (routing affinity), ``cache_salt`` (tenant isolation of cached
-state), ``stop_token_ids``, ``return_token_ids``.
+``session_id`` (routing affinity), ``session_end`` (this turn is the session's
+last: once answered, its state is evicted first; needs ``session_id`` or
+``user``), ``cache_salt`` (tenant isolation of cached state), ``stop_token_ids``,
+``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class _Common(BaseModel):
     return_token_ids: bool | None = False  # add the generated token ids to each choice
     user: ShortText | None = None
     session_id: ShortText | None = None
+    session_end: bool | None = False  # the session's last turn (disagg.flow NOTE 13)
     cache_salt: ShortText | None = None
     # OpenAI parameters refused unless at their no-op value (UNSERVED)
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)

@@ -147,6 +147,13 @@ class ReuseAccounting:
             return []
         return self.retention.published(session, turn, tokens, hasher, positions, hashes)
 
+    def end_session(self, session: str | None) -> list[PublishedPoint]:
+        """``session`` ended (``disagg.flow`` NOTE 13): the private points its retention still
+        tracks, now forgotten, to demote ([] without retention)."""
+        if self.retention is None or not session:
+            return []
+        return self.retention.end(session)
+
     def shared_blocks(self, ticket: ReuseTicket) -> int:
         """The ticket's prompt's leading full blocks known to be another session's too: up to its
         branch point, or further while the retention has seen the blocks shared."""

@@ -149,3 +149,10 @@ class SessionCheckpoints:
 
     def forget(self, session: str) -> None:
         self._sessions.pop(session, None)
+
+    def end(self, session: str) -> list[PublishedPoint]:
+        """``session`` will not come back (its client said so): every private point still tracked,
+        oldest first, and the session is forgotten."""
+        points = list(self._sessions.pop(session, None) or ())
+        self.num_demoted += len(points)
+        return points

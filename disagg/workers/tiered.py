@@ -189,10 +189,17 @@ class TierState:
         return await asyncio.to_thread(demote_all)
 
     async def demote_blocks(self, node_id: str, hashes: list[bytes]) -> int:
-        """``node_id``'s tiers, through its state service (NOTE 2), evict these MLA blocks first, the
-        first first (``disagg.flow`` NOTE 12); this node's tiers, which the peer store reads
-        first, keep theirs. How many that node held (0 without a peer store for it)."""
-        if self.peer_stores is None or not node_id or node_id == self.node_id or not hashes:
+        """``node_id``'s tiers evict these MLA blocks first, the first first: another node's through
+        its state service (NOTE 2; ``disagg.flow`` NOTE 12), whose reads try this node's tiers
+        first, so those keep theirs; this node's own (``disagg.flow`` NOTE 13). How many that
+        node held (0 without a store for it)."""
+        if not node_id or not hashes:
+            return 0
+        if node_id == self.node_id:
+            if self.store is None:
+                return 0
+            return await asyncio.to_thread(lambda: self.store.demote(self.store.block_keys(hashes)))
+        if self.peer_stores is None:
             return 0
 
         def demote() -> int:

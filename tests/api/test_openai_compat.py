@@ -151,3 +151,40 @@ def test_a_lone_surrogate_in_the_prompt_is_a_400(url, path):
     r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert "not valid Unicode" in r.json()["error"]["message"]
+
+
+class _Recording(Scripted):
+    """A scripted backend that keeps the ``GenerateParams`` of each request."""
+
+    def __init__(self, byte_seq: list[int]):
+        super().__init__(byte_seq)
+        self.params = []
+
+    async def stream(self, params):
+        self.params.append(params)
+        async for chunk in super().stream(params):
+            yield chunk
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_session_end_needs_a_session_and_reaches_the_backend(path, body):
+    """``session_end`` without ``session_id`` or ``user`` is a 400 naming it (it would end
+    nothing); with either it reaches the backend on the request's params, and a request without
+    it carries False. A non-boolean is a 400 too (strict types)."""
+    backend = _Recording(list(b"ok"))
+    body = body | {"model": "disagg-tiny", "max_tokens": 2}
+    with serve_asgi(create_app(backend)) as url:
+        r = httpx.post(url + path, json=body | {"session_end": True}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "session_end", r.text
+        r = httpx.post(url + path, json=body | {"session_end": "yes", "session_id": "s"}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert not backend.params
+        for extra in ({"session_id": "s"}, {"user": "u"}):
+            r = httpx.post(url + path, json=body | extra | {"session_end": True}, timeout=30)
+            assert r.status_code == 200, r.text
+        r = httpx.post(url + path, json=body | {"session_id": "s"}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert [(p.session_id, p.session_end) for p in backend.params] == [("s", True), ("u", True), ("s", False)]
