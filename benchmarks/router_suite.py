@@ -104,6 +104,7 @@ class Scale:
     spill_to_pool: bool = True  # ClusterConfig.spill_to_pool (Simulator NOTE 4)
     checkpoints: str = "serving"  # CHECKPOINT_MODELS: where prefills keep KDA checkpoints
     host_write: str = "through"  # ClusterConfig.host_write (Simulator NOTE 6)
+    session_ends: bool = False  # ClusterConfig.session_ends: clients mark each session's last turn
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
@@ -111,6 +112,7 @@ class Scale:
         key = f"{key}/seed+{self.seed_offset}" if self.seed_offset else key
         key = f"{key}/spill" if self.spill_to_pool else key
         key = f"{key}/write-{self.host_write}" if self.host_write != "through" else key
+        key = f"{key}/session-ends" if self.session_ends else key
         return key if self.checkpoints == "periodic" else f"{key}/ckpt-{self.checkpoints}"
 
 
@@ -131,6 +133,7 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
     return ClusterConfig(num_workers=cell.workers, num_prefill=pre, num_decode=cell.workers - pre if pre else 0,
                          workers_per_node=WORKERS_PER_NODE, device_blocks=dev, host_blocks=host,
                          retention=sc.retention, spill_to_pool=sc.spill_to_pool, host_write=sc.host_write,
+                         session_ends=sc.session_ends,
                          **CHECKPOINT_MODELS[sc.checkpoints])
 
 
@@ -244,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-write", default="through", choices=["through", "back"],
                     help="host tiers written through by every store (serving), or back by device evictions "
                          "(Simulator NOTE 6)")
+    ap.add_argument("--session-ends", action="store_true",
+                    help="clients mark each session's last turn (the API's session_end; every policy)")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members = [m.strip() for m in args.members.split(",") if m.strip()]
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rc = json.dumps(yaml.safe_load(Path(rc).read_text()) or {})
     sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc,
-               args.seed_offset, args.spill_to_pool, args.checkpoints, args.host_write)
+               args.seed_offset, args.spill_to_pool, args.checkpoints, args.host_write, args.session_ends)
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

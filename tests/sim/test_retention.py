@@ -144,11 +144,52 @@ def test_checkpoints_policy_does_what_serving_does_and_no_more():
     assert t.keys() == handed
 
 
+def test_a_session_its_client_ended_goes_first_under_serving_retention():
+    """Policy "checkpoints" with ``client_ends`` (clients send ``session_end``, ``disagg.flow``
+    NOTE 13): an ended session's private objects go first, the end of its context first, and
+    what it shares stays; a second end is a no-op."""
+    t = LRUTier("host", 32)
+    r = SessionRetention("checkpoints", client_ends=True)
+    r.on_prompt(("a", 0), [_d(0)], 1, 0, [t])
+    ds = [_d(0), _d(1), _d(2)]
+    r.on_prompt(("s", 0), ds, 3, 1, [t])  # d0 is a's: shared
+    for k in (*ds, "live"):
+        t.put(k)
+    r.on_session_end(("s", 0), [t])
+    assert t.keys() == [_d(2), _d(1), _d(0), "live"]
+    r.on_session_end(("s", 0), [t])
+    assert t.keys() == [_d(2), _d(1), _d(0), "live"]
+
+
 def test_bad_configuration():
     with pytest.raises(ValueError):
         SessionRetention("mru")
     with pytest.raises(ValueError):
         SessionRetention("session", keep_checkpoints=0)
+    with pytest.raises(ValueError):
+        SessionRetention("lru", client_ends=True)  # nothing tracks sessions
+
+
+def test_session_ends_raise_the_hit_under_serving_retention():
+    """The run of the test below under policy "checkpoints": with clients that say when their
+    sessions end, ended sessions stop crowding out live ones and the hit rises; an LRU retention
+    cannot take the signal (nothing tracks sessions)."""
+    from disagg.tools.bench.family import SUITE, member_trace
+    from disagg.tools.sim.driver import ReplayConfig
+    from disagg.tools.sim.simulator import ClusterConfig, Simulator
+    from disagg.tools.sim.workload import from_trace_records
+
+    reqs = from_trace_records(member_trace(SUITE["long_agentic"], 8, block_size=64, scale=0.25), 64)
+    hits = {}
+    for ends in (False, True):
+        cluster = ClusterConfig(num_workers=2, device_blocks=256, host_blocks=2048, retention="checkpoints",
+                                session_ends=ends)
+        res = Simulator(reqs, "dynamo_cost", cluster, replay=ReplayConfig(concurrency=4, think_scale=0.25)).run()
+        assert res.summary["requests"] == len(reqs)
+        hits[ends] = res.summary["hit_rate"]
+    assert hits[True] > hits[False], hits
+    with pytest.raises(ValueError):
+        ClusterConfig(num_workers=2, retention="lru", session_ends=True)
 
 
 def test_session_retention_raises_the_hit_under_capacity_pressure():

@@ -13,6 +13,8 @@ learns what will not be read again::
                          ``keep_checkpoints`` -> evicted first
     session ends         its private objects (MLA blocks and checkpoints)
                          -> evicted first, the end of its context first
+                         (policy "checkpoints": only when its client said
+                         so, ``client_ends``: the API's ``session_end``)
     shared prefix found  a session's first prompt finds blocks another
                          session left: they (and their checkpoints) are
                          shared from now on and refreshed once
@@ -37,8 +39,10 @@ Policy "lru" does nothing (plain LRU tiers); "session" does the above;
 ``disagg.reuse.retention``; ``disagg.workers.tiered`` NOTE 3, ``disagg.flow``
 NOTE 12), without what only the trace knows: a turn's superseded checkpoints,
 a borrowed turn's checkpoints and a handed-off session's private objects in
-the prefill node's tiers go first; a session's end and the devices a session
-left demote nothing (serving is not told when a session ends).
+the prefill node's tiers go first; the devices a session left demote nothing,
+and a session's end only when its client says so (``client_ends``: clients
+that send ``session_end`` with a session's last turn, ``disagg.flow`` NOTE 13;
+serving is not told otherwise).
 
 NOTES
 1. ``shared`` only grows; an object whose digest is in it is never demoted.
@@ -61,13 +65,17 @@ _K = b"K"
 
 
 class SessionRetention:
-    def __init__(self, policy: str = "session", keep_checkpoints: int = KEEP_CHECKPOINTS):
+    def __init__(self, policy: str = "session", keep_checkpoints: int = KEEP_CHECKPOINTS,
+                 client_ends: bool = False):
         if policy not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         if keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be >= 1")
+        if client_ends and policy == "lru":
+            raise ValueError("client_ends needs a retention that tracks sessions (checkpoints or session)")
         self.enabled = policy != "lru"  # sessions tracked, checkpoints demoted
         self.full = policy == "session"  # also session ends and moves
+        self.client_ends = client_ends  # clients say which turn is a session's last (session_end)
         self.keep_checkpoints = keep_checkpoints
         self.shared: set[bytes] = set()  # NOTE 1
         self._sessions: dict[tuple[str, int], tuple[list[bytes], list[bytes]]] = {}  # NOTE 2
@@ -148,13 +156,13 @@ class SessionRetention:
 
     def on_session_end(self, skey: tuple[str, int], tiers: Iterable[LRUTier | None]) -> None:
         """The session will not come back: its private objects go first (tail first); policy
-        "checkpoints" only forgets it."""
+        "checkpoints" only forgets it, unless its client said so (``client_ends``)."""
         if not self.enabled:
             return
         state = self._sessions.pop(skey, None)
         done = self._demoted.pop(skey, 0)
         self._devices.pop(skey, None)
-        if state is None or not self.full:
+        if state is None or not (self.full or self.client_ends):
             return
         digests, mine = state
         shared = self.shared

@@ -142,6 +142,7 @@ class ClusterConfig:
     host_policy: str = "lru"  # host tiers: "lru" (LRUTier, serving's default policy) or another of serving's
     # policies (cache.PolicyTier)
     host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6
+    session_ends: bool = False  # clients mark each session's last turn (the API's session_end; retention)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -160,6 +161,8 @@ class ClusterConfig:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}")
         if self.host_write not in HOST_WRITES:
             raise ValueError(f"host_write must be one of {HOST_WRITES}")
+        if self.session_ends and self.retention == "lru":
+            raise ValueError("session_ends needs a retention that tracks sessions (checkpoints or session)")
 
     def roles(self) -> list[str]:
         if self.num_prefill:
@@ -248,7 +251,7 @@ class Simulator:
         self._ends: dict[tuple[str, int], deque[int]] = {}  # (session, salt) -> recent unaligned prompt ends
         self._rid = 0
         self._snapshot: list[WorkerState] | None = None
-        self.retention = SessionRetention(c.retention)
+        self.retention = SessionRetention(c.retention, client_ends=c.session_ends)
         self._build_cluster()
         self.driver = Driver(self, requests, self.replay)
 
