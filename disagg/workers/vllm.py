@@ -10,6 +10,8 @@ state connector. ``ConnectorState`` is the flow's state interface for that:
     load        nothing to load here: vLLM's connector loads the resumable prefix itself
     open        a prefill's hand-off -> ``kv_transfer_params`` (StateHandle) for the decode request
     publish     nothing: the connector saves the turn end (kv_both) before vLLM frees the blocks
+    demote      a session's end (``disagg.flow`` NOTE 13): the blocks the connector saved of the
+                prompt go first in this node's tiers (its checkpoints are not this flow's publishes)
 
     decode replica                                   prefill replica
     RequestFlow.generate(params)                     prefill(params)
@@ -29,6 +31,7 @@ NOTES
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -55,10 +58,12 @@ log = logging.getLogger(__name__)
 class ConnectorState:
     """``disagg.flow.FlowState`` where vLLM's connector moves the state (module docstring)."""
 
-    def __init__(self, lookup, model_id: str, block_size: int, producer_sizes: tuple[int, int]):
+    def __init__(self, lookup, model_id: str, block_size: int, producer_sizes: tuple[int, int],
+                 node_id: str = "local"):
         self.store = lookup  # a presence-only StateStore over the node's tiers, or None
         self.model_id, self.block_size = model_id, block_size
         self.producer_sizes = producer_sizes  # (TP, DCP) of the prefill engines: how hand-offs are stored
+        self.node_id = node_id
 
     async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
         return await store_lookup(self.store, tokens, hasher, limit)
@@ -80,7 +85,12 @@ class ConnectorState:
         return 0  # the connector's saves are not this flow's publishes: nothing of them is demoted here
 
     async def demote_blocks(self, node_id: str, hashes: list[bytes]) -> int:
-        return 0  # the connector loads hand-offs from this node's tiers: no other node holds a copy
+        """This node's tiers evict the blocks the connector saved under ``hashes`` first (a session's
+        end, ``disagg.flow`` NOTE 13; the lookup's key space is the decode engines'). Another
+        node's: nothing (hand-offs never leave the node, NOTE 1)."""
+        if self.store is None or node_id != self.node_id or not hashes:
+            return 0
+        return await asyncio.to_thread(lambda: self.store.demote(self.store.block_keys(hashes)))
 
 
 class VLLMWorker:
@@ -101,7 +111,7 @@ class VLLMWorker:
         self.store = lookup
         self.replica_id, self.node_id = replica_id, node_id
         self.hasher = BlockHasher(engine.block_size, KeyExtras(engine.model_id))
-        state = ConnectorState(lookup, engine.model_id, engine.block_size, producer_sizes)
+        state = ConnectorState(lookup, engine.model_id, engine.block_size, producer_sizes, node_id)
         # vLLM's connector saves what vLLM keeps: no learned checkpoint positions to ask for, and no
         # published points of this flow's to demote (NOTE 9 of disagg.flow)
         options = replace(options or FlowOptions(prefill_retries=1), learned_checkpoints=False, keep_checkpoints=0)

@@ -130,3 +130,26 @@ def test_the_vllm_worker_has_no_decode_flow_of_its_own():
     src = inspect.getsource(vllm_worker)
     assert "RequestFlow" in src and "async for out in self.engine.generate(req, {\"do_remote_decode\"" in src
     assert src.count("self.engine.generate(") == 1  # only the prefill's; decoding is disagg.flow's
+
+
+def test_a_session_end_demotes_what_the_connector_saved_on_this_node_only():
+    """``ConnectorState.demote_blocks`` (``disagg.flow`` NOTE 13) over a real host tier, in the
+    lookup store's key space: this node's blocks are demoted (still held), another node's call
+    demotes nothing."""
+    from disagg.config import load_config
+    from kv_transfer.tiers.host import HostTier
+
+    tier = HostTier(8 << 20, pin_memory=False)
+    try:
+        lookup = vllm_worker.lookup_store(load_config({"model": {"name": "tiny"}}), [tier])
+        hashes = [bytes([i]) * 16 for i in range(3)]
+        keys = lookup.block_keys(hashes)
+        for k in keys:
+            tier.put_bytes(k, b"x" * 64)
+        state = vllm_worker.ConnectorState(lookup, "m", 64, (1, 1), "n0")
+        assert asyncio.run(state.demote_blocks("n1", hashes)) == 0
+        assert tier.stats()["num_demoted"] == 0
+        assert asyncio.run(state.demote_blocks("n0", hashes[::-1])) == 3
+        assert tier.stats()["num_demoted"] == 3 and all(tier.contains(keys))
+    finally:
+        tier.close()
