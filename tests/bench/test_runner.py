@@ -299,3 +299,31 @@ def test_a_sweeps_infinite_cache_keeps_the_shared_prefix_across_runs(server_fact
     first, second = asyncio.run(two_runs())
     assert first.theoretical_hit == pytest.approx(8 / 24)  # b reuses a's shared 8 tokens
     assert second.theoretical_hit == pytest.approx(16 / 24)  # and now a reuses the first run's too
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+def test_session_end_marks_each_session_last_turn_only(server_factory, monkeypatch, mode) -> None:
+    """With ``session_end`` each session's last turn carries ``"session_end": true`` and no other
+    turn does; without it no body carries the field."""
+    server = server_factory(ttft_ms=1, itl_ms=1, cache_block_size=4)
+    records = _trace(3, 3)
+    sent: list[dict] = []
+    real = OpenAIClient.build_body
+
+    def build_body(self, *args, **kwargs):
+        body = real(self, *args, **kwargs)
+        sent.append(json.loads(body))
+        return body
+
+    monkeypatch.setattr(OpenAIClient, "build_body", build_body)
+    for flag in (True, False):
+        sent.clear()
+        cfg = RunConfig(mode=mode, concurrency=2, recycle=False, progress=False, session_end=flag)
+        out = asyncio.run(_replay(server.url, records, cfg))
+        assert len(out.results) == 9 and all(r.ok for r in out.results)
+        ended = sorted(b["session_id"].split("#")[0] for b in sent if b.get("session_end"))
+        assert ended == (["s0", "s1", "s2"] if flag else [])
+        assert all("session_end" not in b or b["session_end"] is True for b in sent)
+        assert all(len(b["prompt"]) == (2 + 3) * 4 for b in sent if b.get("session_end"))  # turn 2's
+    turn_of = {(r.session_id, r.turn) for r in out.results}
+    assert turn_of == {(f"s{s}", t) for s in range(3) for t in range(3)}

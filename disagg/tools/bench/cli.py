@@ -151,6 +151,11 @@ def _add_bench_run_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start each lane's first session at a random turn (warm-up)",
     )
+    p.add_argument(
+        "--session-end",
+        action="store_true",
+        help="each session's last turn sends session_end (disagg's extension: its state goes first)",
+    )
     p.add_argument("--ramp", type=float, default=0.0, help="seconds over which lanes start")
     p.add_argument("--salt", type=int, default=1, help="cache-busting salt of the first run")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and sampled start turns")
@@ -324,6 +329,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         think_scale=args.think_scale,
         speedup=args.speedup,
         sample_start_turn=args.sample_start_turn,
+        session_end=args.session_end,
         ramp_s=args.ramp,
         salt=args.salt,
         seed=args.seed,

@@ -178,11 +178,16 @@ class OpenAIClient:
             return await resp.text()
 
     def build_body(
-        self, prompt: np.ndarray | list[int] | str, max_tokens: int, session_id: str | None = None
+        self,
+        prompt: np.ndarray | list[int] | str,
+        max_tokens: int,
+        session_id: str | None = None,
+        session_end: bool = False,
     ) -> bytes:
         """Encode one request body (call off the event loop for huge prompts).
 
-        ``session_id`` (an extension some servers use for routing affinity) is sent when given.
+        ``session_id`` (an extension some servers use for routing affinity) is sent when given;
+        ``session_end`` (disagg's extension: the session's last turn) with it.
         """
         body: dict[str, Any] = {
             "model": self.model,
@@ -198,6 +203,8 @@ class OpenAIClient:
             body["prompt"] = prompt
         if session_id:
             body["session_id"] = session_id
+            if session_end:
+                body["session_end"] = True
         body.update(self.extra_body)
         return _dumps(body)
 

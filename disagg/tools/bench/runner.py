@@ -22,6 +22,10 @@ finish.
 Open loop: every record is sent at ``timestamp / speedup`` after the start,
 whatever the state of earlier requests.
 
+``session_end``: each session's last turn in the trace says so (the server's
+``session_end`` extension, which evicts the session's state first once it is
+answered), as a client that knows its task is done would.
+
 Salts: a replay's salt is ``run_salt << 16 | replay_number``; salt 0 is the
 trace as written (see ``tokens.py`` for what a salt changes).
 """
@@ -64,6 +68,7 @@ class RunConfig:
     seed: int = 0  # sampled start turns
     progress: bool = True  # show a tqdm bar
     label: str = ""  # name of the run in reports
+    session_end: bool = False  # each session's last turn sends session_end (module docstring)
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -160,24 +165,28 @@ class Replayer:
             self._measured += 1
         return self._count, warmup
 
-    async def _body(self, rec: TraceRecord, salt: int) -> bytes:
+    async def _body(self, rec: TraceRecord, salt: int, last: bool = False) -> bytes:
         def build() -> bytes:
             if self.client.prompt_mode == "text":
                 prompt = self.tokens.prompt_text(rec, salt)
             else:
                 prompt = self.tokens.prompt_ids(rec, salt)
-            return self.client.build_body(prompt, rec.output_length, f"{rec.session_id}#{salt}")
+            return self.client.build_body(
+                prompt, rec.output_length, f"{rec.session_id}#{salt}", last and self.cfg.session_end
+            )
 
         if rec.input_length > _INLINE_TOKENS:
             return await asyncio.to_thread(build)
         return build()
 
-    async def _send(self, rec: TraceRecord, salt: int, lane: int, claim: tuple[int, bool]) -> None:
+    async def _send(
+        self, rec: TraceRecord, salt: int, lane: int, claim: tuple[int, bool], last: bool = False
+    ) -> None:
         number, warmup = claim
         rid = f"{self.cfg.label or 'run'}-{number}"
         keys = self.tokens.block_keys(rec.hash_ids, salt).tolist()
         hits = self._infinite_cache_hit(keys, rec)  # tokens, as the request is sent
-        body = await self._body(rec, salt)
+        body = await self._body(rec, salt, last)
         result = await self.client.send(body, rid)
         if result.ok:
             self._all_hits += hits
@@ -229,7 +238,8 @@ class Replayer:
                 return
             turns, salt = item
             start = rng.randrange(len(turns)) if first and cfg.sample_start_turn else 0
-            for k, rec in enumerate(turns[start:]):
+            todo = turns[start:]
+            for k, rec in enumerate(todo):
                 if k > 0:
                     think = min(rec.delay, cfg.think_cap_ms) * cfg.think_scale / 1000.0
                     wait = min(think, self._deadline_s() - self._now_s())
@@ -237,12 +247,17 @@ class Replayer:
                         await asyncio.sleep(wait)
                 if not self._may_start():
                     return
-                await self._send(rec, salt, lane, self._claim(first and cfg.sample_start_turn))
+                await self._send(
+                    rec, salt, lane, self._claim(first and cfg.sample_start_turn), k == len(todo) - 1
+                )
                 first = False
 
     # -- open loop --------------------------------------------------------------
     async def _open(self, records: Sequence[TraceRecord]) -> None:
         ordered = sorted(records, key=lambda r: r.timestamp)
+        last_turn: dict[str, int] = {}
+        for rec in ordered:
+            last_turn[rec.session_id] = max(rec.turn, last_turn.get(rec.session_id, rec.turn))
         t_first = ordered[0].timestamp
         tasks: set[asyncio.Task] = set()
         for rec in ordered:
@@ -252,7 +267,10 @@ class Replayer:
                 await asyncio.sleep(delay)
             if not self._may_start():
                 break
-            task = asyncio.create_task(self._send(rec, self.cfg.run_salt << 16, -1, self._claim()))
+            last = rec.turn == last_turn[rec.session_id]
+            task = asyncio.create_task(
+                self._send(rec, self.cfg.run_salt << 16, -1, self._claim(), last)
+            )
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:

@@ -54,6 +54,7 @@ class BenchParams:
     think_scale: float = 1.0
     speedup: float = 1.0
     sample_start_turn: bool = False
+    session_end: bool = False  # each session's last turn sends session_end (runner docstring)
     ramp_s: float = 0.0
     salt: int = 1  # run salt of the first sweep point
     seed: int = 0
@@ -88,6 +89,7 @@ class BenchParams:
             think_scale=self.think_scale,
             speedup=self.speedup,
             sample_start_turn=self.sample_start_turn,
+            session_end=self.session_end,
             ramp_s=self.ramp_s,
             seed=self.seed,
             progress=self.progress,
