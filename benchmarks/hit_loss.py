@@ -21,7 +21,9 @@ trace knows, one at a time or together (``disagg.tools.sim.retention``):
     moved     its private copies on the devices it left go first
 
 so the run answers what each piece of knowledge would be worth. Serving knows
-neither (the simulator's default retention, "checkpoints", is serving's).
+neither (the simulator's default retention, "checkpoints", is serving's),
+except a session's end from clients that send ``session_end`` on its last turn
+(``disagg sim run --session-ends``: what ``--know end`` runs).
 
     python benchmarks/hit_loss.py --trace T.jsonl --sim-args "--block-size 64 --prefill 4 --decode 12"
     python benchmarks/hit_loss.py --trace T.jsonl --sim-args "--block-size 64 --workers 16" --know end
