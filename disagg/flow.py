@@ -124,8 +124,9 @@ NOTES
    with this node). Private is as in NOTE 12; a prefill's copy on another node went at the
    hand-off (NOTE 12, tiered NOTE 3). Over vLLM the state is the blocks its connector saved
    (``ConnectorState``): the engine keeps nothing to release, and the connector still saves
-   the last turn itself, so only what was there before it is demoted. A client that says so wrongly costs a recompute of what
-   was evicted since, never a wrong token: demoted state is read (and refreshed) until evicted.
+   the last turn itself, so only what was there before it is demoted. A client that says so
+   wrongly costs a recompute of what was evicted since, never a wrong token: demoted state is
+   read (and refreshed) until evicted.
 """
 
 from __future__ import annotations

@@ -253,3 +253,18 @@ def test_a_turn_handed_to_another_node_leaves_the_prefill_node_tiers_first_in_li
         other.on_prompt(("s", 0), [_d(1), _d(2)], 2, 0, [t])
         other.on_handed_off(("s", 0), [t])
         assert t.keys() == order, policy
+
+
+def test_the_cli_takes_session_ends_and_refuses_it_without_sessions_tracked(capsys):
+    """``disagg sim run --session-ends`` runs under the default retention; with ``--retention lru``
+    it is a one-line error, not a traceback."""
+    import json
+
+    from disagg.tools.sim.cli import main
+
+    assert main(["sim", "run", "--sessions", "4", "--turns", "3", "--workers", "2", "--session-ends",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert (rows if isinstance(rows, list) else [rows])[0]["requests"] == 12
+    with pytest.raises(SystemExit, match="--session-ends needs --retention"):
+        main(["sim", "run", "--sessions", "4", "--turns", "3", "--retention", "lru", "--session-ends"])

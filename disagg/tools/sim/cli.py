@@ -193,6 +193,9 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
     """(ClusterConfig, CostModel) from the flags and the profile's defaults."""
     from disagg.tools.sim.profile import load_profile
 
+    if args.session_ends and args.retention == "lru":
+        raise SystemExit("disagg sim: --session-ends needs --retention checkpoints or session "
+                         "(lru tracks no sessions)")
     cost = cost_profile(args.profile)
     prof = None if args.profile in PROFILES else load_profile(args.profile)
     if args.request_overhead_ms is not None:
