@@ -662,7 +662,7 @@ class RequestFlow:
     async def hand_over(self, node_id: str, ticket: ReuseTicket) -> None:
         """NOTE 12: the prompt's state, loaded from ``node_id``, lives here now: that node's tiers
         evict its private blocks first, the end of the context first; a failure leaves recency."""
-        blocks = ticket.hashes[self.reuse.shared_blocks(ticket):len(ticket.tokens) // self.engine.block_size]
+        blocks = self._private_blocks(ticket)
         if not blocks or self.state is None:
             return
         try:
@@ -671,6 +671,10 @@ class RequestFlow:
             log.warning("demoting %d handed-over blocks on node %s failed", len(blocks), node_id, exc_info=True)
             return
         self.counters["handed_over_demoted"] += n
+
+    def _private_blocks(self, ticket: ReuseTicket) -> list[bytes]:
+        """The digests of the prompt's full blocks past what another session also sent (NOTE 12)."""
+        return ticket.hashes[self.reuse.shared_blocks(ticket):len(ticket.tokens) // self.engine.block_size]
 
     def _end_session(self, params: GenerateParams, ticket: ReuseTicket, held: str | None) -> None:
         """NOTE 13: the request ends its session; ``held``: the engine request to release."""
@@ -692,7 +696,7 @@ class RequestFlow:
         points = self.reuse.end_session(session)
         if self.state is None:
             return
-        blocks = ticket.hashes[self.reuse.shared_blocks(ticket):len(ticket.tokens) // self.engine.block_size]
+        blocks = self._private_blocks(ticket)
         n = 0
         try:
             if points:
