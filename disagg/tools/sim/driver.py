@@ -37,7 +37,8 @@ class Simulator(Protocol):
 
     def schedule(self, t: float, fn: Callable[..., None], *args: Any) -> None: ...
 
-    def send(self, now: float, req: SimRequest, salt: int = 0, lane: int = -1, warmup: bool = False) -> None: ...
+    def send(self, now: float, req: SimRequest, salt: int = 0, lane: int = -1, warmup: bool = False,
+             last: bool = False) -> None: ...
 
     def session_done(self, session_id: str, salt: int) -> None: ...
 
@@ -142,13 +143,14 @@ class Driver:
             return False
         return self.cfg.max_requests is None or self.measured < self.cfg.max_requests
 
-    def _send(self, now: float, req: SimRequest, salt: int, lane: int, force_warmup: bool = False) -> None:
+    def _send(self, now: float, req: SimRequest, salt: int, lane: int, force_warmup: bool = False,
+              last: bool = False) -> None:
         self.count += 1
         c = self.cfg
         warmup = force_warmup or self.count <= c.warmup_requests or now < c.warmup_s
         if not warmup:
             self.measured += 1
-        self.sim.send(now, req, salt, lane, warmup)
+        self.sim.send(now, req, salt, lane, warmup, last)
 
     # ---- start -------------------------------------------------------------------------
     def start(self) -> None:
@@ -198,7 +200,7 @@ class Driver:
         req = lane.turns[lane.pos]
         force = lane.first and self.cfg.sample_start_turn
         lane.first = False
-        self._send(now, req, lane.salt, lane.lane, force)
+        self._send(now, req, lane.salt, lane.lane, force, last=lane.pos == len(lane.turns) - 1)
 
     def on_finished(self, now: float, lane_id: int) -> None:
         """A closed-loop lane's request ended: its next turn, or its next session."""

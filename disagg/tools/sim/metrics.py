@@ -47,6 +47,7 @@ class RequestRecord:
     lane: int = -1  # closed-loop lane (-1: open loop)
     salt: int = 0  # cache-busting salt of the replay
     warmup: bool = False  # excluded from the benchmark metrics
+    last_turn: bool = False  # its session's last turn (closed loop): what a client marks session_end
 
     @property
     def ttft(self) -> float:

@@ -79,6 +79,11 @@ NOTES
    sessions. A prefill's hand-off to a decode worker still publishes to the prefill node's host
    tier (the decode worker loads it from there). A session's state on one worker's device is
    not readable by the other workers of its node until that device evicts it.
+7. A session's last turn, marked by its client (``ClusterConfig.session_ends``, closed loop:
+   the API's ``session_end``): serving's flow publishes no turn end for it (``disagg.flow``
+   NOTE 13), so its stores write nothing through to a host tier: the device keeps the state
+   while the turn runs, and the retention demotes it when the turn ends. A prefill's hand-off
+   still publishes on the prefill node (the decode worker loads it from there).
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -344,12 +349,14 @@ class Simulator:
             self.schedule(now + self.cluster.stats_period_s, self._refresh_stats)
 
     # ---- request life ----------------------------------------------------------
-    def send(self, now: float, req: SimRequest, salt: int = 0, lane: int = -1, warmup: bool = False) -> None:
-        """A client sends ``req``: it reaches the router after the serving path's overhead."""
+    def send(self, now: float, req: SimRequest, salt: int = 0, lane: int = -1, warmup: bool = False,
+             last: bool = False) -> None:
+        """A client sends ``req`` (``last``: its session's last turn): it reaches the router after
+        the serving path's overhead."""
         self._rid += 1
         rid = f"r{self._rid:06d}"
         rec = RequestRecord(rid, req.session_id, req.turn, req.input_length, req.output_length, now,
-                            lane=lane, salt=salt, warmup=warmup)
+                            lane=lane, salt=salt, warmup=warmup, last_turn=last)
         self.records.append(rec)
         delay = self.cost.request_overhead_s
         if delay > 0:
@@ -445,8 +452,8 @@ class Simulator:
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
-        job.ckpts = self.state.store(ps, job.cached, w.device, self._write_host(w, job.decode_worker is not None),
-                                     extra=job.extra)
+        job.ckpts = self.state.store(ps, job.cached, w.device,
+                                     self._write_host(w, job.record, job.decode_worker is not None), extra=job.extra)
         skey = (job.record.session_id, job.record.salt)
         self.retention.on_store(skey, job.ckpts, self._tiers)
         if job.record.cached_tier == "remote" and job.decode_worker is not None:  # a peer read (NOTE 1): the
@@ -477,15 +484,18 @@ class Simulator:
         moved = cost.state_bytes(job.prompt_len - skip * self.block_size)
         self.schedule(first + cost.transfer_time(moved, tier), self._arrive_decode, job, d)
 
-    def _write_host(self, w: SimWorker, handing_off: bool = False) -> LRUTier | None:
+    def _write_host(self, w: SimWorker, rec: RequestRecord, handing_off: bool = False) -> LRUTier | None:
         """The host tier a store on ``w`` writes through to: its node's, or none with write-back
-        (NOTE 6) unless the state is a hand-off's, which the decode worker reads from there."""
-        if self.cluster.host_write == "back" and not handing_off:
+        (NOTE 6), or for a session's last turn that its client marked (NOTE 7), unless the state is
+        a hand-off's, which the decode worker reads from there."""
+        if handing_off:
+            return self.host[w.node_id]
+        if self.cluster.host_write == "back" or (rec.last_turn and self.cluster.session_ends):
             return None
         return self.host[w.node_id]
 
     def _arrive_decode(self, now: float, job: SimJob, d: SimWorker) -> None:
-        self.state.store(job.prompt, 0, d.device, self._write_host(d), job.ckpts)
+        self.state.store(job.prompt, 0, d.device, self._write_host(d, job.record), job.ckpts)
         p = self.workers[job.record.prefill_worker]
         if p.node_id != d.node_id:  # NOTE 3: the session lives on D's node now
             self.retention.on_handed_off((job.record.session_id, job.record.salt),
