@@ -123,8 +123,9 @@ NOTES
    prompt's private MLA blocks, the end of the context first (``FlowState.demote_blocks``
    with this node). Private is as in NOTE 12; a prefill's copy on another node went at the
    hand-off (NOTE 12, tiered NOTE 3). Over vLLM the state is the blocks its connector saved
-   (``ConnectorState``): the engine keeps nothing to release, and the connector still saves
-   the last turn itself, so only what was there before it is demoted. A client that says so
+   (``ConnectorState``): the engine keeps nothing to release, and the request tells the
+   connector to save none of the turn (``EngineRequest.save_state``; the connector's
+   scheduler side NOTE 4), so what is demoted is what earlier turns saved. A client that says so
    wrongly costs a recompute of what was evicted since, never a wrong token: demoted state is
    read (and refreshed) until evicted.
 """
@@ -527,7 +528,8 @@ class RequestFlow:
         rid = f"{params.request_id}/decode"
         keep = self.engine.keeps_state
         req = EngineRequest(rid, tokens, sampling, keep_state=keep, first_output_index=first_index,
-                            cached_source=plan.source, cache_salt=params.cache_salt, checkpoint_at=checkpoint_at)
+                            cached_source=plan.source, cache_salt=params.cache_salt, checkpoint_at=checkpoint_at,
+                            save_state=not params.session_end)  # NOTE 13
         n_prompt = len(params.prompt_token_ids)
         first = True
         try:

@@ -74,6 +74,8 @@ class EngineRequest:
     cached_source: str = "host"  # where ``resume`` came from: "host" | "disk" | "peer" | "device"
     cache_salt: str = ""  # tenant salt: device-resident state is only shared within a salt
     checkpoint_at: tuple[int, ...] = ()  # with keep_state: also keep KDA checkpoints here (block boundaries)
+    save_state: bool = True  # False: nothing will resume it (a session's last turn): an engine whose
+    # connector saves finished state itself (vLLM) saves none of it (disagg.flow NOTE 13)
 
     def __repr__(self) -> str:  # keep prompts out of logs
         return (

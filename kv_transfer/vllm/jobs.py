@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HANDLE_KEY = "disagg_state"  # our entry in vLLM's kv_transfer_params
+NO_SAVE_KEY = "disagg_no_save"  # kv_transfer_params: save nothing of this request (scheduler side NOTE 4)
 
 
 @dataclass(slots=True, repr=False)

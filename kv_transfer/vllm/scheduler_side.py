@@ -23,6 +23,10 @@ NOTES
    blocks of boundary and partial-tail saves are pinned here (BlockPool.touch)
    and unpinned when all ``world_size`` workers reported the job.
 3. A save never gathers a block the store already holds (``first_block``).
+4. A request whose ``kv_transfer_params`` carry ``NO_SAVE_KEY`` is saved at no point
+   (finish, boundary, partial tail; counted ``saves_declined``): a session's last turn,
+   whose client said nothing will resume it (``disagg.flow`` NOTE 13). A P/D prefill
+   never carries it: its finish save is the hand-off.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey, dcp_shard
 from kv_transfer.store import ResumePoint
 from kv_transfer.vllm.geometry import CacheGeometry
-from kv_transfer.vllm.jobs import LoadJob, SaveJob, StateHandle, WorkerReport
+from kv_transfer.vllm.jobs import NO_SAVE_KEY, LoadJob, SaveJob, StateHandle, WorkerReport
 from kv_transfer.vllm.stores import StoreSet
 
 log = logging.getLogger(__name__)
@@ -93,7 +97,7 @@ class SchedulerSide:
         self._next_job = 0
         self.counters = dict.fromkeys(("lookups", "hits", "hit_tokens", "waits", "loads", "saves_finish",
                                        "saves_boundary", "saves_partial_tail", "save_failures",
-                                       "saves_skipped"), 0)
+                                       "saves_skipped", "saves_declined"), 0)
 
     # ---- helpers --------------------------------------------------------
     def hasher(self, cache_salt: str | None) -> BlockHasher:
@@ -229,6 +233,9 @@ class SchedulerSide:
     def _save_job(self, request, block_ids, position: int, reason: str, kda_blocks: dict[int, int] | None = None,
                   finish: bool = False) -> SaveJob | None:
         if position < self.opts.min_save_tokens or position > len(request.all_token_ids):
+            return None
+        if (getattr(request, "kv_transfer_params", None) or {}).get(NO_SAVE_KEY):  # NOTE 4
+            self.counters["saves_declined"] += 1
             return None
         tokens = self._tokens(request, position)
         hasher = self.hasher(getattr(request, "cache_salt", None))

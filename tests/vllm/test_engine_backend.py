@@ -154,3 +154,55 @@ def test_short_suffix_prefills_locally_and_resumes_from_the_nodes_tier():
     assert not calls and decode.counters["local_prefills"] == 2
     assert chunks[-1].num_cached_tokens == 602  # the first turn's end, loaded by the connector
     assert out2 == H.baseline(second, 3)
+
+
+def test_a_session_end_turn_saves_nothing_and_demotes_what_earlier_turns_saved():
+    """A session's last turn (``session_end``, flow NOTE 13) over vLLM: the request tells the
+    connector to save none of it (scheduler side NOTE 4), so the node's tier gains no object, and
+    the blocks the session's earlier turn saved are demoted there; its output is the reference's.
+    A turn without the flag saves (the control)."""
+    import uuid
+
+    from kv_transfer.tiers.host import HostTier
+    from kv_transfer.vllm.stores import register_local_tier
+
+    name = f"host-{uuid.uuid4().hex[:8]}"
+    with HostTier(64 << 20) as tier:  # a host tier that orders its evictions (the harness's dict does not)
+        register_local_tier(name, tier)
+        _end_a_session(name, tier)
+
+
+def _end_a_session(name: str, tier) -> None:
+    from dataclasses import replace
+
+    from disagg.flow import FlowOptions
+    from disagg.router.decider import DeciderConfig
+    from disagg.workers.vllm import VLLMWorker, lookup_store
+
+    app = _app()
+    first = H.prompt(600, seed=31)
+    eng = H.Engine(H.vllm_config(tier=name, engine_id="decode-0"))
+    decode = VLLMWorker(_backend(app, "decode", eng), lookup=lookup_store(app, [tier]),
+                        options=FlowOptions(DeciderConfig(local_prefill_max_tokens=256), prefill_retries=1))
+    out1, _ = asyncio.run(_collect(decode, replace(_params("t1", first, 3), session_id="s")))
+    eng.run()
+    sched = eng.connector._sched
+    saved = set(tier.keys())
+    assert saved and sched.counters["saves_finish"] == 1 and sched.counters["saves_declined"] == 0
+
+    second = first + out1[:2] + H.prompt(300, seed=32)
+    last = replace(_params("t2", second, 3), session_id="s", session_end=True)
+
+    async def last_turn():
+        got = await _collect(decode, last)
+        await decode.drain()  # the end's demote runs in the background
+        return got
+
+    out2, chunks = asyncio.run(last_turn())
+    eng.run()
+    assert out2 == H.baseline(second, 3)
+    assert chunks[-1].num_cached_tokens == 602  # resumed from the first turn's end
+    assert set(tier.keys()) == saved  # the last turn stored nothing
+    assert sched.counters["saves_finish"] == 1 and sched.counters["saves_declined"] >= 1
+    assert decode.flow.counters["sessions_ended"] == 1
+    assert decode.flow.counters["session_end_demoted"] == 4  # the first turn's 4 full blocks, all private

@@ -29,6 +29,7 @@ from typing import Any
 from disagg.config import AppConfig
 from disagg.engine.protocol import EngineRequest, TokenLogprob, TokenOutput
 from disagg.engine.vllm.options import build_engine_args, model_id, options
+from kv_transfer.vllm.jobs import NO_SAVE_KEY
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "abort", "error": "error"}
 
@@ -120,6 +121,8 @@ class VLLMEngine:
             raise RuntimeError("the vLLM engine was built with start=False")
         if not request.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if not request.save_state:  # a session's last turn: the connector saves none of it
+            kv_transfer_params = {**(kv_transfer_params or {}), NO_SAVE_KEY: True}
         sp = self.sampling_params(request, kv_transfer_params)
         n_prompt = len(request.prompt_token_ids)
         self.counters["requests"] += 1
