@@ -28,6 +28,7 @@ from disagg.reuse.ledger import ReuseLedger, ReuseView, _Lru
 from disagg.reuse.misses import MissInputs, classify
 from disagg.reuse.placement import CheckpointPlacement
 from disagg.reuse.retention import PublishedPoint, SessionCheckpoints
+from disagg.session import session_key
 from kv_transfer.keys import BlockHasher
 
 HeldFn = Callable[[int], Awaitable[bool]]  # position -> is the state there still resumable (store or device)
@@ -67,6 +68,7 @@ class ReuseAccounting:
               cache_salt: str = "", back: Sequence[int] | None = None) -> ReuseTicket:
         """``back``: the router's learned divergences in tokens back from the prompt's last full block
         (placement NOTE 4), in place of this worker's placement's own; None: its own."""
+        session = session_key(cache_salt, session) or None  # a tenant's session (disagg.session)
         owner = session or request_id
         unsalted = hasher.with_salt("") if cache_salt else None
         hashes = hasher.block_hashes(tokens)
@@ -153,6 +155,12 @@ class ReuseAccounting:
         if self.retention is None or not session:
             return []
         return self.retention.end(session)
+
+    def private_blocks(self, session: str) -> list[bytes]:
+        """The block digests only ``session`` (a ``session_key``) sent, in its context's order, less
+        those its retention knows shared (ledger NOTE 4)."""
+        shared = self.retention.shared if self.retention is not None else ()
+        return [h for h in self.ledger.private_blocks(session) if h not in shared]
 
     def shared_blocks(self, ticket: ReuseTicket) -> int:
         """The ticket's prompt's leading full blocks known to be another session's too: up to its

@@ -24,6 +24,11 @@ NOTES
    ``in_flight`` forever.
 3. The bound covers what *this* ledger saw: with several decode replicas, each
    sees only the prompts routed to it (docs/perf/reuse-cpu.md).
+4. ``private_blocks(session)``: the blocks a session sent first and no other session
+   sent since (another's send marks a block ``shared`` for good), in the order last
+   sent: a session re-sends its context every turn, so that is its context's order.
+   What a session ends with when its client says so after the fact
+   (``disagg.flow`` NOTE 14); one pass over the ledger, for an explicit call only.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class ReuseLedger:
         self.block_size = block_size
         self.pending_ttl_s = pending_ttl_s
         self._blocks = _Lru(max_entries)  # digest -> owner session
+        self._shared = _Lru(max_entries)  # digests another session than the owner sent too (NOTE 4)
         self._any = _Lru(max_entries)  # unsalted digest -> None
         self._tails = _Lru(max_entries)  # parent digest -> set of tail lengths
         self._points = _Lru(max_entries)  # prefix digest -> publish time
@@ -165,6 +171,8 @@ class ReuseLedger:
         hashes = hasher.block_hashes(tokens) if hashes is None else hashes
         for h in hashes:
             owner = self._blocks.get(h, session)
+            if owner != session:
+                self._shared.put(h, None)
             self._blocks.put(h, owner)
         if unsalted is not None:
             for h in unsalted.block_hashes(tokens):
@@ -173,6 +181,12 @@ class ReuseLedger:
             for h in hashes:
                 self._any.put(h, None)
         self._note_tail(tokens, hasher, hashes, len(tokens))
+
+    def private_blocks(self, session: str) -> list[bytes]:
+        """The full-block digests ``session`` sent first and no other session sent, in the order
+        last sent (NOTE 4)."""
+        shared = self._shared
+        return [h for h, owner in self._blocks.items() if owner == session and h not in shared]
 
     def _note_tail(self, tokens, hasher: BlockHasher, hashes: list[bytes], p: int) -> bytes:
         bs = self.block_size

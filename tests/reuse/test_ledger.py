@@ -95,3 +95,20 @@ def test_pending_among_sees_in_flight_points_until_they_land_or_drop():
     led.note_points(a, H, (128,), "published")
     led.note_points(a, H, (300,), "dropped")
     assert led.pending_among(a + ids(20, 2), H, (128, 256, 300)) == (256,)
+
+
+def test_private_blocks_are_a_sessions_own_in_its_contexts_order():
+    """Ledger NOTE 4: the blocks a session sent first and nobody else sent, in the order last sent
+    (its latest prompt's); a block another session sent too is shared for good."""
+    led = ReuseLedger(BS)
+    system = ids(2 * BS, 1)
+    a1 = system + ids(3 * BS, 2)
+    led.note_seen(a1, H, "a")
+    led.note_seen(ids(2 * BS, 3), H, "c")  # another session's blocks in between
+    led.note_seen(system + ids(BS, 4), H, "b")  # "b" sends the system prompt too
+    a2 = a1 + ids(2 * BS, 5)
+    led.note_seen(a2, H, "a")
+    hashes = H.block_hashes(a2)
+    assert led.private_blocks("a") == hashes[2:]  # past the shared system prompt, context order
+    assert led.private_blocks("b") == H.block_hashes(system + ids(BS, 4))[2:]
+    assert led.private_blocks("nobody") == []
