@@ -17,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.env import SERVE_ENV
 from deployments.ingress import Ingress
-from deployments.servers import PREFILL_DEPLOYMENT, DecodeServer, PrefillServer
+from deployments.servers import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, DecodeServer, PrefillServer
 from disagg.config import AppConfig, ReplicaConfig, load_config
 
 # router.policy -> the Serve request router class
@@ -92,7 +92,7 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     if d.mode == "disaggregated":
         prefill = serve.deployment(PrefillServer, name=PREFILL_DEPLOYMENT).options(
             **deployment_options(d.prefill, cfg)).bind(data)
-    decode = serve.deployment(DecodeServer, name="DecodeServer").options(
+    decode = serve.deployment(DecodeServer, name=DECODE_DEPLOYMENT).options(
         **deployment_options(d.decode, cfg)).bind(data, prefill)
     ingress = serve.deployment(Ingress, name="Ingress").options(
         **deployment_options(d.ingress, cfg, routed=False)).bind(data, decode, prefill)

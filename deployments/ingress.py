@@ -26,7 +26,8 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-from deployments.request_router import report_finished, router_stats
+from deployments.request_router import replica_ids, report_finished, router_stats
+from deployments.servers import DECODE_DEPLOYMENT
 from deployments.timings import CURRENT, RecentTimings, TimedASGI, stamp
 from disagg.api.app import create_app
 from disagg.api.errors import APIError
@@ -34,7 +35,7 @@ from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig, load_config
 from disagg.console import RequestLog, RequestRecord, format_request
 from disagg.engine.factory import build_tokenizer, engine_limits
-from disagg.messages import GenerateParams, StreamChunk
+from disagg.messages import GenerateParams, SessionEnd, StreamChunk
 from disagg.stream_resume import ResumeWait, timeout_message
 from disagg.workers.tiered import continue_params
 
@@ -178,6 +179,18 @@ class ServeBackend:
             if not done:
                 gen.cancel()
                 report_finished(params.request_id, None)  # abandoned or failed: the routers forget it
+
+    async def end_session(self, session_id: str, cache_salt: str = "") -> int:
+        """Tell every decode replica this ingress's router knows (one call each, ``disagg.flow``
+        NOTE 14; none known yet: one call, anywhere) that the session is over: the objects their
+        nodes' tiers now evict first. A replica that fails to answer counts none."""
+        ids = replica_ids(DECODE_DEPLOYMENT) or [""]
+        calls = [self.decode.end_session.remote(SessionEnd(session_id, cache_salt, rid)) for rid in ids]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.warning("a decode replica did not take a session's end: %r", r)
+        return sum(r["demoted"] for r in results if isinstance(r, dict))
 
     async def stats(self) -> dict:
         calls = [self.decode.stats.remote()]

@@ -63,7 +63,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 
 import disagg.router.metrics as router_metrics
 from deployments.node_store import node_store_actor_of
-from disagg.messages import GenerateParams
+from disagg.messages import GenerateParams, SessionEnd
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.match import credit_node_state
 from disagg.router.metrics import PoolQuery, PoolView
@@ -112,6 +112,34 @@ def _params(pending_request) -> GenerateParams | None:
         return None
     p = pending_request.args[0]
     return p if isinstance(p, GenerateParams) else None
+
+
+def _session_end(pending_request) -> SessionEnd | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    p = pending_request.args[0]
+    return p if isinstance(p, SessionEnd) else None
+
+
+def _to_named(candidate_replicas, end: SessionEnd) -> list:
+    """A session's end goes to the replica the ingress named (each is told once, ``disagg.flow``
+    NOTE 14); one not among the candidates (gone, or none named): any."""
+    named = [r for r in candidate_replicas if r.replica_id.unique_id == end.replica]
+    return [named] if named else [candidate_replicas]
+
+
+def _register_replicas(router) -> None:
+    """Publish ``router``'s replica ids under its deployment's name (``router_metrics.REPLICA_IDS``)."""
+    deployment = getattr(getattr(router, "_deployment_id", None), "name", None)
+    if deployment:
+        router_metrics.REPLICA_IDS[deployment] = lambda: [r.replica_id.unique_id for r in
+                                                          list(router.curr_replicas.values())]
+
+
+def replica_ids(deployment: str) -> list[str]:
+    """The replicas of ``deployment`` this process's router of it knows ([]: none yet)."""
+    ids = router_metrics.REPLICA_IDS.get(deployment)
+    return ids() if ids is not None else []
 
 
 class NodeEventFeed:
@@ -239,6 +267,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         deployment = getattr(getattr(self, "_deployment_id", None), "name", None)
         if deployment:  # as LIVE_POLICIES: in a module imported by reference
             router_metrics.POOL_VIEWS[deployment] = self.pool_view
+        _register_replicas(self)
 
     def pool_loads(self) -> list[float] | None:
         """Effective queued prefill tokens per healthy replica of this pool (None: no replica known)."""
@@ -337,6 +366,10 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                            updated_at=self._policy.clock() - max(0.0, time.time() - stats.get("time", time.time())))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        end = _session_end(pending_request)
+        if end is not None:
+            self._policy.loads.end_session(session_key(end.cache_salt, end.session_id))
+            return _to_named(candidate_replicas, end)
         params = _params(pending_request)
         if params is None:
             return [candidate_replicas]
@@ -374,7 +407,13 @@ def _weight(key: str, replica_id: str) -> int:
 
 
 class AffinityRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, **_):
+        _register_replicas(self)
+
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        end = _session_end(pending_request)
+        if end is not None:
+            return _to_named(candidate_replicas, end)
         params = _params(pending_request)
         if params is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]

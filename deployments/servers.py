@@ -31,12 +31,13 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.faults import FaultInjector, exit_process
 from disagg.flow import FlowOptions
-from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.messages import GenerateParams, PrefillHandle, SessionEnd, StreamChunk
 from disagg.workers.tiered import StatefulWorker
 from kv_transfer.keys import BlockHasher
 
 log = logging.getLogger("ray.serve")
 PREFILL_DEPLOYMENT = "PrefillServer"  # the prefill deployment's name (deployments.app)
+DECODE_DEPLOYMENT = "DecodeServer"  # the decode deployment's name (deployments.app)
 
 
 def device_snapshot(hasher: BlockHasher, sessions: list[tuple]
@@ -221,3 +222,8 @@ class DecodeServer(_ServerBase):
     async def timings(self, request_ids: list[str]) -> dict[str, dict]:
         """First-token stamps of recent requests on this replica (``deployments.timings``)."""
         return self._timings.get(request_ids)
+
+    async def end_session(self, end: SessionEnd) -> dict:
+        """A session is over (``disagg.flow`` NOTE 14; the ingress asks each decode replica, the
+        router sends the call to ``end.replica``): how many objects this node now evicts first."""
+        return {"replica": self.replica_id, "demoted": await self.worker.end_session(end)}

@@ -217,7 +217,7 @@ class HTTPConfig(_Strict):
     max_connections_per_client: int = Field(default=256, ge=0)  # open connections per client address (0 = no cap)
     openapi: bool = False  # serve /openapi.json (behind the API key when keys are set); never /docs
     # limits (see disagg/api/limits.py); per key = per API key, or one shared key without auth
-    max_concurrent_per_key: int = Field(default=0, ge=0)  # generations in flight per key (0 = no limit) -> 429
+    max_concurrent_per_key: int = Field(default=0, ge=0)  # generations (and session ends) in flight per key (0 = no limit) -> 429
     rate_limit_per_key: float = Field(default=0.0, ge=0.0)  # requests/s per key, token bucket (0 = off) -> 429
     rate_burst_per_key: int = Field(default=0, ge=0)  # bucket depth (0 = max(1, rate_limit_per_key))
     max_inflight: int = Field(default=256, ge=1)  # generations running at once (all keys); the rest queue

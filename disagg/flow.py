@@ -128,6 +128,14 @@ NOTES
    scheduler side NOTE 4), so what is demoted is what earlier turns saved. A client that says so
    wrongly costs a recompute of what was evicted since, never a wrong token: demoted state is
    read (and refreshed) until evicted.
+14. A session ended after the fact (``end_session_by_id``: the API's ``DELETE
+   /v1/sessions/{id}``, for a client that learns of the end only after its last turn): as
+   NOTE 13 without the turn, so the blocks come from the reuse ledger, every block the
+   session sent first and no other session sent (``ReuseAccounting.private_blocks``,
+   ledger NOTE 4), the end of its context first, after the checkpoints its retention
+   tracks. What an engine keeps resident of the session stays until the engine evicts it.
+   The ledger is this worker's: the ingress asks every decode replica, and each demotes
+   what it saw.
 """
 
 from __future__ import annotations
@@ -162,7 +170,7 @@ PoolFn = Callable[[PoolQuery], "PoolView | None"]  # the prefill pool for one re
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
             "publish_waits", "publish_waits_expired", "checkpoints_demoted", "peer_resumes", "peer_resume_misses",
-            "handed_over_demoted", "sessions_ended", "session_end_demoted")
+            "handed_over_demoted", "sessions_ended", "sessions_ended_later", "session_end_demoted")
 
 
 @dataclass(slots=True)
@@ -695,10 +703,23 @@ class RequestFlow:
                 await self.engine.release(held, keep_resident=False)
             except Exception:  # noqa: BLE001 - the engine expires what it holds; nothing to publish
                 log.warning("releasing the last turn %s failed", held, exc_info=True)
+        await self._demote_ended(session, self._private_blocks(ticket))
+
+    async def end_session_by_id(self, session_id: str, cache_salt: str = "") -> int:
+        """NOTE 14: the tenant's session ``session_id`` is over: this node's tiers evict what this
+        worker saw of it first. Returns how many objects they held."""
+        session = session_key(cache_salt, session_id)
+        if not session:
+            return 0
+        self.counters["sessions_ended_later"] += 1
+        return await self._demote_ended(session, self.reuse.private_blocks(session))
+
+    async def _demote_ended(self, session: str, blocks: list[bytes]) -> int:
+        """An ended session's checkpoints its retention tracks, then ``blocks`` (context order)
+        end first, evicted first on this node (NOTE 13, 14); a failure leaves eviction by recency."""
         points = self.reuse.end_session(session)
         if self.state is None:
-            return
-        blocks = self._private_blocks(ticket)
+            return 0
         n = 0
         try:
             if points:
@@ -708,6 +729,7 @@ class RequestFlow:
         except Exception:  # noqa: BLE001 - a demote that fails leaves eviction by recency (NOTE 3)
             log.warning("demoting the state of an ended session failed", exc_info=True)
         self.counters["session_end_demoted"] += n
+        return n
 
     # -- background work ---------------------------------------------------------------
     def spawn(self, coro, session: str | None = None) -> None:

@@ -60,6 +60,16 @@ class GenerateParams:
 
 
 @dataclass(slots=True)
+class SessionEnd:
+    """A tenant's session is over (the API's ``DELETE /v1/sessions/{id}``, ``disagg.flow`` NOTE 14),
+    sent to one decode replica (``replica``: the Serve router's id of it; "" any)."""
+
+    session_id: str  # the client's session id
+    cache_salt: str = ""  # the tenant's salt (the session's key, ``disagg.session``)
+    replica: str = ""  # the decode replica to tell ("": whichever the router picks)
+
+
+@dataclass(slots=True)
 class StreamChunk:
     """A piece of a streamed generation (replica -> ingress)."""
 

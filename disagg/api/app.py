@@ -2,7 +2,8 @@
 
 ``create_app(backend, http_config)`` returns a FastAPI app serving
 ``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE), ``/v1/models``
-(and ``/v1/models/{id}``), ``/health`` and ``/metrics``. Stop strings never
+(and ``/v1/models/{id}``), ``/health``, ``/metrics`` and, an extension, ``DELETE
+/v1/sessions/{id}`` (a session is over: ``disagg.flow`` NOTE 14). Stop strings never
 reach the client, streamed or not (text that may start one is held until the
 next piece decides), and a non-streamed request whose client disconnects is
 aborted. A request of ``n`` choices runs one ``_Run`` per choice, answered as one
@@ -13,7 +14,8 @@ baseline it is an in-process engine.
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
 with the matching status: 400 bad parameters / context length, 401 missing or
 wrong API key, 404 unknown model or route, 413 oversize body, 429 per-key rate
-or concurrency limit, 503 overloaded (load shed) or no replica left, 500 a bug.
+or concurrency limit, 501 a session ended on a backend without sessions, 503 overloaded
+(load shed) or no replica left, 500 a bug.
 Keys, limits and load shedding live in ``disagg.api.limits`` (an ASGI
 middleware that sees the whole life of a streamed response).
 """
@@ -50,6 +52,7 @@ from disagg.api.limits import (
 from disagg.api.logprobs import chat_logprobs, completion_logprobs
 from disagg.api.metrics import ServingMetrics
 from disagg.api.schemas import (
+    MAX_FIELD_CHARS,
     UNSERVED_WHY,
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,7 +66,7 @@ from disagg.messages import GenerateParams, StreamChunk
 log = logging.getLogger(__name__)
 _ERRORS = {400: "bad parameters or context length", 401: "missing or invalid API key", 404: "unknown model",
            408: "the request body did not arrive in time", 413: "request body too large", 429: "per-key rate or concurrency limit (see Retry-After)",
-           503: "overloaded or no replica available (see Retry-After)"}
+           501: "not available on this server's backend", 503: "overloaded or no replica available (see Retry-After)"}
 
 
 class GenerationBackend(Protocol):
@@ -176,6 +179,25 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         text = backend.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
         return await _serve(body, _encode(backend.tokenizer, text, "messages"), "chat.completion", request,
                             num_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+
+    @app.delete("/v1/sessions/{session_id:path}",
+                responses={401: {"model": ErrorResponse, "description": _ERRORS[401]},
+                           400: {"model": ErrorResponse, "description": _ERRORS[400]},
+                           429: {"model": ErrorResponse, "description": _ERRORS[429]},
+                           501: {"model": ErrorResponse, "description": _ERRORS[501]}})
+    async def end_session(session_id: str, request: Request, cache_salt: str | None = None):
+        """Extension: the session (the ``session_id`` or ``user`` its requests sent) is over; its state
+        goes first from the serving tiers (``disagg.flow`` NOTE 14). For a client that learns of the end
+        after its last turn; one that knows it sends ``session_end`` with that turn."""
+        end = getattr(backend, "end_session", None)
+        if end is None:
+            raise APIError(501, "this server's backend keeps no session state to end", type="server_error",
+                           code="not_implemented")
+        for name, value in (("session_id", session_id), ("cache_salt", cache_salt or "")):
+            if len(value) > MAX_FIELD_CHARS:
+                raise APIError(400, f"{name} must be at most {MAX_FIELD_CHARS} characters", param=name)
+        demoted = await end(session_id, _cache_salt(request, cache_salt))
+        return {"id": session_id, "object": "session", "ended": True, "demoted_objects": demoted}
 
     async def _serve(body, ids: list[int], kind: str, request: Request, echo: str = "",
                      num_logprobs: int | None = None):

@@ -59,6 +59,7 @@ from disagg.api.errors import APIError
 
 ANONYMOUS = "anonymous"  # the shared key when no API keys are configured
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+SESSIONS_PATH = "/v1/sessions/"  # DELETE ends a session (disagg.flow NOTE 14): rate and concurrency limited
 PROTECTED_PATHS = ("/openapi.json",)  # outside /v1/ but behind the key all the same
 _SALT_CONTEXT = b"disagg-cache-salt"
 
@@ -324,7 +325,8 @@ class EdgeMiddleware:
                 await self._refuse(scope, receive, send, self._too_large(), "body_too_large")
                 return
             receive = _replay(body, receive)
-        if scope["method"] != "POST" or path not in GENERATION_PATHS:
+        generation = scope["method"] == "POST" and path in GENERATION_PATHS
+        if not (generation or (scope["method"] == "DELETE" and path.startswith(SESSIONS_PATH))):
             await self.app(scope, receive, send)
             return
         key = api_key or ANONYMOUS
@@ -333,6 +335,9 @@ class EdgeMiddleware:
             await self._refuse(scope, receive, send, err, err.code or "rate_limited")
             return
         try:
+            if not generation:  # a session's end: the key's limits, not the admission gate (no engine slot)
+                await self.app(scope, receive, send)
+                return
             weight = num_choices(body, self.max_n)  # each choice is a generation (AdmissionGate)
             admitted = self.gate.try_acquire(weight) or await unless_disconnected(self.gate.acquire(weight), wire)
             if admitted is None:  # left while queued (NOTE 4): its place and key count go back

@@ -15,7 +15,7 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine, build_tokenizer, engine_limits
 from disagg.faults import FaultInjector
 from disagg.flow import FlowOptions
-from disagg.messages import GenerateParams, StreamChunk
+from disagg.messages import GenerateParams, SessionEnd, StreamChunk
 from disagg.workers.tiered import StatefulWorker
 
 
@@ -89,6 +89,10 @@ class InProcessBackend:
             await self.prefill.drain()
         assert last is not None, "a stream ends with a finished chunk"
         return tokens, last
+
+    async def end_session(self, session_id: str, cache_salt: str = "") -> int:
+        """The session is over (``disagg.flow`` NOTE 14): objects the decode worker's tiers now evict first."""
+        return await self.decode.end_session(SessionEnd(session_id, cache_salt))
 
     async def stats(self) -> dict:
         parts = [dict(self.decode.stats(), role="decode")]

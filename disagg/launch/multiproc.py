@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig
-from disagg.messages import GenerateParams, StreamChunk
+from disagg.messages import GenerateParams, SessionEnd, StreamChunk
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,8 @@ async def _serve_worker(cfg: AppConfig, spec: WorkerSpec, host_socket: str | Non
             elif method == "drain":
                 await worker.drain()
                 await _send(writer, ("ok", True))
+            elif method == "end_session":
+                await _send(writer, ("ok", await worker.end_session(args[0])))
             else:
                 await _send(writer, ("error", f"unknown method {method!r}"))
         except (ConnectionError, BrokenPipeError):
@@ -309,6 +311,12 @@ class ProcessBackend:
 
     async def drain(self) -> None:
         await asyncio.gather(*(c.call("drain") for c in self.clients.values()))
+
+    async def end_session(self, session_id: str, cache_salt: str = "") -> int:
+        """Tell every decode-side worker the session is over (``disagg.flow`` NOTE 14): the objects
+        their nodes' tiers now evict first."""
+        end = SessionEnd(session_id, cache_salt)
+        return sum(await asyncio.gather(*(self.clients[n].call("end_session", end) for n in self._front)))
 
     def shutdown(self) -> None:
         for c in self._controls:

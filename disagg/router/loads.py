@@ -209,6 +209,12 @@ class LoadTracker:
             self._state[0, d_slot] += 1
             self._state[1, d_slot] += prompt_len
 
+    def end_session(self, session_id: str) -> None:
+        """The session is over (its client said so): it no longer counts on its worker."""
+        old = self._sessions.pop(session_id, None) if session_id else None
+        if old is not None:
+            self._forget(old)
+
     def on_finished(self, prefill_worker: str, decode_worker: str, routed_at: float, uncached: int,
                     prompt_len: int) -> None:
         """A request routed at ``routed_at`` ended: drop the load ``on_routed`` predicted for it. It

@@ -100,3 +100,7 @@ class PoolView:
 # uncached tokens per replica from that router's prefix index), as this process's router of that
 # deployment sees them (set by the Serve adapter; read by the decode flow, disagg.flow NOTE 5).
 POOL_VIEWS: dict[str, Callable[[PoolQuery], PoolView | None]] = {}
+
+# Per deployment name, the ids of its replicas this process's router of it knows (set by the Serve
+# adapter; read by the ingress, which tells each decode replica of a session's end, disagg.flow NOTE 14).
+REPLICA_IDS: dict[str, Callable[[], list[str]]] = {}

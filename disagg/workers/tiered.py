@@ -57,7 +57,7 @@ from disagg.flow import (
     earlier_checkpoints,
     store_lookup,
 )
-from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.messages import GenerateParams, PrefillHandle, SessionEnd, StreamChunk
 from disagg.reuse.retention import points_at
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher, KeyExtras, ObjectKey
@@ -273,6 +273,10 @@ class StatefulWorker:
         if prefill_fn is not None:
             prefill_fn = self.faults.guard_prefill_fn(prefill_fn, self.flow.options.prefill_retries + 1)
         return self.faults.guard_decode(params, self.flow.generate(params, hasher, prefill_fn, release_fn))
+
+    async def end_session(self, end: SessionEnd) -> int:
+        """The session is over (``disagg.flow`` NOTE 14): objects this node's tiers now evict first."""
+        return await self.flow.end_session_by_id(end.session_id, end.cache_salt)
 
     # -- prefill side ------------------------------------------------------------------------
     async def prefill(self, params: GenerateParams) -> PrefillHandle:

@@ -48,7 +48,7 @@ from disagg.flow import (
     ResumePoint,
     store_lookup,
 )
-from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
+from disagg.messages import GenerateParams, PrefillHandle, SessionEnd, StreamChunk
 from kv_transfer.keys import BlockHasher, KeyExtras
 from kv_transfer.vllm.jobs import StateHandle
 
@@ -120,6 +120,10 @@ class VLLMWorker:
 
     def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None) -> AsyncIterator[StreamChunk]:
         return self.flow.generate(params, self.hasher.with_salt(params.cache_salt), prefill_fn)
+
+    async def end_session(self, end: SessionEnd) -> int:
+        """The session is over (``disagg.flow`` NOTE 14): blocks the connector saved here go first."""
+        return await self.flow.end_session_by_id(end.session_id, end.cache_salt)
 
     async def prefill(self, params: GenerateParams) -> PrefillHandle:
         """Compute the prompt, let the connector save its state, return the first token."""

@@ -127,3 +127,30 @@ def test_a_body_that_never_fully_arrives_is_not_served():
         time.sleep(0.5)
         assert httpx.get(url + "/health", timeout=10).status_code == 200
     assert backend.prompts == []
+
+
+def test_a_session_end_needs_the_key_and_counts_against_its_rate():
+    """DELETE /v1/sessions/{id} is behind the API key and the key's rate limit (it fans out to every
+    decode replica), not the admission gate; the tenant's salt reaches the backend, never the key."""
+    class _Ends(_Held):
+        def __init__(self):
+            super().__init__()
+            self.ended: list[tuple[str, str]] = []
+
+        async def end_session(self, session_id, cache_salt=""):
+            self.ended.append((session_id, cache_salt))
+            return 3
+
+    backend = _Ends()
+    app = create_app(backend, HTTPConfig(api_keys=["secret"], rate_limit_per_key=0.01, rate_burst_per_key=1))
+    auth = {"Authorization": "Bearer secret"}
+    with serve_asgi(app) as url:
+        assert httpx.delete(url + "/v1/sessions/s1", timeout=30).status_code == 401
+        ok = httpx.delete(url + "/v1/sessions/s1", headers=auth, timeout=30)
+        assert ok.status_code == 200 and ok.json() == {"id": "s1", "object": "session", "ended": True,
+                                                        "demoted_objects": 3}
+        limited = httpx.delete(url + "/v1/sessions/s2", headers=auth, timeout=30)
+        assert limited.status_code == 429 and limited.json()["error"]["code"]
+    assert len(backend.ended) == 1 and backend.ended[0][0] == "s1"
+    salt = backend.ended[0][1]
+    assert salt and "secret" not in salt  # the tenant's salt (disagg.api.limits.tenant_salt)

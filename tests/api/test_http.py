@@ -132,3 +132,43 @@ def test_stream_error_shape_and_done_marker(servers):
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     assert all(json.loads(ln[6:])["object"] == "text_completion" for ln in lines[:-1])
+
+
+def test_delete_session_ends_it_over_http(servers):
+    """DELETE /v1/sessions/{id} (``disagg.flow`` NOTE 14) over real HTTP and a real worker: after two
+    turns of a session, its private state is demoted on the decode worker's node (the answer counts
+    the objects) and the session's next use still resumes exactly; an unknown session demotes
+    nothing; an oversize id is a 400; a backend without sessions answers 501."""
+    url = servers["aggregated"]
+    backend = servers["backends"]["aggregated"]
+    prompt = _ids(400, 7)
+    first = _complete(url, prompt, "del-1")
+    prompt2 = prompt + first["choices"][0]["token_ids"] + _ids(80, 8)
+    _complete(url, prompt2, "del-1")
+    r = httpx.delete(url + "/v1/sessions/del-1", timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"] == "del-1" and body["object"] == "session" and body["ended"] is True
+    assert body["demoted_objects"] >= 400 // backend.block_size
+    assert backend.decode.counters["sessions_ended_later"] == 1
+    r = httpx.delete(url + "/v1/sessions/never-seen", timeout=60)
+    assert r.status_code == 200 and r.json()["demoted_objects"] == 0
+    again = _complete(url, prompt2 + _ids(8, 9), "del-1")  # demoted, not dropped: still resumed
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    r = httpx.delete(url + "/v1/sessions/" + "x" * 300, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+
+
+def test_delete_session_without_session_state_is_a_501():
+    """A backend that keeps no session state (no ``end_session``) answers 501, OpenAI-style."""
+    from disagg.api.app import create_app
+
+    class NoSessions:
+        model_name, max_model_len, tokenizer = MODEL, 64, None
+
+        async def stats(self):
+            return {}
+
+    with serve_asgi(create_app(NoSessions())) as url:
+        r = httpx.delete(url + "/v1/sessions/s1", timeout=30)
+    assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented"

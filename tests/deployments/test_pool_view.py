@@ -272,3 +272,26 @@ def test_the_routers_learned_divergences_go_on_the_request():
         sent.append(params)
     assert sent[0].checkpoint_back is None and sent[1].checkpoint_back is None  # nothing learned yet
     assert sent[2].checkpoint_back is not None and sent[2].checkpoint_back[0] == 3 * BS
+
+
+def test_a_session_end_goes_to_the_replica_it_names_and_the_router_forgets_the_session(monkeypatch):
+    """``SessionEnd`` (``disagg.flow`` NOTE 14): the router publishes its replicas' ids under its
+    deployment (the ingress tells each), sends a named end to that replica alone (one not among
+    the candidates: any), and stops counting the session on its worker."""
+    from deployments.request_router import replica_ids
+    from disagg.messages import SessionEnd
+    from disagg.session import session_key
+
+    monkeypatch.setattr(router_metrics, "REPLICA_IDS", {})
+    assert replica_ids("Decode") == []
+    rr = _router([_stats(0.0), _stats(0.0), _stats(0.0)], deployment="Decode")
+    assert replica_ids("Decode") == ["p0", "p1", "p2"]
+    reps = list(rr._replicas.values())
+    asyncio.run(rr.choose_replicas(reps, SimpleNamespace(args=[_params()])))  # a turn of session "s"
+    key = session_key(SALT, "s")
+    assert rr._policy.loads.session(key) is not None
+    ranks = asyncio.run(rr.choose_replicas(reps, SimpleNamespace(args=[SessionEnd("s", SALT, "p1")])))
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["p1"]]
+    assert rr._policy.loads.session(key) is None
+    ranks = asyncio.run(rr.choose_replicas(reps, SimpleNamespace(args=[SessionEnd("s", SALT, "gone")])))
+    assert [len(rank) for rank in ranks] == [3]

@@ -87,6 +87,20 @@ def test_multi_turn_disaggregated_equals_aggregated_and_resumes_state(cluster):
     assert after.get("host", 0) > before.get("host", 0), "the prefill replica resumed from the host tier"
 
 
+def test_delete_session_reaches_every_decode_replica(cluster):
+    """DELETE /v1/sessions/{id} through Serve (``disagg.flow`` NOTE 14): the ingress tells each decode
+    replica its router knows, each demotes what its ledger saw of the session; the decode replica
+    that served it holds its blocks, so some are demoted; an unknown session demotes nothing."""
+    prompt = _ids(400, 61)
+    first = _complete(cluster["url"], prompt, "sess-del")
+    _complete(cluster["url"], prompt + first["choices"][0]["token_ids"] + _ids(100, 62), "sess-del")
+    r = httpx.delete(cluster["url"] + "/v1/sessions/sess-del", timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["ended"] is True and r.json()["demoted_objects"] > 0
+    r = httpx.delete(cluster["url"] + "/v1/sessions/sess-never", timeout=120)
+    assert r.status_code == 200 and r.json()["demoted_objects"] == 0
+
+
 def test_concurrent_sessions_match_sequential_results(cluster):
     prompts = [_ids(150 + 40 * i, 200 + i) for i in range(4)]
     sequential = [_complete(cluster["agg"], p, f"seq{i}")["choices"][0]["token_ids"] for i, p in enumerate(prompts)]

@@ -115,6 +115,10 @@ def test_aggregated_processes_sticky_sessions_and_http(expected):
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(p2) // 16 * 16
             bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [10**9], "max_tokens": 2})
             assert bad.status_code == 400 and bad.json()["error"]["type"]
+            # the session is over (disagg.flow NOTE 14): every worker is told; the one that served it demotes
+            ended = httpx.delete(url + "/v1/sessions/s0", timeout=120)
+            assert ended.status_code == 200 and ended.json()["demoted_objects"] > 0, ended.text
+            assert httpx.delete(url + "/v1/sessions/s9", timeout=120).json()["demoted_objects"] == 0
     finally:
         backend.shutdown()
 

@@ -129,3 +129,44 @@ def test_a_turn_without_session_end_publishes_and_demotes_nothing_of_its_session
     blocks = set(store.block_keys(hashes))
     assert not blocks & {k for c in calls for k in c}
     assert worker.counters["sessions_ended"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_session_ended_after_its_last_turn_goes_first_from_what_the_ledger_saw(node, monkeypatch):
+    """``end_session`` after the fact (``disagg.flow`` NOTE 14; the API's DELETE /v1/sessions/{id}):
+    session "a" took two turns without ``session_end``; "b" shares its system prompt; another
+    tenant's session is also called "a". Ending "a" demotes every private prompt block of "a", the
+    end of its context first, and nothing of the system prompt, of "b" or of the other tenant's
+    "a"; the blocks stay readable, and a session the worker never saw demotes nothing."""
+    from disagg.messages import SessionEnd
+
+    worker, tier, store, reference = node
+    calls = _demoted(tier, monkeypatch)
+    rng = random.Random(41)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    bs = worker.engine.block_size
+    system = [rng.randrange(4, 260) for _ in range(2 * bs)]
+    a1 = system + [rng.randrange(4, 260) for _ in range(3 * bs + 5)]
+    out_a1 = _turn(worker, GenerateParams("a1", a1, sampling, session_id="a"))
+    b1 = system + [rng.randrange(4, 260) for _ in range(3 * bs)]
+    _turn(worker, GenerateParams("b1", b1, sampling, session_id="b"))
+    other = [rng.randrange(4, 260) for _ in range(4 * bs)]
+    _turn(worker, GenerateParams("t1", other, sampling, session_id="a", cache_salt="tenant-2"))
+    a2 = a1 + out_a1 + [rng.randrange(4, 260) for _ in range(2 * bs)]
+    out_a2 = _turn(worker, GenerateParams("a2", a2, sampling, session_id="a"))
+    assert out_a2 == reference.generate(EngineRequest("ref", a2, sampling))[0]
+    before = len(calls)
+
+    assert asyncio.run(worker.end_session(SessionEnd("nobody"))) == 0
+    demoted_n = asyncio.run(worker.end_session(SessionEnd("a")))
+    hashes = worker.hasher.block_hashes(a2)
+    private = store.block_keys(hashes[len(system) // bs:len(a2) // bs])
+    shared = store.block_keys(hashes[:len(system) // bs])
+    demoted = [k for c in calls[before:] for k in c]
+    assert calls[-1][-len(private):] == private[::-1]  # the end of the context first
+    assert set(private) <= set(demoted) and not set(demoted) & set(shared)
+    b_keys = store.block_keys(worker.hasher.block_hashes(b1)[len(system) // bs:])
+    t_keys = store.block_keys(worker.hasher.with_salt("tenant-2").block_hashes(other))
+    assert not set(demoted) & set(b_keys + t_keys)
+    assert demoted_n >= len(private) and worker.counters["sessions_ended_later"] == 2
+    assert all(store.contains_keys(private + shared))  # demoted, not dropped
