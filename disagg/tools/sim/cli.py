@@ -115,8 +115,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "does (a session's superseded checkpoints go first); session, also what only the "
                         "trace knows (ended sessions' objects, the devices a session left)")
     g.add_argument("--session-ends", action="store_true",
-                   help="clients mark each session's last turn (the API's session_end): once it is answered, "
-                        "the session's private state is evicted first (needs --retention checkpoints or session)")
+                   help="clients mark each session's last turn (the API's session_end): that turn writes no "
+                        "host tier, and once it is answered the session's private state is evicted first "
+                        "(needs --retention checkpoints or session)")
     g.add_argument("--host-policy", default="lru", choices=list(HOST_POLICIES),
                    help="host tiers' eviction order: lru (serving's default, transfer.host.policy; here "
                         "refreshed by each turn's store too), or serving's s3fifo or arc (its own classes, "
