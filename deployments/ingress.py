@@ -44,6 +44,13 @@ log = logging.getLogger("ray.serve")
 _REPLICA_LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 
 
+END_SESSION_WAIT_S = 10.0  # how long a DELETE /v1/sessions/{id} waits for the decode replicas' answers
+
+
+async def _awaited(response):
+    return await response
+
+
 class _FirstChunkLate(Exception):
     """A continuation's first chunk did not come before its outage's deadline."""
 
@@ -65,6 +72,7 @@ class ServeBackend:
         self.num_resumed_streams = 0  # streams continued on another decode replica
         self.num_resume_timeouts = 0  # streams ended because no replica took them back in time
         self.request_log = RequestLog()
+        self._ending: set[asyncio.Future] = set()  # session ends still on their way (end_session)
 
     async def stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
         """The generation's chunks; its record joins ``request_log`` however it ends."""
@@ -183,14 +191,31 @@ class ServeBackend:
     async def end_session(self, session_id: str, cache_salt: str = "") -> int:
         """Tell every decode replica this ingress's router knows (one call each, ``disagg.flow``
         NOTE 14; none known yet: one call, anywhere) that the session is over: the objects their
-        nodes' tiers now evict first. A replica that fails to answer counts none."""
+        nodes' tiers now evict first, counted over the replicas that answered within
+        ``END_SESSION_WAIT_S`` (a replica at its ``max_ongoing_requests`` takes the call once a
+        slot frees; the others' calls run on). A replica that fails counts none."""
         ids = replica_ids(DECODE_DEPLOYMENT) or [""]
-        calls = [self.decode.end_session.remote(SessionEnd(session_id, cache_salt, rid)) for rid in ids]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                log.warning("a decode replica did not take a session's end: %r", r)
-        return sum(r["demoted"] for r in results if isinstance(r, dict))
+        end = self.decode.end_session
+        calls = [asyncio.ensure_future(_awaited(end.remote(SessionEnd(session_id, cache_salt, rid)))) for rid in ids]
+        done, pending = await asyncio.wait(calls, timeout=END_SESSION_WAIT_S)
+        if pending:
+            log.warning("%d decode replicas had not taken a session's end after %.0f s; it runs on",
+                        len(pending), END_SESSION_WAIT_S)
+            for call in pending:  # held until done: the loop keeps only weak references to tasks
+                self._ending.add(call)
+                call.add_done_callback(self._ended_late)
+        demoted = 0
+        for call in done:
+            if call.exception() is not None:
+                log.warning("a decode replica did not take a session's end: %r", call.exception())
+            else:
+                demoted += call.result()["demoted"]
+        return demoted
+
+    def _ended_late(self, call: asyncio.Future) -> None:
+        self._ending.discard(call)
+        if not call.cancelled() and call.exception() is not None:
+            log.warning("a decode replica did not take a session's end: %r", call.exception())
 
     async def stats(self) -> dict:
         calls = [self.decode.stats.remote()]
