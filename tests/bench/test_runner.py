@@ -15,6 +15,7 @@ from disagg.tools.bench.metrics import summarize
 from disagg.tools.bench.runner import RunConfig, replay
 from disagg.tools.bench.sweep import BenchParams, run_bench_sync
 from disagg.tools.bench.synth import synthesize
+from disagg.tools.bench.testserver import STATE_KEY
 from disagg.tools.bench.tokens import TokenFactory, shared_hash_ids
 from disagg.tools.bench.trace import TraceRecord
 
@@ -327,3 +328,21 @@ def test_session_end_marks_each_session_last_turn_only(server_factory, monkeypat
         assert all(len(b["prompt"]) == (2 + 3) * 4 for b in sent if b.get("session_end"))  # turn 2's
     turn_of = {(r.session_id, r.turn) for r in out.results}
     assert turn_of == {(f"s{s}", t) for s in range(3) for t in range(3)}
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+def test_delete_sessions_ends_each_session_once_after_its_last_turn(server_factory, mode) -> None:
+    """With ``delete_sessions`` the client sends ``DELETE /v1/sessions/{id}`` once per session, after
+    its last turn was answered (the id is the one its turns carried); without it, none."""
+    for flag in (True, False):
+        server = server_factory(ttft_ms=1, itl_ms=1, cache_block_size=4)
+        records = _trace(3, 3)
+        cfg = RunConfig(mode=mode, concurrency=2, recycle=False, progress=False, delete_sessions=flag)
+        out = asyncio.run(_replay(server.url, records, cfg))
+        assert len(out.results) == 9 and all(r.ok for r in out.results)
+        ended = server.app[STATE_KEY].ended_sessions
+        assert sorted(e.split("#")[0] for e in ended) == (["s0", "s1", "s2"] if flag else [])
+        assert out.sessions_deleted == len(ended) and out.sessions_delete_failed == 0
+        if flag:
+            last = {r.session_id: r for r in out.results if r.turn == 2}
+            assert all(e.endswith(f"#{last[e.split('#')[0]].salt}") for e in ended)

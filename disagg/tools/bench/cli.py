@@ -156,6 +156,12 @@ def _add_bench_run_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="each session's last turn sends session_end (disagg's extension: its state goes first)",
     )
+    p.add_argument(
+        "--delete-sessions",
+        action="store_true",
+        help="once each session's last turn is answered, DELETE /v1/sessions/{id} (disagg's extension: "
+        "the same, for a client that learns of the end only then)",
+    )
     p.add_argument("--ramp", type=float, default=0.0, help="seconds over which lanes start")
     p.add_argument("--salt", type=int, default=1, help="cache-busting salt of the first run")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and sampled start turns")
@@ -330,6 +336,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         speedup=args.speedup,
         sample_start_turn=args.sample_start_turn,
         session_end=args.session_end,
+        delete_sessions=args.delete_sessions,
         ramp_s=args.ramp,
         salt=args.salt,
         seed=args.seed,

@@ -37,7 +37,7 @@ import asyncio
 import json
 import time
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import numpy as np
@@ -169,6 +169,17 @@ class OpenAIClient:
             return str(data[0]["id"]) if data else None
         except Exception:
             return None
+
+    async def end_session(self, session_id: str) -> bool:
+        """``DELETE /v1/sessions/{session_id}`` (disagg's extension: the session is over); whether
+        the server took it (2xx). Never raises: a failure is the caller's to count."""
+        assert self._session is not None, "use 'async with'"
+        try:
+            async with self._session.delete(self.base_url + "/v1/sessions/" + quote(session_id, safe="")) as resp:
+                await resp.read()
+                return 200 <= resp.status < 300
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     async def get_text(self, path: str) -> str:
         """GET ``path`` (e.g. ``/metrics``); raises on HTTP errors."""

@@ -24,7 +24,10 @@ whatever the state of earlier requests.
 
 ``session_end``: each session's last turn in the trace says so (the server's
 ``session_end`` extension, which evicts the session's state first once it is
-answered), as a client that knows its task is done would.
+answered), as a client that knows its task is done would. ``delete_sessions``:
+once a session's last turn is answered, the client ends it with ``DELETE
+/v1/sessions/{id}`` (the same extension after the fact), as one that learns of
+the end only then would; a refused delete is counted (``sessions_delete_failed``).
 
 Salts: a replay's salt is ``run_salt << 16 | replay_number``; salt 0 is the
 trace as written (see ``tokens.py`` for what a salt changes).
@@ -69,6 +72,7 @@ class RunConfig:
     progress: bool = True  # show a tqdm bar
     label: str = ""  # name of the run in reports
     session_end: bool = False  # each session's last turn sends session_end (module docstring)
+    delete_sessions: bool = False  # after each session's last turn, DELETE /v1/sessions/{id} (module docstring)
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -95,6 +99,8 @@ class RunOutput:
     started_ns: int  # perf_counter_ns at the start
     theoretical_hit: float | None = None  # infinite-cache hit rate of the replayed prompts
     theoretical_tokens_all: int = 0  # infinite-cache hit tokens over every successful request (warm-up too)
+    sessions_deleted: int = 0  # DELETE /v1/sessions/{id} sent (delete_sessions)
+    sessions_delete_failed: int = 0  # ... of which the server did not take
 
     def config_dict(self) -> dict:
         return asdict(self.config)
@@ -133,6 +139,7 @@ class Replayer:
         self._all_hits = 0  # over every successful request (the server's counters see them all)
         self._count = 0
         self._measured = 0
+        self.sessions_deleted = self.sessions_delete_failed = 0  # delete_sessions (module docstring)
         self._t0 = 0
         self._bar: tqdm | None = None
 
@@ -205,6 +212,10 @@ class Replayer:
             warmup,
         )
         self.results.append(result)
+        if last and self.cfg.delete_sessions and result.ok:  # after the turn's figures are taken
+            self.sessions_deleted += 1
+            if not await self.client.end_session(f"{rec.session_id}#{salt}"):
+                self.sessions_delete_failed += 1
         if self._bar is not None:
             self._bar.update(1)
             if result.error:
@@ -304,7 +315,8 @@ class Replayer:
             self._bar.close()
             self._bar = None
         hit = self._hits / self._blocks if self._blocks else None
-        return RunOutput(cfg, self.results, self._t0, hit, self._all_hits)
+        return RunOutput(cfg, self.results, self._t0, hit, self._all_hits, self.sessions_deleted,
+                         self.sessions_delete_failed)
 
 
 async def replay(

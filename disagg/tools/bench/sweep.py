@@ -55,6 +55,7 @@ class BenchParams:
     speedup: float = 1.0
     sample_start_turn: bool = False
     session_end: bool = False  # each session's last turn sends session_end (runner docstring)
+    delete_sessions: bool = False  # after each session's last turn, DELETE /v1/sessions/{id} (runner docstring)
     ramp_s: float = 0.0
     salt: int = 1  # run salt of the first sweep point
     seed: int = 0
@@ -90,6 +91,7 @@ class BenchParams:
             speedup=self.speedup,
             sample_start_turn=self.sample_start_turn,
             session_end=self.session_end,
+            delete_sessions=self.delete_sessions,
             ramp_s=self.ramp_s,
             seed=self.seed,
             progress=self.progress,
@@ -168,6 +170,9 @@ async def run_bench(params: BenchParams, records: list[TraceRecord]) -> dict:
             runs.append((output, summary))
             if not params.quiet:
                 print(format_summary(summary, cfg.label), flush=True)
+            if output.sessions_delete_failed:
+                print(f"{cfg.label}: the server refused {output.sessions_delete_failed} of "
+                      f"{output.sessions_deleted} session deletes", file=sys.stderr, flush=True)
             failed = [r for r in output.results if r.error]
             if failed:  # even with --quiet: the reason is otherwise only in requests.jsonl
                 print(

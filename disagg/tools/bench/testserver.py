@@ -16,7 +16,8 @@ not), ``POST /v1/chat/completions`` (minimal), ``GET /v1/models`` (one model,
 text with ``disagg_prompt_tokens_total{source=device|computed}``), and
 ``GET /debug/timings`` (with ``record_timings``, per ``x-request-id``: the
 handler's start ``recv_ns``, each token chunk's write ``write_ns`` and the
-kernel's transmit stamp of each ``tx_ns``, all ``perf_counter_ns``).
+kernel's transmit stamp of each ``tx_ns``, all ``perf_counter_ns``), and
+``DELETE /v1/sessions/{id}`` (disagg's extension; the ids are kept in order).
 A block-level prefix cache (unbounded) produces ``cached_tokens``.
 
 Run it in a background thread (:class:`TestServer`), in a child process
@@ -75,6 +76,7 @@ class _State:
     num_requests: int = 0
     tokens_by_source: dict[str, int] = field(default_factory=lambda: {"device": 0, "computed": 0})
     timings: dict[str, dict] = field(default_factory=dict)
+    ended_sessions: list[str] = field(default_factory=list)  # DELETE /v1/sessions/{id}, in order
 
 
 STATE_KEY: web.AppKey[_State] = web.AppKey("state", _State)
@@ -320,7 +322,13 @@ def build_app(config: TestServerConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    async def end_session(request: web.Request) -> web.Response:
+        state.ended_sessions.append(request.match_info["session_id"])
+        return web.json_response({"id": request.match_info["session_id"], "object": "session", "ended": True,
+                                  "demoted_objects": 0})
+
     app.router.add_get("/debug/timings", timings)
+    app.router.add_delete("/v1/sessions/{session_id}", end_session)
     return app
 
 
