@@ -193,6 +193,8 @@ def create_app(backend: GenerationBackend, http: HTTPConfig | None = None, metri
         if end is None:
             raise APIError(501, "this server's backend keeps no session state to end", type="server_error",
                            code="not_implemented")
+        if not session_id:
+            raise APIError(400, "name the session to end: DELETE /v1/sessions/{session_id}", param="session_id")
         for name, value in (("session_id", session_id), ("cache_salt", cache_salt or "")):
             if len(value) > MAX_FIELD_CHARS:
                 raise APIError(400, f"{name} must be at most {MAX_FIELD_CHARS} characters", param=name)

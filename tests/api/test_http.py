@@ -155,8 +155,9 @@ def test_delete_session_ends_it_over_http(servers):
     assert r.status_code == 200 and r.json()["demoted_objects"] == 0
     again = _complete(url, prompt2 + _ids(8, 9), "del-1")  # demoted, not dropped: still resumed
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    r = httpx.delete(url + "/v1/sessions/" + "x" * 300, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+    for bad in ("x" * 300, ""):
+        r = httpx.delete(url + "/v1/sessions/" + bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", (bad[:5], r.text)
 
 
 def test_delete_session_without_session_state_is_a_501():
