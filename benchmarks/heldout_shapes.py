@@ -163,15 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retention", help="passed to disagg sim run (default: the CLI's)")
     ap.add_argument("--host-write", choices=("through", "back"), help="passed to disagg sim run (default: the CLI's)")
     ap.add_argument("--host-policy", choices=HOST_POLICIES, help="passed to disagg sim run (default: the CLI's, lru)")
-    ap.add_argument("--session-ends", action="store_true",
-                    help="passed to disagg sim run: clients mark each session's last turn (session_end)")
+    ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"),
+                    help="passed to disagg sim run: clients say when a session ends, with its last turn "
+                         "(session_end; the flag alone) or after its answer (DELETE)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = (["--retention", args.retention] if args.retention else []) + \
         (["--host-write", args.host_write] if args.host_write else []) + \
         (["--host-policy", args.host_policy] if args.host_policy else []) + \
-        (["--session-ends"] if args.session_ends else [])
+        (["--session-ends", args.session_ends] if args.session_ends else [])
     try:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:

@@ -104,7 +104,8 @@ class Scale:
     spill_to_pool: bool = True  # ClusterConfig.spill_to_pool (Simulator NOTE 4)
     checkpoints: str = "serving"  # CHECKPOINT_MODELS: where prefills keep KDA checkpoints
     host_write: str = "through"  # ClusterConfig.host_write (Simulator NOTE 6)
-    session_ends: bool = False  # ClusterConfig.session_ends: clients mark each session's last turn
+    session_ends: str = ""  # "turn" | "after" (ClusterConfig.session_ends, session_end_after): clients say when
+    # a session ends, with its last turn or after its answer; "": they do not
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
@@ -113,6 +114,7 @@ class Scale:
         key = f"{key}/spill" if self.spill_to_pool else key
         key = f"{key}/write-{self.host_write}" if self.host_write != "through" else key
         key = f"{key}/session-ends" if self.session_ends else key
+        key = f"{key}-after" if self.session_ends == "after" else key
         return key if self.checkpoints == "periodic" else f"{key}/ckpt-{self.checkpoints}"
 
 
@@ -133,7 +135,7 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
     return ClusterConfig(num_workers=cell.workers, num_prefill=pre, num_decode=cell.workers - pre if pre else 0,
                          workers_per_node=WORKERS_PER_NODE, device_blocks=dev, host_blocks=host,
                          retention=sc.retention, spill_to_pool=sc.spill_to_pool, host_write=sc.host_write,
-                         session_ends=sc.session_ends,
+                         session_ends=bool(sc.session_ends), session_end_after=sc.session_ends == "after",
                          **CHECKPOINT_MODELS[sc.checkpoints])
 
 
@@ -247,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-write", default="through", choices=["through", "back"],
                     help="host tiers written through by every store (serving), or back by device evictions "
                          "(Simulator NOTE 6)")
-    ap.add_argument("--session-ends", action="store_true",
-                    help="clients mark each session's last turn (the API's session_end; every policy)")
+    ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default="",
+                    help="clients say when a session ends (every policy): 'turn' (the flag alone) marks its "
+                         "last turn (the API's session_end), 'after' ends it once that turn is answered "
+                         "(DELETE /v1/sessions/{id})")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members = [m.strip() for m in args.members.split(",") if m.strip()]

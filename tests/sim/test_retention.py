@@ -190,6 +190,8 @@ def test_session_ends_raise_the_hit_under_serving_retention():
     assert hits[True] > hits[False], hits
     with pytest.raises(ValueError):
         ClusterConfig(num_workers=2, retention="lru", session_ends=True)
+    with pytest.raises(ValueError):
+        ClusterConfig(num_workers=2, retention="checkpoints", session_end_after=True)  # after what?
 
 
 def test_session_retention_raises_the_hit_under_capacity_pressure():
@@ -262,10 +264,13 @@ def test_the_cli_takes_session_ends_and_refuses_it_without_sessions_tracked(caps
 
     from disagg.tools.sim.cli import main
 
-    assert main(["sim", "run", "--sessions", "4", "--turns", "3", "--workers", "2", "--session-ends",
-                 "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert (rows if isinstance(rows, list) else [rows])[0]["requests"] == 12
+    for how in ([], ["turn"], ["after"]):
+        assert main(["sim", "run", "--sessions", "4", "--turns", "3", "--workers", "2", "--session-ends", *how,
+                     "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert (rows if isinstance(rows, list) else [rows])[0]["requests"] == 12
+    with pytest.raises(SystemExit):  # argparse: not one of turn, after
+        main(["sim", "run", "--sessions", "4", "--session-ends", "later"])
     with pytest.raises(SystemExit, match="--session-ends needs --retention"):
         main(["sim", "run", "--sessions", "4", "--turns", "3", "--retention", "lru", "--session-ends"])
 
@@ -275,7 +280,9 @@ def test_a_last_turn_its_client_marked_writes_nothing_through_to_the_host(pd):
     """Serving's flow publishes no turn end for a turn marked ``session_end`` (Simulator NOTE 7):
     the last turn's new blocks never reach the host tier of the node that serves it (the decode
     node, in P/D), while every earlier turn's do; a P/D hand-off still publishes on the prefill
-    node. Without the signal the last turn is written through like the others."""
+    node. Without the signal, or when clients end the session only after the last turn's answer
+    (``session_end_after``: DELETE /v1/sessions/{id}), the last turn is written through like the
+    others."""
     from disagg.tools.sim.driver import ReplayConfig
     from disagg.tools.sim.simulator import ClusterConfig, Simulator
     from disagg.tools.sim.workload import SimRequest
@@ -283,10 +290,10 @@ def test_a_last_turn_its_client_marked_writes_nothing_through_to_the_host(pd):
     bs = 64
     turns = [SimRequest("s", 0, 0.0, 0.0, 4 * bs, 8, list(range(1, 5)), bs),
              SimRequest("s", 1, 10.0, 0.0, 8 * bs, 8, list(range(1, 9)), bs)]
-    for ends in (False, True):
+    for ends, after in ((False, False), (True, False), (True, True)):
         shape = dict(num_prefill=1, num_decode=1, workers_per_node=1) if pd else dict(num_workers=1)
         cluster = ClusterConfig(**shape, device_blocks=64, host_blocks=256, retention="checkpoints",
-                                session_ends=ends)
+                                session_ends=ends, session_end_after=after)
         sim = Simulator(turns, "round_robin", cluster, replay=ReplayConfig(concurrency=1))
         res = sim.run()
         assert res.summary["requests"] == 2
@@ -296,6 +303,6 @@ def test_a_last_turn_its_client_marked_writes_nothing_through_to_the_host(pd):
         serving = sim.host[sim.workers[rec.decode_worker].node_id]
         held = serving.present(digests)
         assert held[:3] == [True] * 3, held  # the first turn's full blocks: its turn end was written
-        assert held[4:] == [not ends] * 4, (ends, held)  # the last turn's own blocks
+        assert held[4:] == [not ends or after] * 4, (ends, after, held)  # the last turn's own blocks
         if pd:  # the hand-off published on the prefill node, demoted there but still readable
             assert sim.host[sim.workers[rec.prefill_worker].node_id].present(digests[4:]) == [True] * 4

@@ -114,10 +114,11 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="tier eviction order (disagg.tools.sim.retention): lru; checkpoints, what serving "
                         "does (a session's superseded checkpoints go first); session, also what only the "
                         "trace knows (ended sessions' objects, the devices a session left)")
-    g.add_argument("--session-ends", action="store_true",
-                   help="clients mark each session's last turn (the API's session_end): that turn writes no "
-                        "host tier, and once it is answered the session's private state is evicted first "
-                        "(needs --retention checkpoints or session)")
+    g.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default=None,
+                   help="clients say when a session ends: 'turn' (the flag alone) marks its last turn (the "
+                        "API's session_end), which writes no host tier; 'after' ends it once that turn is "
+                        "answered (DELETE /v1/sessions/{id}). Either way the session's private state is "
+                        "then evicted first (needs --retention checkpoints or session)")
     g.add_argument("--host-policy", default="lru", choices=list(HOST_POLICIES),
                    help="host tiers' eviction order: lru (serving's default, transfer.host.policy; here "
                         "refreshed by each turn's store too), or serving's s3fifo or arc (its own classes, "
@@ -219,7 +220,8 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
                             learned_checkpoints=args.learned_checkpoints,
                             host_policy=args.host_policy, host_write=args.host_write,
-                            retention=args.retention, session_ends=args.session_ends,
+                            retention=args.retention, session_ends=bool(args.session_ends),
+                            session_end_after=args.session_ends == "after",
                             peer_reads=not args.no_peer_reads,
                             spill_to_pool=args.spill_to_pool,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None

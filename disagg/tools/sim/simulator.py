@@ -83,7 +83,10 @@ NOTES
    the API's ``session_end``): serving's flow publishes no turn end for it (``disagg.flow``
    NOTE 13), so its stores write nothing through to a host tier: the device keeps the state
    while the turn runs, and the retention demotes it when the turn ends. A prefill's hand-off
-   still publishes on the prefill node (the decode worker loads it from there).
+   still publishes on the prefill node (the decode worker loads it from there). Clients that
+   end a session only after its last turn's answer (``session_end_after``: the API's ``DELETE
+   /v1/sessions/{id}``, ``disagg.flow`` NOTE 14) leave that turn written like any other, and
+   the retention demotes it all the same.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -148,6 +151,7 @@ class ClusterConfig:
     # policies (cache.PolicyTier)
     host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6
     session_ends: bool = False  # clients mark each session's last turn (the API's session_end; retention)
+    session_end_after: bool = False  # ... after its answer instead (DELETE /v1/sessions/{id}): written (NOTE 7)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -168,6 +172,8 @@ class ClusterConfig:
             raise ValueError(f"host_write must be one of {HOST_WRITES}")
         if self.session_ends and self.retention == "lru":
             raise ValueError("session_ends needs a retention that tracks sessions (checkpoints or session)")
+        if self.session_end_after and not self.session_ends:
+            raise ValueError("session_end_after is how clients end sessions: it needs session_ends")
 
     def roles(self) -> list[str]:
         if self.num_prefill:
@@ -490,7 +496,8 @@ class Simulator:
         a hand-off's, which the decode worker reads from there."""
         if handing_off:
             return self.host[w.node_id]
-        if self.cluster.host_write == "back" or (rec.last_turn and self.cluster.session_ends):
+        c = self.cluster
+        if c.host_write == "back" or (rec.last_turn and c.session_ends and not c.session_end_after):
             return None
         return self.host[w.node_id]
 
