@@ -137,8 +137,8 @@ def test_stream_error_shape_and_done_marker(servers):
 def test_delete_session_ends_it_over_http(servers):
     """DELETE /v1/sessions/{id} (``disagg.flow`` NOTE 14) over real HTTP and a real worker: after two
     turns of a session, its private state is demoted on the decode worker's node (the answer counts
-    the objects) and the session's next use still resumes exactly; an unknown session demotes
-    nothing; an oversize id is a 400; a backend without sessions answers 501."""
+    the objects) and a next turn still resumes (demoted is not dropped); an unknown session demotes
+    nothing; an oversize or empty id is a 400."""
     url = servers["aggregated"]
     backend = servers["backends"]["aggregated"]
     prompt = _ids(400, 7)
