@@ -334,7 +334,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._last_digests = (tokens, hasher.root, hashes)
         return RouteRequest(params.request_id, params.session_id or "", hashes, len(tokens), hasher.block_size,
                             self._snapshots.tail_probes(hasher, tokens, hashes), cache_salt=params.cache_salt,
-                            output_len_hint=params.sampling.max_tokens)
+                            output_len_hint=params.sampling.max_tokens, session_end=params.session_end)
 
     def _sync(self, replica) -> WorkerState:
         rid = replica.replica_id.unique_id
@@ -368,7 +368,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         end = _session_end(pending_request)
         if end is not None:
-            self._policy.loads.end_session(session_key(end.cache_salt, end.session_id))
+            self._policy.end_session(session_key(end.cache_salt, end.session_id))
             return _to_named(candidate_replicas, end)
         params = _params(pending_request)
         if params is None:

@@ -127,6 +127,7 @@ class StateAwareRouter:
         # request id -> (predicted, prompt_len, decode worker, prefill target, routed at, uncached)
         self._inflight: dict[str, tuple[int, int, str, str, float, int]] = {}
         self._to_decode: dict[str, int] = {}  # decode worker -> routed there, not finished
+        self._ending: dict[str, str] = {}  # request id -> the session it ends (RouteRequest.session_end)
         self._known: list[str] = []  # worker ids registered by the last route() call
         self.divergence = DivergenceLearner()  # where follow-ups diverge (step 5)
 
@@ -270,10 +271,18 @@ class StateAwareRouter:
         self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len,
                                               decision.decode_worker, decision.prefill_target, now, uncached)
         self._to_decode[decision.decode_worker] = self._to_decode.get(decision.decode_worker, 0) + 1
+        if request.session_end and request.session_id:
+            self._ending[request.request_id] = _session_key(request)
         self.metrics.record_decision(decision.reason, decision.source_tier)
         if self.config.checkpoint_hints:
             self.divergence.observe(_session_key(request), request.block_hashes, request.prompt_len,
                                     request.block_size)
+
+    def end_session(self, session: str) -> None:
+        """``session`` (a ``session_key``) is over, its client said (a DELETE; an in-band
+        ``RouteRequest.session_end`` is forgotten when its request finishes): it stops counting
+        on its worker."""
+        self.loads.end_session(session)
 
     def on_finished(self, request_id: str, realized_cached_tokens: int | None) -> None:
         """The request ended: with the cached tokens it reused, or None without a result (abandoned,
@@ -283,6 +292,9 @@ class StateAwareRouter:
             return
         predicted, prompt_len, decode_id, prefill_id, routed_at, uncached = entry
         self.loads.on_finished(prefill_id, decode_id, routed_at, uncached, prompt_len)
+        ending = self._ending.pop(request_id, None)
+        if ending is not None and realized_cached_tokens is not None:  # answered: the session is over
+            self.loads.end_session(ending)
         left = self._to_decode[decode_id] - 1
         if left:
             self._to_decode[decode_id] = left

@@ -71,6 +71,7 @@ class RouteRequest:
     tail_probes: list[TailProbe] = field(default_factory=list)  # unaligned resume points
     cache_salt: str = ""  # tenant salt (already folded into the digests)
     output_len_hint: int = 0  # expected output tokens (0 = unknown)
+    session_end: bool = False  # the session's last turn (the API's session_end): forgotten once it finishes
     text: str | None = None  # optional prompt text (text-radix baseline only)
 
     def __post_init__(self) -> None:

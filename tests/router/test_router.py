@@ -220,3 +220,25 @@ def test_an_expired_session_gives_no_affinity():
     t[0] = 5 * r.loads.session_ttl_s  # long past the TTL, with no request routed in between
     r.route(_turn("a3", "s1", "", "A"), ws)
     assert r.session_worker is None
+
+
+def test_a_session_its_client_ended_stops_counting_once_answered():
+    """``RouteRequest.session_end`` (the API's session_end): the session counts on its worker until
+    that turn is answered, then not at all; an abandoned last turn (no result) keeps it, as the
+    client may send it again; ``end_session`` (a DELETE) forgets at once; a turn without the flag
+    changes nothing."""
+    from dataclasses import replace
+
+    r = StateAwareRouter(clock=lambda: 0.0)
+    ws = workers(3)
+    for rid, session, realized, kept in (("e1", "s-end", 5, False), ("e2", "s-gone", None, True),
+                                         ("e3", "s-on", 5, True)):
+        turn = replace(_turn(rid, session, "t", rid), session_end=session != "s-on")
+        r.on_routed(turn, r.route(turn, ws))
+        key = f"t\x00{session}"
+        assert r.loads.session(key) is not None
+        r.on_finished(rid, realized)
+        assert (r.loads.session(key) is not None) == kept, session
+    r.end_session("t\x00s-on")
+    assert r.loads.session("t\x00s-on") is None
+    assert sum(r.effective_loads(ws, 0.0)[w.worker_id].active_sessions for w in ws) == 1  # "s-gone" only

@@ -402,8 +402,10 @@ class Simulator:
                 if p < plen and k < len(digests):
                     probes.append((p, tail_digest(digests[k], off)))
         ps = PromptState(digests, plen, bs, probes)
+        c = self.cluster
         rr = RouteRequest(rec.request_id, req.session_id, digests[:nfull], plen, bs,
-                          tail_probes=ps.tail_probes(), output_len_hint=req.output_length)
+                          tail_probes=ps.tail_probes(), output_len_hint=req.output_length,
+                          session_end=rec.last_turn and c.session_ends and not c.session_end_after)
         decision = self.router.route(rr, self.worker_states())
         self.router.on_routed(rr, decision)
         target = self.workers[decision.prefill_target]
@@ -528,6 +530,9 @@ class Simulator:
     def session_done(self, session_id: str, salt: int) -> None:
         """A closed-loop session ended: drop its cached digests (and demote its state, with retention)."""
         self.retention.on_session_end((session_id, salt), self._tiers)
+        c = self.cluster
+        if c.session_ends and c.session_end_after and hasattr(self.router, "end_session"):  # the DELETE's
+            self.router.end_session(session_id)  # (the in-band mark: RouteRequest.session_end)
         self.digests.forget(session_id, salt)
         self._ends.pop((session_id, salt), None)
 
