@@ -39,19 +39,25 @@ def _ids(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(4, 260) for _ in range(n)]
 
 
-def _backend(args, keep: int) -> InProcessBackend:
+def tiny_backend(host_mb: int, policy: str, mode: str = "disaggregated", **host) -> InProcessBackend:
+    """The in-process backend (tiny reference model on CPU, device-resident sessions off) over a
+    host tier of ``host_mb`` MiB with ``policy`` eviction and 1 MiB slabs (so eviction follows
+    the policy); ``host``: more ``transfer.host`` settings."""
     cfg = load_config({
         "model": {"name": "tiny"},
         "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 256, "num_threads": 1,
                    "resident_sessions": False},
-        "transfer": {"host": {"capacity_mb": args.host_mb, "pin_memory": False, "policy": args.policy,
-                              "keep_checkpoints": keep}},
-        "router": {"local_prefill_max_tokens": 64}, "deployment": {"mode": "disaggregated"}})
+        "transfer": {"host": {"capacity_mb": host_mb, "pin_memory": False, "policy": policy, **host}},
+        "router": {"local_prefill_max_tokens": 64}, "deployment": {"mode": mode}})
     probe = InProcessBackend(cfg, host_tier=False)  # only for the engine's state layout
     layout = probe.decode.engine.layout
     probe.shutdown()
-    tier = HostTier(args.host_mb << 20, eviction=args.policy, slab_bytes=1 << 20)
+    tier = HostTier(host_mb << 20, eviction=policy, slab_bytes=1 << 20)
     return InProcessBackend(cfg, store=StateStore([tier], layout))
+
+
+def _backend(args, keep: int) -> InProcessBackend:
+    return tiny_backend(args.host_mb, args.policy, keep_checkpoints=keep)
 
 
 async def _replay(b: InProcessBackend, args) -> tuple[dict, list[list[int]]]:

@@ -33,34 +33,18 @@ import sys
 import time
 
 import torch
+from retention_replay import _ids, tiny_backend
 from tqdm import tqdm
 
-from disagg.config import load_config
 from disagg.engine.protocol import SamplingParams
 from disagg.launch.inprocess import InProcessBackend
 from disagg.messages import GenerateParams
-from kv_transfer.store import StateStore
-from kv_transfer.tiers.host import HostTier
 
 KINDS = ("none", "turn", "delete")
 
 
-def _ids(n: int, rng: random.Random) -> list[int]:
-    return [rng.randrange(4, 260) for _ in range(n)]
-
-
 def _backend(host_mb: int) -> InProcessBackend:
-    cfg = load_config({
-        "model": {"name": "tiny"},
-        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 256, "num_threads": 1,
-                   "resident_sessions": False},
-        "transfer": {"host": {"capacity_mb": host_mb, "pin_memory": False, "policy": "lru"}},
-        "deployment": {"mode": "aggregated"}})
-    probe = InProcessBackend(cfg, host_tier=False)  # only for the engine's state layout
-    layout = probe.decode.engine.layout
-    probe.shutdown()
-    tier = HostTier(host_mb << 20, eviction="lru", slab_bytes=1 << 20)
-    return InProcessBackend(cfg, store=StateStore([tier], layout))
+    return tiny_backend(host_mb, "lru", mode="aggregated")
 
 
 def _sessions(args) -> list[tuple[int, list[list[int]]]]:
