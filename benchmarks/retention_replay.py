@@ -56,6 +56,38 @@ def tiny_backend(host_mb: int, policy: str, mode: str = "disaggregated", **host)
     return InProcessBackend(cfg, store=StateStore([tier], layout))
 
 
+def run_each(labels: list, build, replay, describe) -> tuple[list[dict], list[list[list[int]]]]:
+    """Per label, a fresh backend (``build(label)``) and ``replay(backend, label)`` on it:
+    (the replays' figures, each with its ``seconds``; their greedy outputs)."""
+    results, outs = [], []
+    for label in labels:
+        print(describe(label), file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        b = build(label)
+        try:
+            r, o = asyncio.run(replay(b, label))
+        finally:
+            b.shutdown()
+        r["seconds"] = time.perf_counter() - t0
+        results.append(r)
+        outs.append(o)
+    return results, outs
+
+
+def print_table(name: str, labels: list, results: list[dict], extra=None) -> None:
+    """One row per label: realized / theoretical, realized over the first row's, the host tier's
+    evictions and demotions, the bytes put (``extra(r)``: a last column)."""
+    base = results[0]["realized"] or 1
+    width = max(len(name), 5)
+    print(f"{name:>{width}} {'realized/theoretical':>21} {'vs first':>9} {'realized':>9} {'bound':>8} {'prompt':>8} "
+          f"{'evictions':>9} {'demoted':>8} {'put MiB':>8}" + ("  misses (tokens by reason)" if extra else ""))
+    for label, r in zip(labels, results, strict=True):
+        ratio = r["realized"] / r["bound"] if r["bound"] else 0.0
+        print(f"{label!s:>{width}} {ratio:>21.3f} {r['realized'] / base:>8.2f}x {r['realized']:>9} {r['bound']:>8} "
+              f"{r['prompt']:>8} {r['evictions']:>9} {r['demoted']:>8} {r['published_mb']:>8.1f}"
+              + (f"  {extra(r)}" if extra else ""))
+
+
 def _backend(args, keep: int) -> InProcessBackend:
     return tiny_backend(args.host_mb, args.policy, keep_checkpoints=keep)
 
@@ -102,27 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     keeps = [int(k) for k in args.keep.split(",")]
-    results, outs = [], []
-    for keep in keeps:
-        print(f"keep_checkpoints={keep}: {args.sessions} sessions x {args.turns} turns, host {args.host_mb} MiB "
-              f"({args.policy})", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        b = _backend(args, keep)
-        try:
-            r, o = asyncio.run(_replay(b, args))
-        finally:
-            b.shutdown()
-        r["seconds"] = time.perf_counter() - t0
-        results.append(r)
-        outs.append(o)
-    base = results[0]["realized"] or 1
-    print(f"{'keep':>5} {'realized/theoretical':>21} {'vs first':>9} {'realized':>9} {'bound':>8} {'prompt':>8} "
-          f"{'evictions':>9} {'demoted':>8} {'put MiB':>8}  misses (tokens by reason)")
-    for keep, r in zip(keeps, results, strict=True):
-        ratio = r["realized"] / r["bound"] if r["bound"] else 0.0
-        misses = ", ".join(f"{k} {v}" for k, v in sorted(r["misses"].items()))
-        print(f"{keep:>5} {ratio:>21.3f} {r['realized'] / base:>8.2f}x {r['realized']:>9} {r['bound']:>8} "
-              f"{r['prompt']:>8} {r['evictions']:>9} {r['demoted']:>8} {r['published_mb']:>8.1f}  {misses}")
+    results, outs = run_each(
+        keeps, lambda keep: _backend(args, keep), lambda b, _: _replay(b, args),
+        lambda keep: f"keep_checkpoints={keep}: {args.sessions} sessions x {args.turns} turns, "
+                     f"host {args.host_mb} MiB ({args.policy})")
+    print_table("keep", keeps, results, lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["misses"].items())))
     print(f"greedy outputs identical across runs: {all(o == outs[0] for o in outs)}")
     return 0
 

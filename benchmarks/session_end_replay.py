@@ -27,13 +27,11 @@ only reorders eviction).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import sys
-import time
 
 import torch
-from retention_replay import _ids, tiny_backend
+from retention_replay import _ids, print_table, run_each, tiny_backend
 from tqdm import tqdm
 
 from disagg.engine.protocol import SamplingParams
@@ -41,10 +39,6 @@ from disagg.launch.inprocess import InProcessBackend
 from disagg.messages import GenerateParams
 
 KINDS = ("none", "turn", "delete")
-
-
-def _backend(host_mb: int) -> InProcessBackend:
-    return tiny_backend(host_mb, "lru", mode="aggregated")
 
 
 def _sessions(args) -> list[tuple[int, list[list[int]]]]:
@@ -110,26 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     plan = _sessions(args)
     system = _ids(args.system_tokens, random.Random(args.seed + 1))
-    results, outs = [], []
-    for kind in kinds:
-        print(f"{kind}: {args.sessions} sessions, {args.live} live, host {args.host_mb} MiB (lru)",
-              file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        b = _backend(args.host_mb)
-        try:
-            r, o = asyncio.run(_replay(b, kind, args, system, plan))
-        finally:
-            b.shutdown()
-        r["seconds"] = time.perf_counter() - t0
-        results.append(r)
-        outs.append(o)
-    base = results[0]["realized"] or 1
-    print(f"{'client':>7} {'realized/theoretical':>21} {'vs first':>9} {'realized':>9} {'bound':>8} {'prompt':>8} "
-          f"{'evictions':>9} {'demoted':>8} {'put MiB':>8}")
-    for kind, r in zip(kinds, results, strict=True):
-        ratio = r["realized"] / r["bound"] if r["bound"] else 0.0
-        print(f"{kind:>7} {ratio:>21.3f} {r['realized'] / base:>8.2f}x {r['realized']:>9} {r['bound']:>8} "
-              f"{r['prompt']:>8} {r['evictions']:>9} {r['demoted']:>8} {r['published_mb']:>8.1f}")
+    results, outs = run_each(
+        kinds, lambda _: tiny_backend(args.host_mb, "lru", mode="aggregated"),
+        lambda b, kind: _replay(b, kind, args, system, plan),
+        lambda kind: f"{kind}: {args.sessions} sessions, {args.live} live, host {args.host_mb} MiB (lru)")
+    print_table("client", kinds, results)
     print(f"greedy outputs identical across client kinds: {all(o == outs[0] for o in outs)}")
     return 0
 
