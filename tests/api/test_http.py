@@ -137,8 +137,9 @@ def test_stream_error_shape_and_done_marker(servers):
 def test_delete_session_ends_it_over_http(servers):
     """DELETE /v1/sessions/{id} (``disagg.flow`` NOTE 14) over real HTTP and a real worker: after two
     turns of a session, its private state is demoted on the decode worker's node (the answer counts
-    the objects) and a next turn still resumes (demoted is not dropped); an unknown session demotes
-    nothing; an oversize or empty id is a 400."""
+    the objects) and a later turn of it is still served and resumes (from the device here: that
+    demoted objects stay readable is tests/reuse/test_session_end.py's); an unknown session
+    demotes nothing; an oversize or empty id is a 400."""
     url = servers["aggregated"]
     backend = servers["backends"]["aggregated"]
     prompt = _ids(400, 7)
@@ -153,7 +154,7 @@ def test_delete_session_ends_it_over_http(servers):
     assert backend.decode.counters["sessions_ended_later"] == 1
     r = httpx.delete(url + "/v1/sessions/never-seen", timeout=60)
     assert r.status_code == 200 and r.json()["demoted_objects"] == 0
-    again = _complete(url, prompt2 + _ids(8, 9), "del-1")  # demoted, not dropped: still resumed
+    again = _complete(url, prompt2 + _ids(8, 9), "del-1")  # a client that ends a session may still send
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     for bad in ("x" * 300, ""):
         r = httpx.delete(url + "/v1/sessions/" + bad, timeout=60)
