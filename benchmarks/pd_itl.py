@@ -17,6 +17,17 @@ router's reason), and the mean of each part per token; the same for the whole
 run; then the decode workers' batch at join (mean and P90) and the requests
 that stalled a batch with a local prefill.
 
+Where a disaggregated request's co-runners come from (``placement``, over those
+requests of each group): the share routed to a decode worker that was running
+or awaiting decodes while another decode worker had none (``busy_at_route``:
+the policy chose the batch), the share that found decodes on its worker when
+its state arrived (``busy_at_join``: chosen, or come while it prefilled), and
+the decode workers with none at that moment, in the cluster and on the chosen
+worker's node (``idle_at_join``, ``idle_on_node``). A request whose decode
+worker was busy at routing while others idled stays for its state: moving it
+costs the hand-off of the whole context, which at short outputs is about what
+one co-runner costs per token (docs/router.md, "Round 17").
+
 ``--oracle-spread`` asks how far decode placement alone could go: every
 disaggregated request's decode worker is replaced, after the policy decided,
 by the decode worker with the fewest requests routed to it and not finished
@@ -46,16 +57,37 @@ from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import Simulator
 
 
+def _decodes(w) -> int:
+    """Requests decoding on ``w`` or waiting for its next step."""
+    return w.batch_size + len(w.decode_wait)
+
+
 def instrument(sim: Simulator) -> dict[str, dict]:
-    """Per request id: decode start, stall seconds, batch at join (wraps the simulator's methods)."""
+    """Per request id: decode start, stall seconds, batch at join and, for a disaggregated request,
+    the decode workers' decodes when it was routed and when its state arrived (wraps the
+    simulator's methods)."""
     info: dict[str, dict] = {}
     start_decode = sim._start_decode
+    decoders = [w for w in sim.workers.values() if w.role == "decode"]
+    route = sim.router.route
+
+    def routed(req, states):
+        d = route(req, states)
+        if d.prefill_worker is not None and d.prefill_worker != d.decode_worker and decoders:
+            chosen = _decodes(sim.workers[d.decode_worker])
+            info.setdefault(req.request_id, {"stall": 0.0}).update(
+                busy_at_route=chosen > 0 and min(map(_decodes, decoders)) == 0)
+        return d
 
     def _start_decode(job, w, now):
-        info.setdefault(job.rid, {"stall": 0.0})
-        info[job.rid].update(start=now, batch=w.batch_size + len(w.decode_wait), worker=w.worker_id)
+        i = info.setdefault(job.rid, {"stall": 0.0})
+        i.update(start=now, batch=_decodes(w), worker=w.worker_id)
+        if "busy_at_route" in i:
+            idle = [x for x in decoders if _decodes(x) == 0]
+            i.update(idle_at_join=len(idle), idle_on_node=sum(x.node_id == w.node_id for x in idle))
         start_decode(job, w, now)
 
+    sim.router.route = routed
     sim._start_decode = _start_decode
     for w in sim.workers.values():
         def start_step(now, w=w, orig=w._start_step):
@@ -147,7 +179,9 @@ def run(sim: Simulator, policy: str, oracle: bool = False) -> dict:
         join = i.get("join", 0.0)
         rows.append((r.itl, n, (i["start"] - r.first_token) / n, join / n, i["stall"] / n,
                      (r.finish - i["start"] - join - i["stall"]) / n, i["batch"],
-                     r.reason.split("/")[0], r.prefill_worker == r.decode_worker))
+                     r.reason.split("/")[0], r.prefill_worker == r.decode_worker,
+                     (i["busy_at_route"], i["batch"] > 0, i["idle_at_join"], i["idle_on_node"])
+                     if "idle_at_join" in i else None))
     itl = np.array([x[0] for x in rows])
     p90 = float(np.percentile(itl, 90))
     lo, hi = np.percentile(itl, [85, 95])
@@ -159,7 +193,15 @@ def run(sim: Simulator, policy: str, oracle: bool = False) -> dict:
                 "join_ms": 1e3 * float(a[:, 3].mean()), "stall_ms": 1e3 * float(a[:, 4].mean()),
                 "steps_ms": 1e3 * float(a[:, 5].mean()),
                 "batch_mean": float(a[:, 6].mean()), "batch_p90": float(np.percentile(a[:, 6], 90)),
-                "local": sum(x[8] for x in xs), "reasons": dict(Counter(x[7] for x in xs))}
+                "local": sum(x[8] for x in xs), "reasons": dict(Counter(x[7] for x in xs)),
+                "placement": placement([x[9] for x in xs if x[9] is not None])}
+
+    def placement(ps: list[tuple]) -> dict:
+        if not ps:
+            return {"n": 0}
+        b = np.array(ps, dtype=float)
+        return {"n": len(ps), "busy_at_route": float(b[:, 0].mean()), "busy_at_join": float(b[:, 1].mean()),
+                "idle_at_join": float(b[:, 2].mean()), "idle_on_node": float(b[:, 3].mean())}
 
     return {"policy": policy, "p90_itl_ms": 1e3 * p90, "interactivity_p90": 1.0 / p90,
             "tail": parts([x for x in rows if x[0] >= p90]), "band": parts([x for x in rows if lo <= x[0] <= hi]),
@@ -202,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
                   f" + stall {t['stall_ms']:.2f}"
                   f" + steps {t['steps_ms']:.2f} ms  batch {t['batch_mean']:.1f} (p90 {t['batch_p90']:.0f})"
                   f"  local {t['local']}  {t['reasons']}")
+            pl = t["placement"]
+            if pl["n"]:
+                print(f"{'':>16} {'':>4}  disaggregated {pl['n']}: busy at route {pl['busy_at_route']:.2f}"
+                      f"  busy at join {pl['busy_at_join']:.2f}  idle decode workers at join"
+                      f" {pl['idle_at_join']:.1f} ({pl['idle_on_node']:.2f} on the node)")
     return 0
 
 
