@@ -86,6 +86,7 @@ class PutResult:
     num_refused: int = 0  # objects no tier accepted (backpressure)
     bytes_stored: int = 0  # encoded bytes written
     bytes_skipped: int = 0  # encoded bytes not written because present
+    num_refreshed: int = 0  # objects already stored that this put refreshed (NOTE 4)
     keys_stored: list[str] = field(default_factory=list)  # str(ObjectKey) written
 
 
@@ -113,6 +114,12 @@ class StateStore:
     2. MLA objects are keyed without a TP rank (stored once per TP group).
     3. load_state returns state only if every piece passed checksum and layout
        checks; otherwise None (never partial or unverified data).
+    4. A put refreshes what it finds stored, in prompt order, in every tier that orders
+       evictions (``touch``): the MLA blocks before ``state.first_block`` (the prefix the
+       writer skipped because the store held it) and the pieces already present. A session
+       that resumes from its device every turn reads nothing from the host tier, so without
+       this its host copy aged out while the session was active. The simulator's host tiers
+       refresh on a turn's store the same way (``disagg.tools.sim.cache``).
     """
 
     def __init__(self, tiers: Sequence[ByteStore], layout: StateLayout, *, tp_size: int = 1,
@@ -137,7 +144,8 @@ class StateStore:
         self._counters = dict.fromkeys(
             ("num_put_objects", "num_put_skipped", "num_put_refused", "bytes_put", "num_loads",
              "num_load_hits", "num_load_misses", "num_missing_pieces", "num_corrupt_pieces",
-             "num_promoted", "num_demoted", "num_demote_dropped", "num_retention_demoted"), 0)
+             "num_promoted", "num_demoted", "num_demote_dropped", "num_retention_demoted",
+             "num_put_refreshed"), 0)
         first = self.tiers[0]
         if write_behind and len(self.tiers) > 1 and getattr(first, "on_evict", False) is None:
             first.on_evict = self._demote
@@ -166,6 +174,18 @@ class StateStore:
             found.update((k, i) for k, h in zip(todo, hits, strict=True) if h)
             todo = [k for k, h in zip(todo, hits, strict=True) if not h]
         return found
+
+    def _refresh(self, keys: list[str], where: dict[str, int]) -> int:
+        """Refresh ``keys`` (in order) in the tiers holding them that order evictions (NOTE 4)."""
+        by_tier: dict[int, list[str]] = {}
+        for k in keys:
+            by_tier.setdefault(where[k], []).append(k)
+        n = 0
+        for i, ks in by_tier.items():
+            touch = getattr(self.tiers[i], "touch", None)
+            if touch is not None:
+                n += touch(ks)
+        return n
 
     def block_keys(self, hashes: Sequence[bytes]) -> list[str]:
         """The keys of the MLA blocks named by ``hashes`` (every DCP shard of each), in order."""
@@ -236,8 +256,11 @@ class StateStore:
             assert tp_rank is None or k.tp_rank == tp_rank, "KDA shard of another TP rank"
             assert k.tp_size == self.tp_size, f"KDA shard for tp_size {k.tp_size}, store has {self.tp_size}"
             pieces.append((str(ObjectKey("kda", prefix, kda_shard(k.tp_rank, k.tp_size))), k, None))
-        present = self._locate([key for key, _, _ in pieces])
+        prefix_keys = self.block_keys(hashes[: min(state.first_block, n_full)])
+        present = self._locate(prefix_keys + [key for key, _, _ in pieces])
         result = PutResult()
+        result.num_refreshed = self._refresh([k for k in prefix_keys if k in present]
+                                             + [key for key, _, _ in pieces if key in present], present)
         todo = [(key, obj, par, codec.encoded_size(obj)) for key, obj, par in pieces if key not in present]
         for key, obj, _ in pieces:
             if key in present:
@@ -257,6 +280,7 @@ class StateStore:
             self._counters["num_put_objects"] += result.num_stored
             self._counters["num_put_skipped"] += result.num_skipped
             self._counters["num_put_refused"] += result.num_refused
+            self._counters["num_put_refreshed"] += result.num_refreshed
             self._counters["bytes_put"] += result.bytes_stored
         return result
 

@@ -131,6 +131,10 @@ class HostTier:
     6. With ``hand_on_demoted`` False, an object evicted while demoted (not read since) is not
        handed to ``on_evict``: nothing is expected to read it again, so a spill to another
        node (``kv_transfer.spill``) passes it by. Other evictions are handed on as before.
+    7. ``touch`` refreshes what a writer found already stored (``StateStore.put_state``: a
+       turn's store of a session's prefix, whose blocks the tier holds and the turn did not
+       read here, e.g. because it resumed them from a device). Without it a session that
+       resumes from its device every turn ages out of the host tier while it is active.
     """
 
     def __init__(
@@ -166,7 +170,7 @@ class HostTier:
         self._counters = dict.fromkeys(
             ("num_puts", "num_duplicate_puts", "num_put_rejected", "num_hits", "num_misses",
              "num_evictions", "evicted_bytes", "num_deletes", "num_slab_reclaims", "num_evict_errors",
-             "num_demoted"), 0)
+             "num_demoted", "num_refreshed"), 0)
 
     # ---- writes --------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> Reservation | None:
@@ -320,6 +324,23 @@ class HostTier:
                 self._index[key].demoted = True
             self._counters["num_demoted"] += len(present)
         return len(present)
+
+    def touch(self, keys: Sequence[str]) -> int:
+        """Refresh ``keys`` as reads would, in order (the last becomes the newest), without pinning
+        or reading them: a store of state the tier already holds (NOTE 7). A demoted key touched
+        is wanted again and stops being demoted. Absent keys are ignored; returns how many were
+        present."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    continue
+                entry.demoted = False
+                self._policy.on_access(key)
+                n += 1
+            self._counters["num_refreshed"] += n
+        return n
 
     # ---- eviction (lock held) -----------------------------------------
     def _new_id(self) -> int:

@@ -28,6 +28,7 @@ Protocol (little-endian), one request then one response per round trip:
     14  RELEASE_MANY  u32 n | n x u64 lease_id             -
     15  SEAL_MANY     u8 algo | u32 n | n x u64 reservation_id   n x u8
     16  DEMOTE_MANY   u32 n | n x str key                  u32 num_present   (``HostTier.demote``)
+    17  TOUCH_MANY    u32 n | n x str key                  u32 num_present   (``HostTier.touch``)
 
 The batch ops (10-14) answer in one round trip what their single forms answer
 per key: a state of 512 blocks is put in two round trips and loaded in two,
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
 RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY, SEAL_MANY, DEMOTE_MANY = range(10, 17)
+TOUCH_MANY = 17
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
 ERROR = b"\xff"  # first byte of an error reply (statuses are 0-2; HostTierServer NOTE 2)
 
@@ -243,6 +245,9 @@ class HostTierServer:
         if op == DEMOTE_MANY:
             keys = [r.str() for _ in range(r.take(_U32))]
             return _U8.pack(1) + _U32.pack(tier.demote(keys))
+        if op == TOUCH_MANY:
+            keys = [r.str() for _ in range(r.take(_U32))]
+            return _U8.pack(1) + _U32.pack(tier.touch(keys))
         if op == STATS:
             return _U8.pack(1) + _pack_str(json.dumps(tier.stats()))
         raise ValueError(f"unknown op {op}")
@@ -406,6 +411,14 @@ class HostTierClient:
         if not keys:
             return 0
         r = self._call(_U8.pack(DEMOTE_MANY) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
+        r.take(_U8)
+        return r.take(_U32)
+
+    def touch(self, keys: Sequence[str]) -> int:
+        """``HostTier.touch`` in the owning process (one round trip): how many were present."""
+        if not keys:
+            return 0
+        r = self._call(_U8.pack(TOUCH_MANY) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
         r.take(_U8)
         return r.take(_U32)
 

@@ -113,6 +113,26 @@ def test_demote_through_the_client_reorders_the_owners_eviction() -> None:
             server.close()
 
 
+def test_touch_through_the_client_refreshes_in_the_owners_order() -> None:
+    """``HostTier.touch`` over the socket: the keys touched become the newest, in the order given,
+    a demoted one among them stops being demoted, and absent keys are ignored."""
+    with HostTier(4 * 4 * KiB, slab_bytes=16 * KiB) as tier:  # 4 one-page slots, LRU
+        server = HostTierServer(tier)
+        client = HostTierClient(server.socket_path)
+        try:
+            for k in "abcd":
+                assert client.put_bytes(k, bytes(4 * KiB))
+            assert client.demote(["c"]) == 1
+            assert client.touch(["c", "zz", "a"]) == 2 and client.touch([]) == 0
+            assert tier.stats()["num_refreshed"] == 2
+            for k in "efg":  # order now b, d, c, a: b, d and c go, a stays
+                assert client.put_bytes(k, bytes(4 * KiB))
+            assert client.contains(list("abcdefg")) == [True, False, False, False, True, True, True]
+        finally:
+            client.close()
+            server.close()
+
+
 def test_a_bad_request_is_refused_without_dropping_the_connections_leases() -> None:
     """An unknown op (a newer client) or a truncated field gets an error reply; the connection
     and the leases its other threads read through stay, and a truncated key is never served."""

@@ -64,6 +64,28 @@ def test_resumable_length_picks_the_furthest_complete_checkpoint(host) -> None:
     assert store.stats()["num_missing_pieces"] == 1
 
 
+def test_a_put_refreshes_the_prefix_it_skipped() -> None:
+    """A turn's put of state whose leading blocks the store holds (``first_block``: the writer
+    skipped them) refreshes those blocks, so a session that resumed them from elsewhere (its
+    device) is not the first to go from the host tier while another, idle session is kept
+    (``StateStore`` NOTE 4)."""
+    host = HostTier(64 * KiB, slab_bytes=64 * KiB)  # 16 one-page slots, LRU
+    store = StateStore([host], LAYOUT)
+    a, b, c = TOKS, tokens(200, seed=5), tokens(200, seed=6)
+    first = store.put_state(a, make_state(LAYOUT, 32), H)  # session a: 2 blocks + a checkpoint
+    assert first.num_refreshed == 0
+    store.put_state(b, make_state(LAYOUT, 32, seed=2), H)  # session b, idle from here on
+    again = store.put_state(a, make_state(LAYOUT, 48, first_block=2), H)  # a's next turn
+    assert again.num_stored == 2 and again.num_refreshed == 2
+    assert store.stats()["num_put_refreshed"] == 2
+    a_blocks = [str(ObjectKey("mla", h)) for h in H.block_hashes(a[:32])]
+    b_blocks = [str(ObjectKey("mla", h)) for h in H.block_hashes(b[:32])]
+    store.put_state(c, make_state(LAYOUT, 144, seed=3), H)  # 10 more objects: 2 must go
+    assert host.contains(a_blocks) == [True, True]
+    assert not all(host.contains(b_blocks))
+    assert store.resumable_length(a, H).position == 48
+
+
 def test_evicted_checkpoints_and_only_on_disk(tmp_path) -> None:
     state = make_state(LAYOUT, 40)
     small_host = HostTier(64 * KiB, slab_bytes=64 * KiB)  # 1 slab: a few objects at most
@@ -71,8 +93,9 @@ def test_evicted_checkpoints_and_only_on_disk(tmp_path) -> None:
     store = StateStore([small_host, disk], LAYOUT)
     try:
         store.put_state(TOKS, state, H)
+        other = tokens(200, seed=9)  # another prompt: a put of TOKS's own prefix would refresh it
         for p in range(100, 130):  # 16 one-page slots: push the state at 40 out of host memory
-            store.put_state(TOKS, make_state(LAYOUT, p, seed=1), H)
+            store.put_state(other, make_state(LAYOUT, p, seed=1), H)
         disk.flush()
         assert store.stats()["num_demoted"] > 0
         assert not any(small_host.contains([str(ObjectKey("mla", H.block_hashes(TOKS[:16])[0]))]))

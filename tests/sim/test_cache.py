@@ -59,8 +59,9 @@ def test_a_demoted_key_evicted_unread_is_reported_as_such():
 
 def test_policy_tier_runs_serving_s3fifo_with_serving_semantics():
     """A host tier ordered by serving's S3-FIFO class: new keys enter its small FIFO and leave
-    first unless read; a put of a resident key is no read (serving skips what a tier holds); a
-    demoted key goes before all, reported as such."""
+    first unless read; a put of a resident key is a read (serving writes nothing of what a tier
+    holds and refreshes it, ``StateStore`` NOTE 4); a demoted key goes before all, reported as
+    such."""
     from disagg.tools.sim.cache import PolicyTier
 
     events = []
@@ -68,9 +69,9 @@ def test_policy_tier_runs_serving_s3fifo_with_serving_semantics():
     for k in range(10):
         t.put(k)
     t.read([3])  # read while in S: promoted to M when it reaches the head
-    t.put(4)  # resident: no read
+    t.put(4)  # resident: refreshed as a read
     assert t.put(10) == [0] and t.put(11) == [1] and t.put(12) == [2]
-    assert t.put(13) == [4] and 3 in t  # 3 was read: kept; 4 only re-put: evicted
+    assert t.put(13) == [5] and 3 in t and 4 in t  # 3 read, 4 re-put: both kept
     t.demote([8])
     assert t.put(14) == [8] and events[-2] == ("evicted_demoted", 8)
     t.demote([9, 7])

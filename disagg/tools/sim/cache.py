@@ -176,9 +176,9 @@ class PolicyTier(LRUTier):
     """A tier ordered by one of serving's eviction policies (``kv_transfer.tiers.eviction``: the
     same classes the host tier runs), with serving's semantics where they differ from ``LRUTier``:
 
-    - a put of a resident key changes nothing (serving's ``put_state`` skips what a tier holds),
-      unless the key is demoted: then it is a read (serving's ``HostTier`` NOTE 3: a spill of the
-      copy another node evicted);
+    - a put of a resident key is a read: serving's ``put_state`` writes nothing of what a tier
+      holds and refreshes it (``StateStore`` NOTE 4: a turn's store of its prefix; ``HostTier``
+      NOTE 3: a spill of the copy another node evicted), demoted or not;
     - a read refreshes (``read``: the tier's ``acquire`` calls the policy's ``on_access``); the
       simulator reads a host tier on every resume from it (``StateModel.resume``);
     - ``touch`` (the retention's refresh of a shared prefix) is a read too.
@@ -226,8 +226,7 @@ class PolicyTier(LRUTier):
 
     def put(self, key: Hashable, size: int = 1) -> list[Hashable] | None:
         if key in self._items:
-            if key in self._cold:
-                self.read((key,))
+            self.read((key,))
             return []
         if size > self.capacity:
             return None
