@@ -77,7 +77,8 @@ class LRUTier:
 
     def read(self, keys: Iterable[Hashable]) -> None:
         """``keys`` were read: nothing for an LRU tier (the simulator's store refreshes what a
-        turn resumed, a put of a resident key; ``PolicyTier`` refreshes on reads, as serving does)."""
+        turn resumed, a put of a resident key; ``PolicyTier`` refreshes on reads and puts, as
+        serving does)."""
 
     def demote(self, keys: Iterable[Hashable]) -> None:
         """Resident ``keys`` become the next to be evicted; the last key given goes first (NOTE 2)."""
