@@ -406,21 +406,21 @@ class HostTierClient:
     def delete(self, key: str) -> bool:
         return self._call(_U8.pack(DELETE) + _pack_str(key)).take(_U8) == 1
 
-    def demote(self, keys: Sequence[str]) -> int:
-        """``HostTier.demote`` in the owning process (one round trip): how many were present."""
+    def _count_keys(self, op: int, keys: Sequence[str]) -> int:
+        """One round trip of a keys op answered with the number present (DEMOTE_MANY, TOUCH_MANY)."""
         if not keys:
             return 0
-        r = self._call(_U8.pack(DEMOTE_MANY) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
+        r = self._call(_U8.pack(op) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
         r.take(_U8)
         return r.take(_U32)
 
+    def demote(self, keys: Sequence[str]) -> int:
+        """``HostTier.demote`` in the owning process (one round trip): how many were present."""
+        return self._count_keys(DEMOTE_MANY, keys)
+
     def touch(self, keys: Sequence[str]) -> int:
         """``HostTier.touch`` in the owning process (one round trip): how many were present."""
-        if not keys:
-            return 0
-        r = self._call(_U8.pack(TOUCH_MANY) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
-        r.take(_U8)
-        return r.take(_U32)
+        return self._count_keys(TOUCH_MANY, keys)
 
     def stats(self) -> dict:
         r = self._call(_U8.pack(STATS))
