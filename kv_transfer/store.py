@@ -175,17 +175,10 @@ class StateStore:
             todo = [k for k, h in zip(todo, hits, strict=True) if not h]
         return found
 
-    def _refresh(self, keys: list[str], where: dict[str, int]) -> int:
-        """Refresh ``keys`` (in order) in the tiers holding them that order evictions (NOTE 4)."""
-        by_tier: dict[int, list[str]] = {}
-        for k in keys:
-            by_tier.setdefault(where[k], []).append(k)
-        n = 0
-        for i, ks in by_tier.items():
-            touch = getattr(self.tiers[i], "touch", None)
-            if touch is not None:
-                n += touch(ks)
-        return n
+    def _refresh(self, keys: list[str]) -> int:
+        """Refresh ``keys`` (in order) in every tier that orders evictions (NOTE 4); a tier ignores
+        the keys it does not hold, so the prefix needs no lookup first."""
+        return sum(touch(keys) for tier in self.tiers if (touch := getattr(tier, "touch", None)) is not None)
 
     def block_keys(self, hashes: Sequence[bytes]) -> list[str]:
         """The keys of the MLA blocks named by ``hashes`` (every DCP shard of each), in order."""
@@ -256,11 +249,10 @@ class StateStore:
             assert tp_rank is None or k.tp_rank == tp_rank, "KDA shard of another TP rank"
             assert k.tp_size == self.tp_size, f"KDA shard for tp_size {k.tp_size}, store has {self.tp_size}"
             pieces.append((str(ObjectKey("kda", prefix, kda_shard(k.tp_rank, k.tp_size))), k, None))
-        prefix_keys = self.block_keys(hashes[: min(state.first_block, n_full)])
-        present = self._locate(prefix_keys + [key for key, _, _ in pieces])
+        present = self._locate([key for key, _, _ in pieces])
         result = PutResult()
-        result.num_refreshed = self._refresh([k for k in prefix_keys if k in present]
-                                             + [key for key, _, _ in pieces if key in present], present)
+        result.num_refreshed = self._refresh(self.block_keys(hashes[: min(state.first_block, n_full)])
+                                             + [key for key, _, _ in pieces if key in present])
         todo = [(key, obj, par, codec.encoded_size(obj)) for key, obj, par in pieces if key not in present]
         for key, obj, _ in pieces:
             if key in present:

@@ -36,7 +36,7 @@ def test_placement_matches_the_workers_at_route_and_at_join(tmp_path: Path, monk
     expect_join: dict[str, tuple[int, int]] = {}
     inner_route, inner_start = sim.router.route, sim._start_decode
 
-    def route(req, states):  # the counts before the decision: what the script reads inside it
+    def route(req, states):  # read before the decision; the script reads after it (routing moves no decode)
         counts = {w.worker_id: w.batch_size + len(w.decode_wait) for w in decoders}
         d = inner_route(req, states)
         if d.prefill_worker is not None and d.prefill_worker != d.decode_worker:
