@@ -200,7 +200,7 @@ def plot(cells: dict[str, dict[str, list[dict]]], path: Path) -> None:
     fig.supxlabel("P90 interactivity, tok/s/user (right is better)", fontsize=9)
     fig.supylabel("tok/s/GPU (up is better)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
