@@ -78,13 +78,15 @@ def engines_of(sim_args: list[str]) -> int:
     return a.prefill + a.decode if a.prefill or a.decode else a.workers
 
 
-def run_trace(task: tuple[str, tuple[str, ...], str, float]) -> dict:
-    """One policy on a trace file at ``lanes`` lanes per engine: its summary, as ``disagg sim run``'s."""
+def run_trace(task: tuple[str, tuple[str, ...], str, float, str]) -> dict:
+    """One policy on a trace file at ``lanes`` lanes per engine: its summary, as ``disagg sim run``'s
+    (``router_config``: state_aware's, JSON text, "" for the defaults)."""
     from pd_itl import trace_sim
 
-    trace, sim_args, policy, lanes = task
+    trace, sim_args, policy, lanes, router_config = task
     lanes_total = max(1, round(lanes * engines_of(list(sim_args))))
-    sim = trace_sim(trace, [*sim_args, "--concurrency", str(lanes_total)], policy, None)
+    sim = trace_sim(trace, [*sim_args, "--concurrency", str(lanes_total)], policy,
+                    json.loads(router_config) if router_config else None)
     return {"cell": trace, "policy": policy, **sim.run().summary}
 
 
@@ -219,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retention", default="checkpoints", choices=RETENTION_POLICIES)
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig as JSON text")
     ap.add_argument("--seed-offset", type=int, default=0)
-    ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default="")
+    ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default="",
+                    help="suite cells: clients say when a session ends, as router_suite's flag (with --trace, "
+                         "pass disagg sim run's in --sim-args)")
     ap.add_argument("--trace", help="replay this trace file instead of the suite's cells")
     ap.add_argument("--sim-args", default="--block-size 64",
                     help="with --trace: disagg sim run's flags (cluster, block size, replay)")
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         work = run_trace
 
         def task(label: str, policy: str, lanes: float) -> tuple:
-            return args.trace, sim_args, policy, lanes
+            return args.trace, sim_args, policy, lanes, args.router_config
     else:
         suite_cells = {c.label: c for c in (Cell(m, w, mode) for m in members for w in args.workers
                                             for mode in args.modes)}
