@@ -34,6 +34,8 @@ property of one load.
     python benchmarks/router_pareto.py --out results/pareto_docqa --trace results/heldout/docqa.jsonl \
         --sim-args "--block-size 64 --prefill 4 --decode 12 --session-ends"
 
+``--reuse-baselines DIR`` takes the baselines' runs from an earlier ``runs.jsonl`` of the
+same cells, loads and flags (a router change leaves them as they were), as the suite's flag does.
 ``--trace`` replays a trace file as ``disagg sim run --trace T SIM_ARGS`` does (the
 held-out shapes of ``benchmarks/heldout_shapes.py``: the CLI's defaults, 64 lanes at 16
 workers, i.e. 4 per worker) with ``--concurrency`` set to lanes per worker times the engines.
@@ -87,7 +89,12 @@ def run_trace(task: tuple[str, tuple[str, ...], str, float, str]) -> dict:
     lanes_total = max(1, round(lanes * engines_of(list(sim_args))))
     sim = trace_sim(trace, [*sim_args, "--concurrency", str(lanes_total)], policy,
                     json.loads(router_config) if router_config else None)
-    return {"cell": trace, "policy": policy, **sim.run().summary}
+    return {"cell": trace, "policy": policy, "scale": trace_key(sim_args, lanes), **sim.run().summary}
+
+
+def trace_key(sim_args: tuple[str, ...], lanes: float) -> str:
+    """What a trace run's result depends on besides the trace and the policy (``--reuse-baselines``)."""
+    return f"{shlex.join(sim_args)} / {lanes:g} lanes per engine"
 
 
 def point(run: dict, lanes: float) -> dict:
@@ -227,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", help="replay this trace file instead of the suite's cells")
     ap.add_argument("--sim-args", default="--block-size 64",
                     help="with --trace: disagg sim run's flags (cluster, block size, replay)")
+    ap.add_argument("--reuse-baselines", metavar="DIR",
+                    help="baseline runs from DIR/runs.jsonl, an earlier run of the same cells, loads and flags")
     ap.add_argument("--refine", type=int, default=3,
                     help="rounds of extra state-aware loads between the two that bracket an uncovered "
                          "baseline point's interactivity")
@@ -252,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def task(label: str, policy: str, lanes: float) -> tuple:
             return args.trace, sim_args, policy, lanes, args.router_config
+
+        def ident(label: str, policy: str, lanes: float) -> tuple:
+            return args.trace, policy, trace_key(sim_args, lanes)
     else:
         suite_cells = {c.label: c for c in (Cell(m, w, mode) for m in members for w in args.workers
                                             for mode in args.modes)}
@@ -261,14 +273,29 @@ def main(argv: list[str] | None = None) -> int:
         def task(label: str, policy: str, lanes: float) -> tuple:
             return suite_cells[label], policy, scale(lanes)
 
+        def ident(label: str, policy: str, lanes: float) -> tuple:
+            return label, policy, scale(lanes).key()
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     points: dict[str, dict[str, list[dict]]] = {c: {p: [] for p in policies} for c in cells}
     todo = [(c, p, x) for c in cells for x in args.lanes for p in policies]
+    reused: dict[tuple, dict] = {}
+    if args.reuse_baselines:  # baselines do not depend on the router's config: earlier runs stand
+        for line in (Path(args.reuse_baselines) / "runs.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r["policy"] != "state_aware" and "scale" in r:
+                reused[(r["cell"], r["policy"], r["scale"])] = r
     t0, runs = time.perf_counter(), 0
     ctx = mp.get_context("fork")
     with (out / "runs.jsonl").open("w") as log, ctx.Pool(args.jobs) if args.jobs > 1 else nullcontext() as pool, \
             tqdm(total=len(todo), desc="router pareto", unit="run", file=sys.stderr) as bar:
+        for cell, policy, lanes in todo:
+            if (r := reused.get(ident(cell, policy, lanes))) is not None:
+                log.write(json.dumps(r, default=float) + "\n")
+                points[cell][policy].append(point(r, lanes))
+                bar.update()
+        todo = [t for t in todo if ident(*t) not in reused]
         for round_ in range(args.refine + 1):
             work_args = [task(*t) for t in todo]
             for (cell, _, lanes), r in zip(todo, pool.imap(work, work_args) if pool else map(work, work_args),

@@ -105,6 +105,21 @@ def test_trace_mode_runs_what_the_cli_runs(pareto, tmp_path: Path, capsys: pytes
     assert (out / "pareto.png").stat().st_size > 0
     text = capsys.readouterr().out
     assert f"{int(expect)}/1 cells: every baseline point covered" in text
+    assert "; 4 runs in" in text
+
+    # a second run takes the baselines from the first and runs only the router
+    again = tmp_path / "again"
+    assert pareto.main(["--trace", str(trace), "--sim-args", sim_args, "--lanes", "0.5", "1",
+                        "--policies", "state_aware,round_robin", "--refine", "0", "--out", str(again),
+                        "--reuse-baselines", str(out)]) == 0
+    assert "; 2 runs in" in capsys.readouterr().out
+    pts2 = json.loads((again / "pareto.json").read_text())["cells"][label]["points"]
+    assert pts2 == pts
+    # another load is not the same run: it is run, not reused
+    assert pareto.main(["--trace", str(trace), "--sim-args", sim_args, "--lanes", "0.75",
+                        "--policies", "state_aware,round_robin", "--refine", "0", "--out", str(tmp_path / "x"),
+                        "--reuse-baselines", str(out)]) == 0
+    assert "; 2 runs in" in capsys.readouterr().out
 
 
 def test_bad_arguments_are_refused(pareto) -> None:
