@@ -17,7 +17,8 @@ way serving systems are compared on an interactivity / throughput front:
                 interactivity(s) >= interactivity(b),
                 tok/s/GPU(s)     >= 0.99 * tok/s/GPU(b)      (the issue's 1%),
                 TTFT P90(s)      <= TTFT P90(b)
-    at_b      = max tok/s/GPU over state-aware points with interactivity >= interactivity(b),
+    at_b      = state-aware tok/s/GPU at interactivity(b), read on its front (monotone
+                interpolation; past the front's range, the best point at or above it; 0 if none),
                 over tok/s/GPU(b)                              (> 1: more throughput at b's interactivity)
 
 for every measured point b of every baseline (all of them, not only the front).
