@@ -19,6 +19,15 @@ Shapes (sessions, shared prompt, first turn, per-turn growth, turns, think time)
               3-turn subagent on the parent's shared prompt
     longdoc   64, 2K, 20-60K, 2-8K, 4-12, 2-8 s; outputs 100-2000
 
+A second set, written after every router default of rounds 1-18 was fixed
+and run before any change (``--shapes second``; ``--shapes all`` runs both):
+
+    toolloop  200, 6K, 1-3K, 0.2-1.5K, 30-60, 0.2-2 s (tool-call loops: many short turns)
+    mega      32, 30K, 40-90K, 2-10K, 4-10, 5-30 s; contexts to 200K
+    swarm     120, two 16K prompts, 1-3K, 0.5-2K, 8-16, 1-6 s; 30% of turns fan out a subagent
+    slowthink 96, 8K, 4-12K, 1-4K, 10-20, 20-90 s; sessions start 10 a second
+    rush      256, 3K, 1-6K, 0.3-3K, 5-15, 0.5-3 s; sessions start 20 a second
+
 Printed per shape: every policy's row, then the state-aware router's verdict
 against the best baseline per figure (TTFT P90 and P90 interactivity as
 ratios where > 1 is better; tok/s/GPU as a ratio; hit against the capacity
@@ -31,6 +40,7 @@ bound). Written: ``OUT/<shape>.jsonl`` (the trace), ``OUT/<shape>_<mode>.json``
     python benchmarks/heldout_shapes.py --out results/heldout --shapes issue,longdoc --modes agg,pd
     python benchmarks/heldout_shapes.py --out results/heldout --retention session
     python benchmarks/heldout_shapes.py --out results/heldout --modes agg,pd --workers 16,64
+    python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd
 """
 
 from __future__ import annotations
@@ -74,7 +84,32 @@ SHAPES: dict[str, Shape] = {
                     turns=(20, 40), think_ms=(3000, 30000), fanout=0.1),
     "longdoc": Shape(seed=14, sessions=64, shared=2000, first=(20000, 60000), growth=(2000, 8000), turns=(4, 12),
                      think_ms=(2000, 8000), output=(100, 2000)),
+    "toolloop": Shape(seed=101, sessions=200, shared=6000, first=(1000, 3000), growth=(200, 1500), turns=(30, 60),
+                      think_ms=(200, 2000)),
+    "mega": Shape(seed=102, sessions=32, shared=30000, first=(40000, 90000), growth=(2000, 10000), turns=(4, 10),
+                  think_ms=(5000, 30000), max_context=200000),
+    "swarm": Shape(seed=103, sessions=120, shared=16000, groups=2, first=(1000, 3000), growth=(500, 2000),
+                   turns=(8, 16), think_ms=(1000, 6000), fanout=0.3),
+    "slowthink": Shape(seed=104, shared=8000, first=(4000, 12000), growth=(1000, 4000), turns=(10, 20),
+                       think_ms=(20000, 90000), arrival_ms=100),
+    "rush": Shape(seed=105, sessions=256, shared=3000, first=(1000, 6000), growth=(300, 3000), turns=(5, 15),
+                  think_ms=(500, 3000), arrival_ms=50),
 }
+SETS: dict[str, tuple[str, ...]] = {
+    "first": ("issue", "docqa", "groups", "longdoc"),
+    "second": ("toolloop", "mega", "swarm", "slowthink", "rush"),
+}
+SETS["all"] = SETS["first"] + SETS["second"]
+
+
+def shape_names(spec: str) -> list[str]:
+    """``--shapes``: a comma list of shape names and set names (SETS), in order, each once."""
+    names: list[str] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        for name in SETS.get(part, (part,)):
+            if name not in names:
+                names.append(name)
+    return names
 
 
 def write_trace(shape: Shape, path: Path) -> int:
@@ -157,7 +192,9 @@ def verdict(rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/heldout")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--shapes", default="first",
+                    help="comma list of shapes (" + ", ".join(SHAPES) + ") or sets (" + ", ".join(SETS)
+                    + "); default: the first set")
     ap.add_argument("--modes", default="agg", help="comma list of agg, pd")
     ap.add_argument("--workers", default="16", help="comma list of cluster sizes (engines), e.g. 16,64")
     ap.add_argument("--retention", help="passed to disagg sim run (default: the CLI's)")
@@ -179,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--workers: a comma list of integers, got {args.workers!r}")
     if min(sizes) < 2:
         ap.error("--workers: at least 2 (P/D needs a prefill and a decode engine)")
-    cells = [(s, w, m) for s in args.shapes.split(",") for w in sizes for m in args.modes.split(",")]
+    cells = [(s, w, m) for s in shape_names(args.shapes) for w in sizes for m in args.modes.split(",")]
     unknown = ({s for s, _, _ in cells} - set(SHAPES)) | ({m for _, _, m in cells} - set(MODES))
     if unknown:
         ap.error(f"unknown shapes or modes: {sorted(unknown)}")

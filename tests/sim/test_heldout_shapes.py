@@ -1,0 +1,104 @@
+"""``benchmarks/heldout_shapes.py``: the held-out traces and the verdict printed for them.
+
+Every shape of both sets is written (small copies: a few sessions each) and
+loaded by the trace reader ``disagg sim run --trace`` uses; the sessions must
+have the shape's structure (a shared prompt first, turns that extend their
+predecessor, contexts within the cap). Then the set names, the verdict's rule,
+and one small trace through the script, against the same runs made directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from disagg.tools.bench.trace import load_trace
+from tests.sim.test_pd_itl_oracle import BENCH
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import heldout_shapes
+
+    return heldout_shapes
+
+
+def test_sets_name_every_shape_once(held) -> None:
+    assert set(held.SETS["all"]) == set(held.SHAPES)
+    assert not set(held.SETS["first"]) & set(held.SETS["second"])
+    assert held.shape_names("first") == ["issue", "docqa", "groups", "longdoc"]
+    assert held.shape_names("rush,second, issue") == ["rush", "toolloop", "mega", "swarm", "slowthink", "issue"]
+    assert held.shape_names("all") == list(held.SETS["all"])
+
+
+@pytest.mark.parametrize("name", ["issue", "groups", "toolloop", "mega", "swarm", "slowthink", "rush"])
+def test_trace_has_the_shapes_structure(held, tmp_path: Path, name: str) -> None:
+    shape = dataclasses.replace(held.SHAPES[name], sessions=6)
+    path = tmp_path / f"{name}.jsonl"
+    n = held.write_trace(shape, path)
+    recs = load_trace(str(path), default_block_size=held.BLOCK)
+    assert len(recs) == n > 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    by_session: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_session[r["session_id"]].append(r)
+    parents = [s for s in by_session if "-sub" not in s]
+    assert len(parents) == shape.sessions
+    shared_len = shape.shared // held.BLOCK
+    firsts = {tuple(by_session[s][0]["hash_ids"][:shared_len]) for s in parents}
+    assert len(firsts) <= shape.groups  # every session opens with one of the shared prompts
+    for sid, turns in by_session.items():
+        assert [t["turn"] for t in turns] == list(range(len(turns)))
+        for a, b in zip(turns, turns[1:], strict=False):
+            assert b["hash_ids"][:len(a["hash_ids"])] == a["hash_ids"]  # a turn extends the one before
+            assert shape.think_ms[0] <= b["delay"] <= shape.think_ms[1]
+        for t in turns:
+            assert t["input_length"] == len(t["hash_ids"]) * held.BLOCK
+            assert shape.output[0] <= t["output_length"] <= shape.output[1]
+        if "-sub" not in sid:
+            assert shape.turns[0] <= len(turns) or len(turns[-1]["hash_ids"]) * held.BLOCK > shape.max_context - \
+                shape.growth[1] - shape.output[1] - held.BLOCK
+            assert len(turns) <= shape.turns[1]
+            assert all(len(t["hash_ids"]) * held.BLOCK <= shape.max_context for t in turns)
+    subs = [s for s in by_session if "-sub" in s]
+    if not shape.fanout:
+        assert not subs
+    elif shape.fanout >= 0.3:  # 6 sessions of 8+ turns: some turn fans out
+        assert subs
+
+
+def _row(policy: str, ttft: float, inter: float, tps: float, hit: float = 1.0) -> dict:
+    return {"policy": policy, "ttft_p90": ttft, "interactivity_p90": inter, "tokens_per_s_per_gpu": tps,
+            "hit_vs_bound": hit}
+
+
+def test_verdict_needs_every_figure(held) -> None:
+    base = [_row("round_robin", 2.0, 100.0, 1000.0), _row("dynamo_cost", 1.0, 110.0, 1100.0)]
+    v = held.verdict([_row("state_aware", 1.0, 110.0, 1089.0), *base])
+    assert v["pass"] and v["ttft_p90_best"] == "dynamo_cost" and v["tokens_per_s_per_gpu"] == pytest.approx(0.99)
+    assert not held.verdict([_row("state_aware", 1.0, 110.0, 1088.0), *base])["pass"]  # more than 1% behind
+    assert not held.verdict([_row("state_aware", 1.01, 120.0, 2000.0), *base])["pass"]
+    assert not held.verdict([_row("state_aware", 0.5, 109.9, 2000.0), *base])["pass"]
+    assert not held.verdict([_row("state_aware", 0.5, 120.0, 2000.0, hit=0.949), *base])["pass"]
+
+
+def test_unknown_shape_is_refused(held, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        held.main(["--out", str(tmp_path), "--shapes", "nosuch"])
+
+
+def test_script_reports_what_the_cli_measures(held, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small = dataclasses.replace(held.SHAPES["rush"], sessions=12, turns=(2, 4))
+    monkeypatch.setitem(held.SHAPES, "rush", small)
+    assert held.main(["--out", str(tmp_path), "--shapes", "rush", "--modes", "pd"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = json.loads((tmp_path / "rush_pd.json").read_text())
+    assert [r["policy"] for r in rows][0] == "state_aware" and len(rows) == 5
+    direct = held.run(tmp_path / "rush.jsonl", "pd", [], 16)
+    assert [r["tokens_per_s_per_gpu"] for r in direct] == [r["tokens_per_s_per_gpu"] for r in rows]
+    assert summary["rush/pd"] == held.verdict(rows)
