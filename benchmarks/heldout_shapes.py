@@ -41,6 +41,7 @@ bound). Written: ``OUT/<shape>.jsonl`` (the trace), ``OUT/<shape>_<mode>.json``
     python benchmarks/heldout_shapes.py --out results/heldout --retention session
     python benchmarks/heldout_shapes.py --out results/heldout --modes agg,pd --workers 16,64
     python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd
+    python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd --seed-offset 1000
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import json
 import random
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -203,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"),
                     help="passed to disagg sim run: clients say when a session ends, with its last turn "
                          "(session_end; the flag alone) or after its answer (DELETE)")
+    ap.add_argument("--seed-offset", type=int, default=0,
+                    help="added to every shape's seed: other traces of the same shapes (files and cells are "
+                         "named <shape>+N)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -222,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown shapes or modes: {sorted(unknown)}")
     summary: dict[str, dict] = {}
     for name, workers, mode in tqdm(cells, desc="held-out shapes", unit="cell", file=sys.stderr):
-        trace = out / f"{name}.jsonl"
+        tag = f"{name}+{args.seed_offset}" if args.seed_offset else name
+        trace = out / f"{tag}.jsonl"
         if not trace.exists():
-            write_trace(SHAPES[name], trace)
+            write_trace(replace(SHAPES[name], seed=SHAPES[name].seed + args.seed_offset), trace)
         rows = run(trace, mode, extra, workers)
-        label = f"{name}/{mode}" if workers == 16 else f"{name}/{workers}/{mode}"
+        label = f"{tag}/{mode}" if workers == 16 else f"{tag}/{workers}/{mode}"
         (out / f"{label.replace('/', '_')}.json").write_text(json.dumps(rows, indent=1))
         v = summary[label] = verdict(rows)
         print(f"\n{label} ({rows[0]['requests']} requests)")

@@ -102,3 +102,16 @@ def test_script_reports_what_the_cli_measures(held, tmp_path: Path, monkeypatch:
     direct = held.run(tmp_path / "rush.jsonl", "pd", [], 16)
     assert [r["tokens_per_s_per_gpu"] for r in direct] == [r["tokens_per_s_per_gpu"] for r in rows]
     assert summary["rush/pd"] == held.verdict(rows)
+
+
+def test_seed_offset_writes_other_traces_of_the_shape(held, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small = dataclasses.replace(held.SHAPES["rush"], sessions=8, turns=(2, 3))
+    monkeypatch.setitem(held.SHAPES, "rush", small)
+    assert held.main(["--out", str(tmp_path), "--shapes", "rush", "--modes", "agg"]) == 0
+    assert held.main(["--out", str(tmp_path), "--shapes", "rush", "--modes", "agg", "--seed-offset", "7"]) == 0
+    base, other = (tmp_path / "rush.jsonl").read_text(), (tmp_path / "rush+7.jsonl").read_text()
+    assert base != other
+    held.write_trace(dataclasses.replace(small, seed=small.seed + 7), tmp_path / "again.jsonl")
+    assert (tmp_path / "again.jsonl").read_text() == other
+    assert list(json.loads((tmp_path / "summary.json").read_text())) == ["rush+7/agg"]
+    assert (tmp_path / "rush+7_agg.json").exists() and (tmp_path / "rush_agg.json").exists()
