@@ -40,7 +40,7 @@ bound). Written: ``OUT/<shape>.jsonl`` (the trace), ``OUT/<shape>_<mode>.json``
     python benchmarks/heldout_shapes.py --out results/heldout --shapes issue,longdoc --modes agg,pd
     python benchmarks/heldout_shapes.py --out results/heldout --retention session
     python benchmarks/heldout_shapes.py --out results/heldout --modes agg,pd --workers 16,64
-    python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd
+    python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd --jobs 2
     python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd --seed-offset 1000
 """
 
@@ -51,6 +51,7 @@ import json
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"),
                     help="passed to disagg sim run: clients say when a session ends, with its last turn "
                          "(session_end; the flag alone) or after its answer (DELETE)")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to every shape's seed: other traces of the same shapes (files and cells are "
                          "named <shape>+N)")
@@ -218,31 +220,43 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:
         ap.error(f"--workers: a comma list of integers, got {args.workers!r}")
+    if args.jobs < 1:
+        ap.error("--jobs: at least 1")
     if min(sizes) < 2:
         ap.error("--workers: at least 2 (P/D needs a prefill and a decode engine)")
     cells = [(s, w, m) for s in shape_names(args.shapes) for w in sizes for m in args.modes.split(",")]
     unknown = ({s for s, _, _ in cells} - set(SHAPES)) | ({m for _, _, m in cells} - set(MODES))
     if unknown:
         ap.error(f"unknown shapes or modes: {sorted(unknown)}")
-    summary: dict[str, dict] = {}
-    for name, workers, mode in tqdm(cells, desc="held-out shapes", unit="cell", file=sys.stderr):
+    traces: dict[str, Path] = {}
+    for name in dict.fromkeys(s for s, _, _ in cells):  # written first, in order: the runs only read them
         tag = f"{name}+{args.seed_offset}" if args.seed_offset else name
-        trace = out / f"{tag}.jsonl"
-        if not trace.exists():
-            write_trace(replace(SHAPES[name], seed=SHAPES[name].seed + args.seed_offset), trace)
-        rows = run(trace, mode, extra, workers)
-        label = f"{tag}/{mode}" if workers == 16 else f"{tag}/{workers}/{mode}"
-        (out / f"{label.replace('/', '_')}.json").write_text(json.dumps(rows, indent=1))
-        v = summary[label] = verdict(rows)
-        print(f"\n{label} ({rows[0]['requests']} requests)")
-        for r in rows:
-            print(f"  {r['policy']:>16}  hit {r['hit_rate']:.3f}  hit/bound {r.get('hit_vs_bound', float('nan')):.3f}"
-                  f"  TTFT P50 {r['ttft_p50']:.3f}  P90 {r['ttft_p90']:.3f}"
-                  f"  P90 interactivity {r['interactivity_p90']:.1f}  tok/s/GPU {r['tokens_per_s_per_gpu']:,.0f}")
-        print(f"  state_aware over the best baseline: TTFT P90 x{v['ttft_p90']:.3f} ({v['ttft_p90_best']}),"
-              f" P90 interactivity x{v['interactivity_p90']:.4f} ({v['interactivity_p90_best']}),"
-              f" tok/s/GPU x{v['tokens_per_s_per_gpu']:.3f} ({v['tokens_per_s_per_gpu_best']}),"
-              f" hit/bound {v['hit_vs_bound']:.3f} -> {'PASS' if v['pass'] else 'miss'}")
+        traces[name] = out / f"{tag}.jsonl"
+        if not traces[name].exists():
+            write_trace(replace(SHAPES[name], seed=SHAPES[name].seed + args.seed_offset), traces[name])
+
+    def one(cell: tuple[str, int, str]) -> list[dict]:
+        name, workers, mode = cell
+        return run(traces[name], mode, extra, workers)
+
+    summary: dict[str, dict] = {}
+    with ThreadPoolExecutor(args.jobs) as pool:  # each cell is its own ``disagg sim run`` process
+        done = tqdm(pool.map(one, cells), total=len(cells), desc="held-out shapes", unit="cell", file=sys.stderr)
+        for (name, workers, mode), rows in zip(cells, done, strict=True):  # printed in the cells' order
+            tag = traces[name].stem
+            label = f"{tag}/{mode}" if workers == 16 else f"{tag}/{workers}/{mode}"
+            (out / f"{label.replace('/', '_')}.json").write_text(json.dumps(rows, indent=1))
+            v = summary[label] = verdict(rows)
+            print(f"\n{label} ({rows[0]['requests']} requests)")
+            for r in rows:
+                print(f"  {r['policy']:>16}  hit {r['hit_rate']:.3f}"
+                      f"  hit/bound {r.get('hit_vs_bound', float('nan')):.3f}"
+                      f"  TTFT P50 {r['ttft_p50']:.3f}  P90 {r['ttft_p90']:.3f}"
+                      f"  P90 interactivity {r['interactivity_p90']:.1f}  tok/s/GPU {r['tokens_per_s_per_gpu']:,.0f}")
+            print(f"  state_aware over the best baseline: TTFT P90 x{v['ttft_p90']:.3f} ({v['ttft_p90_best']}),"
+                  f" P90 interactivity x{v['interactivity_p90']:.4f} ({v['interactivity_p90_best']}),"
+                  f" tok/s/GPU x{v['tokens_per_s_per_gpu']:.3f} ({v['tokens_per_s_per_gpu_best']}),"
+                  f" hit/bound {v['hit_vs_bound']:.3f} -> {'PASS' if v['pass'] else 'miss'}", flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     # the suite's chart of verdicts (this script's directory is on sys.path)
     from router_suite import plot

@@ -115,3 +115,20 @@ def test_seed_offset_writes_other_traces_of_the_shape(held, tmp_path: Path, monk
     assert (tmp_path / "again.jsonl").read_text() == other
     assert list(json.loads((tmp_path / "summary.json").read_text())) == ["rush+7/agg"]
     assert (tmp_path / "rush+7_agg.json").exists() and (tmp_path / "rush_agg.json").exists()
+
+
+def test_jobs_run_cells_at_once_with_the_same_results(held, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("rush", "mega"):
+        monkeypatch.setitem(held.SHAPES, name, dataclasses.replace(held.SHAPES[name], sessions=6, turns=(2, 3)))
+    cli = ["--shapes", "rush,mega", "--modes", "agg,pd"]
+    assert held.main(["--out", str(tmp_path / "one"), *cli]) == 0
+    one = capsys.readouterr().out
+    assert held.main(["--out", str(tmp_path / "two"), *cli, "--jobs", "3"]) == 0
+    two = capsys.readouterr().out
+    assert one == two  # the same runs, printed in the cells' order
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert list(summary) == ["rush/agg", "rush/pd", "mega/agg", "mega/pd"]
+    assert summary == json.loads((tmp_path / "one" / "summary.json").read_text())
+    with pytest.raises(SystemExit):
+        held.main(["--out", str(tmp_path / "bad"), *cli, "--jobs", "0"])
