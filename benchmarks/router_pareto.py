@@ -60,12 +60,10 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from router_suite import POLICIES, Cell, Scale, run_one
+from router_suite import POLICIES, Cell, Scale, add_suite_args, run_one, suite_selection
 from tqdm.auto import tqdm
 
-from disagg.tools.bench.family import SUITE
 from disagg.tools.bench.pareto import best_meeting, front_at
-from disagg.tools.sim.retention import RETENTION_POLICIES
 
 TPS_TOLERANCE = 0.99  # tok/s/GPU within 1% of a baseline's counts as matching it (the figure)
 _KEYS = ("interactivity_p90", "tokens_per_s_per_gpu", "ttft_p90", "ttft_p50")
@@ -217,24 +215,13 @@ def plot(cells: dict[str, dict[str, list[dict]]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/router_pareto")
-    ap.add_argument("--members", default=",".join(SUITE), help="comma list of SUITE members")
-    ap.add_argument("--workers", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--modes", nargs="+", default=["agg", "pd"], choices=["agg", "pd"])
-    ap.add_argument("--policies", default=",".join(POLICIES), help="comma list (state_aware first)")
+    add_suite_args(ap)  # the suite's cells, policies and scale (with --trace: members, workers, modes and
+    # the scale flags are not used; pass disagg sim run's own, --session-ends included, in --sim-args)
     ap.add_argument("--lanes", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0],
                     help="closed-loop lanes per worker, one run per value (the suite runs 2)")
-    ap.add_argument("--scale", type=float, default=0.25)
-    ap.add_argument("--turn-scale", type=float, default=0.5)
-    ap.add_argument("--sessions-per-worker", type=float, default=3.0)
-    ap.add_argument("--retention", default="checkpoints", choices=RETENTION_POLICIES)
-    ap.add_argument("--router-config", default="", help="state_aware's RouterConfig as JSON text")
-    ap.add_argument("--seed-offset", type=int, default=0)
-    ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default="",
-                    help="suite cells: clients say when a session ends, as router_suite's flag (with --trace, "
-                         "pass disagg sim run's in --sim-args)")
     ap.add_argument("--trace", help="replay this trace file instead of the suite's cells")
     ap.add_argument("--sim-args", default="--block-size 64",
-                    help="with --trace: disagg sim run's flags (cluster, block size, replay)")
+                    help="with --trace: disagg sim run's flags (cluster, block size, replay, --session-ends)")
     ap.add_argument("--reuse-baselines", metavar="DIR",
                     help="baseline runs from DIR/runs.jsonl, an earlier run of the same cells, loads and flags")
     ap.add_argument("--refine", type=int, default=3,
@@ -242,18 +229,15 @@ def main(argv: list[str] | None = None) -> int:
                          "baseline point's interactivity")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
-    members = [m.strip() for m in args.members.split(",") if m.strip()]
-    if unknown := [m for m in members if m not in SUITE]:
-        ap.error(f"unknown members {unknown}; known: {', '.join(SUITE)}")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if len(policies) < 2 or policies[0] != "state_aware" or any(p not in POLICIES for p in policies):
+    members, policies, router_config = suite_selection(ap, args)
+    if len(policies) < 2:
         ap.error(f"policies: state_aware first, then at least one of {', '.join(POLICIES[1:])}")
     if min(args.lanes) <= 0:
         ap.error("--lanes must be positive")
 
     def scale(lanes: float) -> Scale:
         return Scale(args.scale, args.turn_scale, args.sessions_per_worker, lanes, args.retention,
-                     args.router_config, args.seed_offset, session_ends=args.session_ends)
+                     router_config, args.seed_offset, session_ends=args.session_ends)
 
     if args.trace:
         sim_args = tuple(shlex.split(args.sim_args))
@@ -261,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         work = run_trace
 
         def task(label: str, policy: str, lanes: float) -> tuple:
-            return args.trace, sim_args, policy, lanes, args.router_config
+            return args.trace, sim_args, policy, lanes, router_config
 
         def ident(label: str, policy: str, lanes: float) -> tuple:
             return args.trace, policy, trace_key(sim_args, lanes)

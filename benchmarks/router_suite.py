@@ -222,9 +222,8 @@ def plot(verdicts: dict[str, dict], path: Path, title: str = "Router suite") -> 
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="results/router_suite")
+def add_suite_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that pick the suite's cells, policies and scale (this script's and ``router_pareto``'s)."""
     ap.add_argument("--members", default=",".join(SUITE), help="comma list of SUITE members")
     ap.add_argument("--workers", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--modes", nargs="+", default=["agg", "pd"], choices=["agg", "pd"])
@@ -232,14 +231,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=0.25, help="token lengths, capacities, think times")
     ap.add_argument("--turn-scale", type=float, default=0.5)
     ap.add_argument("--sessions-per-worker", type=float, default=3.0)
-    ap.add_argument("--lanes-per-worker", type=float, default=2.0)
     ap.add_argument("--retention", default="checkpoints", choices=RETENTION_POLICIES,
                     help="tier eviction order (disagg.tools.sim.retention): checkpoints, what serving does "
                          "(the CLI's default); session also uses what only the trace knows (rounds 1-13)")
     ap.add_argument("--router-config", default="", help="state_aware's RouterConfig: JSON text or a JSON/YAML file")
-    ap.add_argument("--reuse-baselines", metavar="DIR", help="baseline runs from DIR/runs.jsonl (same scale)")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="re-seed every member by this much: traces of the same shapes the router was not tuned on")
+    ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default="",
+                    help="clients say when a session ends (every policy): 'turn' (the flag alone) marks its "
+                         "last turn (the API's session_end), 'after' ends it once that turn is answered "
+                         "(DELETE /v1/sessions/{id})")
+
+
+def suite_selection(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str], str]:
+    """(members, policies, state_aware's router config as JSON text) of ``add_suite_args``' flags;
+    ``ap.error`` on an unknown member or policy, or policies that do not start with state_aware."""
+    members = [m.strip() for m in args.members.split(",") if m.strip()]
+    if unknown := [m for m in members if m not in SUITE]:
+        ap.error(f"unknown members {unknown}; known: {', '.join(SUITE)}")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies or policies[0] != "state_aware" or any(p not in POLICIES for p in policies):
+        ap.error(f"policies: state_aware first, then any of {', '.join(POLICIES[1:])}")
+    rc = args.router_config
+    if rc and not rc.lstrip().startswith("{"):
+        import yaml
+
+        rc = json.dumps(yaml.safe_load(Path(rc).read_text()) or {})
+    return members, policies, rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="results/router_suite")
+    add_suite_args(ap)
+    ap.add_argument("--lanes-per-worker", type=float, default=2.0)
+    ap.add_argument("--reuse-baselines", metavar="DIR", help="baseline runs from DIR/runs.jsonl (same scale)")
     ap.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,
                     help="P/D: decode nodes' evictions go to the prefill nodes' host tiers (every policy; "
                          "--no-spill-to-pool: rounds 1-7's runs)")
@@ -249,24 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-write", default="through", choices=["through", "back"],
                     help="host tiers written through by every store (serving), or back by device evictions "
                          "(Simulator NOTE 6)")
-    ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default="",
-                    help="clients say when a session ends (every policy): 'turn' (the flag alone) marks its "
-                         "last turn (the API's session_end), 'after' ends it once that turn is answered "
-                         "(DELETE /v1/sessions/{id})")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
-    members = [m.strip() for m in args.members.split(",") if m.strip()]
-    unknown = [m for m in members if m not in SUITE]
-    if unknown:
-        ap.error(f"unknown members {unknown}; known: {', '.join(SUITE)}")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if policies[0] != "state_aware" or any(p not in POLICIES for p in policies):
-        ap.error(f"policies: state_aware first, then any of {', '.join(POLICIES[1:])}")
-    rc = args.router_config
-    if rc and not rc.lstrip().startswith("{"):
-        import yaml
-
-        rc = json.dumps(yaml.safe_load(Path(rc).read_text()) or {})
+    members, policies, rc = suite_selection(ap, args)
     sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc,
                args.seed_offset, args.spill_to_pool, args.checkpoints, args.host_write, args.session_ends)
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
