@@ -361,6 +361,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                            queued_prefill_requests=load.get("queued_prefill_requests", 0),
                            running_decode_tokens=load.get("running_decode_tokens", 0),
                            running_decode_requests=load.get("running_decode_requests", 0),
+                           inbound_decode_requests=load.get("inbound_decode_requests", 0),
+                           inbound_decode_tokens=load.get("inbound_decode_tokens", 0),
                            cache_utilization=min(1.0, max(0.0, load.get("cache_utilization", 0.0))),
                            # the report's age on this policy's clock (replicas stamp wall time)
                            updated_at=self._policy.clock() - max(0.0, time.time() - stats.get("time", time.time())))

@@ -117,6 +117,7 @@ class _ServerBase:
     async def record_routing_stats(self) -> dict:
         """Load and device-tier content for the request routers (see deployments.request_router)."""
         version, sessions, load = await self.engine.routing_report(self._snapshot_version)
+        load = {**load, **self.worker.flow.routing_load()}  # P/D: requests on their way (disagg.flow NOTE 15)
         if sessions is not None:
             self._snapshot, self._tails, self._checkpoints = device_snapshot(self.worker.hasher, sessions)
             self._snapshot_version = version

@@ -136,6 +136,15 @@ NOTES
    tracks. What an engine keeps resident of the session stays until the engine evicts it.
    The ledger is this worker's: the ingress asks every decode replica, and each demotes
    what it saw.
+15. Inbound decodes: a request this worker sends to the prefill pool is on its way to this
+   engine's batch from the decision until its decode goes to the engine (or it ends: a
+   one-token answer, a failure, a client gone). The engine does not see it then, so the
+   flow counts it (``inbound``, ``inbound_tokens``: its prompt) and the replica reports it
+   beside the engine's load (``routing_load``; ``WorkerState.inbound_decode_requests``).
+   Counted by the running batch alone, a worker whose requests are all still in the pool
+   looks idle, and the router sends it the next ones too (docs/router.md, "Round 20").
+   A remote prefill that fails and runs here instead stops counting at once: it is in the
+   engine's queue.
 """
 
 from __future__ import annotations
@@ -308,6 +317,8 @@ class RequestFlow:
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
         self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)
         self.unfinished = 0  # requests in this flow, not finished (the decider's "coming", NOTE 5)
+        self.inbound = 0  # requests prefilling in the pool for this engine, or handing off (NOTE 15)
+        self.inbound_tokens = 0  # their prompt tokens
         self._tasks: set[asyncio.Task] = set()  # background publishes
         self._publishing: dict[str, set[asyncio.Task]] = {}  # session -> its publishes in flight (NOTE 6)
         self._landing = asyncio.Event()  # set (and replaced) whenever a noted publish lands or drops (NOTE 8)
@@ -397,6 +408,17 @@ class RequestFlow:
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision
 
+    def inbound_change(self, n: int, tokens: int) -> None:
+        """NOTE 15: ``n`` requests of ``tokens`` prompt tokens each start (1) or stop (-1) being
+        on their way to this engine's batch."""
+        self.inbound += n
+        self.inbound_tokens += n * tokens
+        assert self.inbound >= 0 and self.inbound_tokens >= 0, "negative inbound decodes"
+
+    def routing_load(self) -> dict[str, int]:
+        """What this flow adds to its replica's load report (NOTE 15)."""
+        return {"inbound_decode_requests": self.inbound, "inbound_decode_tokens": self.inbound_tokens}
+
     def pool_view(self, query: PoolQuery) -> PoolView | None:
         """The prefill pool as ``prefill_pool`` sees it for ``query``; None: unknown, or the view
         failed (logged: the decision then goes without it, NOTE 5)."""
@@ -455,50 +477,57 @@ class RequestFlow:
         points = self.reuse.checkpoint_at(ticket, plan.position)  # reuse: where the prefill keeps checkpoints
         decision = self.decide(plan, prefill_fn is not None, params, ticket)  # decision taken
         handle = None
-        if decision.disaggregate:
-            named = {"state_node": self.node_id, "state_position": plan.node_position} \
-                if self.node_id and plan.node_position > 0 and plan.node_position >= params.state_position \
-                else {}  # NOTE 10: this node, unless the router named one holding more
-            handle = await self.remote_prefill(replace(params, checkpoint_at=points, decode_node=self.node_id,
-                                                       **named), prefill_fn)
-        first_index = params.resumed_output_tokens  # NOTE 4
-        reported = None  # (cached, source) of the prefill replica, when one ran (NOTE 2)
-        if handle is None:
-            self.counters["local_prefills"] += 1
-            self.unpend(ticket)  # NOTE 8: its points land with its turn end, after the whole decode
-        else:
-            self.counters["remote_prefills"] += 1
-            reported = handle.num_cached_tokens, handle.cached_source
-            await self.reuse_finish(ticket, reported[0], handle.resume_failure, params)  # reuse: misses
-            self.settle(ticket, handle.checkpoints)  # reuse: the prefill's publishes
-            superseded = self.superseded(session_key(params.cache_salt, params.session_id), params.request_id,
-                                         ticket.tokens, hasher, handle.checkpoints, ticket.hashes)  # NOTE 9
-            if superseded:
-                self.spawn(self.demote(superseded))
-            first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=reported[0],
-                                cached_source=reported[1], replica_id=self.replica_id,
-                                logprobs=[handle.first_logprob] if handle.first_logprob is not None else None)
-            going_on = False
-            try:
-                stop = _is_stop(handle.first_token, sampling, self.engine.eos_token_id)
-                if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
-                    first.finished, first.finish_reason = True, "stop" if stop else "length"
-                    first.reuse_misses, first.reuse_bound = ticket.misses, ticket.bound
-                    if params.session_end:  # NOTE 13 (nothing held here: the hand-off was not loaded)
-                        self._end_session(params, ticket, None)
+        inbound = len(tokens) if decision.disaggregate else 0  # NOTE 15: on its way to this engine's batch
+        if inbound:
+            self.inbound_change(1, inbound)
+        try:
+            if decision.disaggregate:
+                named = {"state_node": self.node_id, "state_position": plan.node_position} \
+                    if self.node_id and plan.node_position > 0 and plan.node_position >= params.state_position \
+                    else {}  # NOTE 10: this node, unless the router named one holding more
+                handle = await self.remote_prefill(replace(params, checkpoint_at=points, decode_node=self.node_id,
+                                                           **named), prefill_fn)
+            first_index = params.resumed_output_tokens  # NOTE 4
+            reported = None  # (cached, source) of the prefill replica, when one ran (NOTE 2)
+            if handle is None:
+                self.counters["local_prefills"] += 1
+                self.unpend(ticket)  # NOTE 8: its points land with its turn end, after the whole decode
+            else:
+                self.counters["remote_prefills"] += 1
+                reported = handle.num_cached_tokens, handle.cached_source
+                await self.reuse_finish(ticket, reported[0], handle.resume_failure, params)  # reuse: misses
+                self.settle(ticket, handle.checkpoints)  # reuse: the prefill's publishes
+                superseded = self.superseded(session_key(params.cache_salt, params.session_id), params.request_id,
+                                             ticket.tokens, hasher, handle.checkpoints, ticket.hashes)  # NOTE 9
+                if superseded:
+                    self.spawn(self.demote(superseded))
+                first = StreamChunk([handle.first_token], num_prompt_tokens=len(tokens), num_cached_tokens=reported[0],
+                                    cached_source=reported[1], replica_id=self.replica_id,
+                                    logprobs=[handle.first_logprob] if handle.first_logprob is not None else None)
+                going_on = False
+                try:
+                    stop = _is_stop(handle.first_token, sampling, self.engine.eos_token_id)
+                    if stop or sampling.max_tokens == 1:  # a stop token outranks the length (as in the engine)
+                        first.finished, first.finish_reason = True, "stop" if stop else "length"
+                        first.reuse_misses, first.reuse_bound = ticket.misses, ticket.bound
+                        if params.session_end:  # NOTE 13 (nothing held here: the hand-off was not loaded)
+                            self._end_session(params, ticket, None)
+                        yield first
+                        return
                     yield first
-                    return
-                yield first
-                going_on = True
-            finally:  # done, or closed after the first token: a device hand-off is released unopened
-                if not going_on and handle.device_state is not None and release_fn is not None:
-                    self.spawn(_quietly(release_fn(handle), f"device hand-off {handle.device_state.share_id}"))
-            plan = await self.open(handle, tokens, hasher, params, release_fn, plan.resident_blocks)  # load result
-            if plan.state is not None and handle.device_state is None and handle.node_id not in ("", self.node_id):
-                self.spawn(self.hand_over(handle.node_id, ticket))  # NOTE 12
-            tokens = tokens + [handle.first_token]
-            sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
-            first_index += 1
+                    going_on = True
+                finally:  # done, or closed after the first token: a device hand-off is released unopened
+                    if not going_on and handle.device_state is not None and release_fn is not None:
+                        self.spawn(_quietly(release_fn(handle), f"device hand-off {handle.device_state.share_id}"))
+                plan = await self.open(handle, tokens, hasher, params, release_fn, plan.resident_blocks)  # load result
+                if plan.state is not None and handle.device_state is None and handle.node_id not in ("", self.node_id):
+                    self.spawn(self.hand_over(handle.node_id, ticket))  # NOTE 12
+                tokens = tokens + [handle.first_token]
+                sampling = replace(sampling, max_tokens=sampling.max_tokens - 1)
+                first_index += 1
+        finally:
+            if inbound:  # the decode goes to the engine next, or the request ended
+                self.inbound_change(-1, inbound)
         local_points = () if handle is not None else tuple(p for p in points if p > plan.position)
         async for chunk in self.decode(params, tokens, sampling, plan, first_index, hasher, reported, ticket,
                                        local_points):

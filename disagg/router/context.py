@@ -35,7 +35,7 @@ class EffectiveLoad:
     """Load the policy acts on: live stats plus not-yet-reported predictions."""
 
     prefill_tokens: float = 0.0  # queued prefill tokens
-    decode_tokens: float = 0.0  # context tokens of running decodes
+    decode_tokens: float = 0.0  # context tokens of running and inbound decodes
     decode_requests: float = 0.0  # running decode requests
     cache_utilization: float = 0.0  # device cache fill, 0..1
     active_sessions: float = 0.0  # sessions whose last turn ran here within the TTL
@@ -43,6 +43,8 @@ class EffectiveLoad:
     queue_avg: float = 0.0  # time-average of prefill_tokens (see disagg.router.loads)
     booked_area: float = 0.0  # prefill area booked by routing, tokens^2 (see disagg.router.loads)
     prefill_requests: float = 0.0  # requests queued for prefill (live + predictions): the batch's next joiners
+    inbound_decodes: float = 0.0  # P/D: requests prefilling in the pool for this decode worker, or handing
+    #                               off (live + predictions): its batch's next joiners from elsewhere
 
 
 LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EffectiveLoad))
@@ -142,8 +144,8 @@ class RoutingContext:
         elif w.worker_id in self.loads:
             return self.loads[w.worker_id]
         return EffectiveLoad(
-            w.queued_prefill_tokens, w.running_decode_tokens, w.running_decode_requests, w.cache_utilization,
-            prefill_requests=w.queued_prefill_requests,
+            w.queued_prefill_tokens, w.running_decode_tokens + w.inbound_decode_tokens, w.running_decode_requests,
+            w.cache_utilization, prefill_requests=w.queued_prefill_requests, inbound_decodes=w.inbound_decode_requests,
         )
 
     def view(self, workers: list[WorkerState]) -> CandidateView:

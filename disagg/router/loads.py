@@ -5,8 +5,11 @@ Per worker w, at decision time ``now`` (one numpy column each, see
 
     pending(w)   = sum_{r routed to w, t_r > w.updated_at} n_r * exp(-(now - t_r) / prediction_tau_s)
     prefill(w)   = queued_prefill_tokens(w) + pending_prefill(w)          n_r = uncached tokens of r
-    decode(w)    = running_decode_tokens(w) + pending_decode(w)           n_r = prompt tokens of r
+    decode(w)    = running_decode_tokens(w) + inbound_decode_tokens(w)
+                   + pending_decode(w) + pending_inbound(w)              n_r = prompt tokens of r
     requests(w)  = queued_prefill_requests(w) + pending_prefill(w)        n_r = 1 (the prefill_requests row)
+    inbound(w)   = inbound_decode_requests(w) + pending_inbound(w)        n_r = 1, r prefilled in the pool
+                                                                          (the inbound_decodes row, NOTE 5)
     sessions(w)  = sessions whose last turn went to w within session_ttl_s
     s_tokens(w)  = sum of those sessions' last prompt lengths
     queue_avg(w) = exponential time-average of prefill(w), time constant queue_avg_tau_s:
@@ -40,6 +43,15 @@ NOTES
    until its worker's next report they would count a decode that no longer
    runs, and a session's next turn would see its own previous turn as load
    on the worker holding its state.
+5. A request prefilled in the pool reaches its decode worker's batch only
+   after its prefill and hand-off, so a decode prediction dropped at the
+   worker's next report, which need not show it running yet, would leave it
+   counted nowhere. The decode worker reports it as inbound from the moment
+   it takes the request (``WorkerState.inbound_decode_requests``), so the
+   drop rule holds for these too: a report newer than the routing counts
+   the request, inbound or running. Predictions of requests prefilled on
+   their decode worker are counted by the prefill rows instead (that
+   worker's queue), so they do not count as inbound.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ from disagg.router.types import WorkerState
 
 _T = attrgetter("updated_at")
 _PREFILL_REQUESTS = LOAD_ROW["prefill_requests"]
+_INBOUND = LOAD_ROW["inbound_decodes"]
 _ROWS = 6  # per-slot state rows: sessions, their tokens, queue_avg, held prefill, its time, booked area
 
 
@@ -84,7 +97,8 @@ class LoadTracker:
         self._last_ids: list[str] = []  # worker list of the last columns() call ...
         self._last_slots: np.ndarray | slice = slice(0, 0)  # ... and its slots
         self._prefill_pending: dict[str, list[tuple[float, int]]] = {}  # worker -> [(t, tokens)]
-        self._decode_pending: dict[str, list[tuple[float, int]]] = {}
+        self._decode_pending: dict[str, list[tuple[float, int]]] = {}  # prefilled on the decode worker
+        self._inbound_pending: dict[str, list[tuple[float, int]]] = {}  # prefilled in the pool (NOTE 5)
         self._sessions: OrderedDict[str, SessionPlacement] = OrderedDict()  # oldest first
         # per slot (columns): active sessions, their tokens, queue_avg, the prefill load observed
         # last (held until the next observation) and the time of that observation
@@ -169,15 +183,18 @@ class LoadTracker:
         n = len(ids)
         slots = self._slots(ids)
         data = np.empty((len(LOAD_FIELDS), n))
-        data[:4] = [[w.queued_prefill_tokens for w in workers], [w.running_decode_tokens for w in workers],
+        data[:4] = [[w.queued_prefill_tokens for w in workers],
+                    [w.running_decode_tokens + w.inbound_decode_tokens for w in workers],
                     [w.running_decode_requests for w in workers], [w.cache_utilization for w in workers]]
         base = data[:4]  # the four live stats, one row each
         data[_PREFILL_REQUESTS] = [w.queued_prefill_requests for w in workers]
-        if self._prefill_pending or self._decode_pending:
+        data[_INBOUND] = [w.inbound_decode_requests for w in workers]
+        if self._prefill_pending or self._decode_pending or self._inbound_pending:
             pos = dict(zip(ids, range(n), strict=True))
             updated = list(map(float, map(_T, workers)))  # Python floats: compared per pending item
             self._pending(self._prefill_pending, pos, updated, now, base[0], data[_PREFILL_REQUESTS])
             self._pending(self._decode_pending, pos, updated, now, base[1])
+            self._pending(self._inbound_pending, pos, updated, now, base[1], data[_INBOUND])
         st = self._state[:, slots]
         avg = st[2] + (1.0 - np.exp((st[4] - now) / self.queue_avg_tau_s)) * (st[3] - st[2])
         data[4:6] = st[:2]
@@ -197,7 +214,8 @@ class LoadTracker:
                   decode_worker: str, decode_node: str, now: float) -> None:
         """A request was dispatched: book its predicted load, its prefill area and its session."""
         self._prefill_pending.setdefault(prefill_worker, []).append((now, uncached))
-        self._decode_pending.setdefault(decode_worker, []).append((now, prompt_len))
+        book = self._decode_pending if prefill_worker == decode_worker else self._inbound_pending
+        book.setdefault(decode_worker, []).append((now, prompt_len))
         p_slot, d_slot = self._slot_of(prefill_worker), self._slot_of(decode_worker)
         self._state[5, p_slot] += uncached * (0.5 * uncached + self._state[3, p_slot])
         self._state[3, p_slot] += uncached
@@ -219,8 +237,9 @@ class LoadTracker:
                     prompt_len: int) -> None:
         """A request routed at ``routed_at`` ended: drop the load ``on_routed`` predicted for it. It
         runs nowhere now, whether or not a stats report saying so has landed yet (NOTE 4)."""
+        decode_book = self._decode_pending if prefill_worker == decode_worker else self._inbound_pending
         for book, wid, n in ((self._prefill_pending, prefill_worker, uncached),
-                             (self._decode_pending, decode_worker, prompt_len)):
+                             (decode_book, decode_worker, prompt_len)):
             items = book.get(wid)
             if items is None:
                 continue

@@ -9,6 +9,12 @@ Tiers are ordered fastest to slowest; a resume that reads any block from tier
 ``t`` is as slow as ``t``:
 
     TIERS = ("device", "host", "disk", "remote")     index 0 .. 3
+
+A P/D decode worker reports the requests on their way to its batch
+(``inbound_decode_*``) apart from those decoding: a request's decode worker
+is chosen before its prefill runs in the pool, so between the two a report
+of the running batch alone shows a worker that is about to receive decodes as
+idle, and every placement in that window piles onto it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ class WorkerState:
     queued_prefill_requests: int = 0  # requests waiting for or in prefill
     running_decode_tokens: int = 0  # sum of context lengths of running decodes
     running_decode_requests: int = 0  # decode batch size
+    inbound_decode_requests: int = 0  # P/D decode worker: requests it took whose prefill runs in the pool
+    #                                   or whose hand-off is still arriving: they join its batch next
+    inbound_decode_tokens: int = 0  # their prompt tokens
     cache_utilization: float = 0.0  # device KV cache fill, 0..1
     healthy: bool = True  # passes health checks
     updated_at: float = 0.0  # time the stats were taken (router clock)
@@ -44,8 +53,9 @@ class WorkerState:
 
     @property
     def queue_length(self) -> int:
-        """Requests in the replica (what Ray Serve calls queue length)."""
-        return self.queued_prefill_requests + self.running_decode_requests
+        """Requests in the replica (what Ray Serve calls queue length: a decode replica holds its
+        inbound requests while their prefill runs in the pool)."""
+        return self.queued_prefill_requests + self.running_decode_requests + self.inbound_decode_requests
 
 
 @dataclass(frozen=True, slots=True)

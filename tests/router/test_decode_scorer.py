@@ -52,6 +52,19 @@ def test_requests_queued_for_prefill_count_as_the_batch_they_will_join():
     assert running_only.tolist() == pytest.approx([100 * 0.012, 100 * 0.013 + 1.0, 100 * 0.013 + 1.0])
 
 
+def test_inbound_decodes_count_as_the_batch_they_will_join():
+    """P/D: a decode worker whose requests all still prefill in the pool runs no batch yet, but they
+    join it before r does (count_inbound); counted by its running batch alone, a would win here."""
+    loads = [EffectiveLoad(inbound_decodes=3), EffectiveLoad(decode_requests=1),
+             EffectiveLoad(decode_requests=1, inbound_decodes=1)]
+    cost, _ = DecodeScorer(**CFG).costs(_ctx(loads), W3)
+    step = [0.01 + 0.001 * (b + 1) + 1e-6 * 1000 for b in (3, 1, 2)]
+    assert cost.tolist() == pytest.approx([100 * step[0] + 3 * 1.0, 100 * step[1] + 1.0, 100 * step[2] + 2 * 1.0])
+    assert DecodeScorer(**CFG).score(_ctx(loads), W3)["b"] == 1.0
+    running_only = DecodeScorer(**CFG, count_inbound=False)
+    assert running_only.score(_ctx(loads), W3)["a"] == 1.0
+
+
 # the state hand-off a disaggregated decode waits for: 1000 prompt tokens
 XFER = dict(bytes_per_token=1000.0, checkpoint_bytes=0.0, host_gbps=1.0, remote_gbps=0.1, host_latency_s=0.0,
             remote_latency_s=0.0)  # host 1e6 B / 1 GB/s = 1 ms, remote 10 ms

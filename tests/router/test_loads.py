@@ -147,3 +147,31 @@ def test_busy_worker_hands_a_turn_to_its_node_mate(owner_queue, expect):
     d = r.route(req(h, 33, sid="s", rid="r1"), ws)
     assert (d.decode_worker, d.source_tier) == expect
     assert d.predicted_cached_tokens == 32 and d.reason == "aggregated/cache_hit"
+
+
+def test_inbound_decodes_are_live_plus_pool_prefilled_predictions():
+    """The inbound_decodes row: what a decode worker reports as on its way to its batch, plus each
+    request routed to it with its prefill in the pool that no report includes yet (NOTE 5). A
+    request prefilled on its decode worker counts in the prefill rows, not here; inbound tokens
+    count in the decode_tokens row."""
+    tr = LoadTracker(prediction_tau_s=1e9)
+    row, dec = LOAD_ROW["inbound_decodes"], LOAD_ROW["decode_tokens"]
+    live = [WorkerState("p0", "prefill", updated_at=0.0),
+            WorkerState("d0", "decode", running_decode_tokens=100, inbound_decode_requests=1,
+                        inbound_decode_tokens=40, updated_at=0.0),
+            WorkerState("d1", "decode", updated_at=0.0)]
+    tr.on_routed("s1", 80, 50, "p0", "d1", "n0", 0.0)  # prefilled in the pool: inbound on d1
+    tr.on_routed("s2", 30, 30, "d1", "d1", "n0", 0.0)  # prefilled on d1: its queue, not inbound
+    cols = tr.columns(live, 0.0)
+    assert cols.data[row].tolist() == [0.0, 1.0, 1.0]
+    assert cols.data[dec].tolist() == [0.0, 140.0, 110.0]
+    assert cols.data[LOAD_ROW["prefill_requests"]].tolist() == [1.0, 0.0, 1.0]
+    # d1's next report shows s1 inbound: the prediction goes, the report's count stays
+    fresh = [live[0], live[1], WorkerState("d1", "decode", inbound_decode_requests=1, inbound_decode_tokens=80,
+                                           updated_at=1.0)]
+    cols = tr.columns(fresh, 1.0)
+    assert cols.data[row].tolist() == [0.0, 1.0, 1.0] and cols.data[dec].tolist() == [0.0, 140.0, 80.0]
+    tr.on_finished("p0", "d1", 0.0, 50, 80)  # gone before a report: nothing left of it
+    tr.on_routed("s3", 60, 60, "p0", "d1", "n0", 2.0)
+    tr.on_finished("p0", "d1", 2.0, 60, 60)
+    assert tr.columns(live, 3.0).data[row].tolist() == [0.0, 1.0, 0.0]

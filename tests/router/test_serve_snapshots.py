@@ -190,3 +190,18 @@ def test_the_adapters_own_predictions_count_against_replica_reports():
     rr._policy.on_routed(req, decision)
     loads = rr._policy.effective_loads(workers, rr._policy.clock())
     assert loads[decision.decode_worker].prefill_tokens > 3000
+
+
+def test_a_decode_replicas_inbound_requests_reach_the_worker_state():
+    """A decode replica reports the requests whose prefill runs in the pool (``disagg.flow`` NOTE 15)
+    beside its engine's load; the adapter passes them on, and Ray Serve's queue length counts them."""
+    import time
+
+    rr = _adapter()
+    load = {"running_decode_requests": 1, "running_decode_tokens": 500, "inbound_decode_requests": 2,
+            "inbound_decode_tokens": 900}
+    ws = rr._sync(_replica("d0", {"role": "decode", "node_id": "n0", "time": time.time(), "load": load}))
+    assert (ws.running_decode_requests, ws.inbound_decode_requests, ws.inbound_decode_tokens) == (1, 2, 900)
+    assert ws.queue_length == 3
+    old = rr._sync(_replica("d1", {"role": "decode", "node_id": "n0", "time": time.time(), "load": {}}))
+    assert (old.inbound_decode_requests, old.inbound_decode_tokens) == (0, 0)  # a replica that does not say

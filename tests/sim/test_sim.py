@@ -154,6 +154,32 @@ def test_hand_computed_disaggregated_request():
     assert rec.ttft == pytest.approx(rec.first_token)  # sent at 0
 
 
+def test_a_decode_worker_reports_a_request_inbound_from_routing_to_arrival():
+    """P/D: the decode worker's report counts the request (and its prompt tokens) as inbound from the
+    routing, through the pool's prefill and the hand-off, and as running once it arrives, as a
+    serving decode worker, which takes the request first, reports it (``WorkerState``)."""
+    cost = CostModel(prefill_base_s=0.01, prefill_per_token_s=0.001, prefill_attn_s=0.0, decode_base_s=0.02,
+                     decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0)
+    r = SimRequest("s", 0, 0, 0, 4000, 5, list(range(16)), 256)
+    sim = Simulator([r], "round_robin", ClusterConfig(num_prefill=1, num_decode=1, workers_per_node=1), cost)
+    d = sim.workers["w01"].state
+    seen: list[tuple[float, int, int, int]] = []
+    for name in ("prefill_done", "_arrive_decode", "finish"):
+        real = getattr(sim, name)
+
+        def spy(*args, _real=real, _name=name):
+            seen.append((_name, d.inbound_decode_requests, d.inbound_decode_tokens, d.running_decode_requests))
+            return _real(*args)
+
+        setattr(sim, name, spy)
+    rec = sim.run().records[0]
+    assert (rec.prefill_worker, rec.decode_worker) == ("w00", "w01")
+    assert seen[0] == ("prefill_done", 1, 4000, 0)  # in the pool: inbound, not running
+    assert seen[1] == ("_arrive_decode", 1, 4000, 0)  # the hand-off lands
+    assert seen[2] == ("finish", 0, 0, 1)  # decoded there
+    assert (d.inbound_decode_requests, d.inbound_decode_tokens) == (0, 0)
+
+
 def test_a_hand_off_loads_only_what_the_decode_device_lacks():
     """The decode worker's device holds the first 10 blocks of the prompt (an earlier turn decoded
     there): the hand-off moves the other 6 blocks and the checkpoint (NOTE 2)."""

@@ -1,8 +1,9 @@
 """Decode scorer: prefer workers where the request's decode, and the decodes it joins, run fastest.
 
-For candidate w (B_w running decodes plus the requests queued for prefill on
-w, which join its batch before r does; D_w the running decodes' context
-tokens; effective loads; n_w = prompt - resumable(w) tokens r would prefill
+For candidate w (B_w running decodes plus the requests on their way to its
+batch, which join it before r does: those queued for prefill on w and, P/D,
+those prefilling in the pool for w or handing off to it; D_w the context
+tokens of the running and inbound decodes; effective loads; n_w = prompt - resumable(w) tokens r would prefill
 there; o = r's expected output, its hint or ``default_output_tokens``)::
 
     step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
@@ -32,7 +33,11 @@ prefill queue is long has few running decodes *now* because its requests
 have not reached decode yet; counted by running decodes alone it looked the
 least loaded, and the scorer sent it the next long prompt too (its wait
 scorer's share could not outweigh it), which is what made the TTFT tail
-(``count_queued``; docs/router.md, "Round 9").
+(``count_queued``; docs/router.md, "Round 9"). The same holds across P/D
+pools: a request whose decode worker is chosen before its prefill runs in
+the pool is on no batch for that time, and a decode worker counted by its
+running batch alone took every placement of a burst (``count_inbound``;
+docs/router.md, "Round 20").
 
 Decode-side load enters placement the way queued prefill does through the
 wait scorer: as seconds the user feels (here, inter-token latency: a long
@@ -63,6 +68,7 @@ _B = LOAD_ROW["decode_requests"]
 _D = LOAD_ROW["decode_tokens"]
 _Q = LOAD_ROW["prefill_tokens"]
 _N = LOAD_ROW["prefill_requests"]
+_IN = LOAD_ROW["inbound_decodes"]
 _DEVICE = TIER_INDEX["device"]
 
 
@@ -81,6 +87,7 @@ class DecodeScorerConfig:
     remote_latency_s: float = 1e-3
     join_step_fraction: float = 0.5  # phase decode: expected wait for w's step in progress, in steps
     count_queued: bool = True  # B_w counts the requests queued for prefill on w (they join its batch)
+    count_inbound: bool = True  # ... and those prefilling in the pool for w or handing off to it (P/D)
 
     def __post_init__(self) -> None:
         if min(self.decode_base_s, self.decode_per_seq_s, self.decode_per_ctx_token_s) < 0:
@@ -107,6 +114,8 @@ class DecodeScorer(ArrayScorer):
         req = ctx.request
         v = ctx.view(workers)
         b = v.loads[_B] + v.loads[_N] if cfg.count_queued else v.loads[_B]
+        if cfg.count_inbound:
+            b = b + v.loads[_IN]
         out = float(req.output_len_hint or cfg.default_output_tokens)
         step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + cfg.decode_per_ctx_token_s * (
             v.loads[_D] + req.prompt_len)

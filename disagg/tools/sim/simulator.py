@@ -418,6 +418,8 @@ class Simulator:
         if self.state.policy.learned:
             job.extra = self._learned_points(dec.worker_id, skey, digests, plen, lead, res.tokens,
                                              decision.checkpoint_back)
+        if dec is not target:  # it decodes on dec after the pool's prefill: dec counts it inbound till then
+            dec.expect(now, plen)
         if res.load_s > 0:  # the state loads off the engine's step loop
             self.schedule(now + res.load_s, target.enqueue_prefill, job)
         else:
@@ -504,6 +506,7 @@ class Simulator:
         return self.host[w.node_id]
 
     def _arrive_decode(self, now: float, job: SimJob, d: SimWorker) -> None:
+        d.expect(now, job.prompt_len, -1)
         self.state.store(job.prompt, 0, d.device, self._write_host(d, job.record), job.ckpts)
         p = self.workers[job.record.prefill_worker]
         if p.node_id != d.node_id:  # NOTE 3: the session lives on D's node now

@@ -128,6 +128,8 @@ class SimWorker:
         self.steps = 0  # decode steps run
         self._ctx_offset = 0  # sum over the batch of (context - join_step)
         self._wait_ctx = 0  # sum of contexts waiting for a slot
+        self.inbound = 0  # P/D: requests whose decode comes here, prefilling in the pool or handing off
+        self.inbound_tokens = 0  # their prompt tokens
         self.queued_prefill_tokens = 0  # NOTE 1
         self.busy = False
         self.version = 0  # invalidates superseded step-end events
@@ -166,11 +168,21 @@ class SimWorker:
         s.queued_prefill_requests = len(self.prefill_q)
         s.running_decode_tokens = self.decode_tokens()
         s.running_decode_requests = len(self._batch) + len(self.decode_wait)
+        s.inbound_decode_requests, s.inbound_decode_tokens = self.inbound, self.inbound_tokens
         u = self.device.used / self.device.capacity if self.device.capacity else 1.0
         s.cache_utilization = u if u < 1.0 else 1.0
         s.updated_at = self.sim.now
 
     # ---- work intake ---------------------------------------------------------
+    def expect(self, now: float, prompt_len: int, n: int = 1) -> None:
+        """A request's decode will come here after its prefill in the pool (``n`` = 1), or it
+        arrived (-1): what a serving decode worker, which takes the request first, reports."""
+        self._account(now)
+        self.inbound += n
+        self.inbound_tokens += n * prompt_len
+        assert self.inbound >= 0 and self.inbound_tokens >= 0, "negative inbound decodes"
+        self._publish()
+
     def enqueue_prefill(self, now: float, job: SimJob) -> None:
         self._account(now)
         self.prefill_q.append(job)
