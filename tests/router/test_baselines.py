@@ -75,6 +75,19 @@ def test_dynamo_cost_formula():
     assert dyn.route(req(h, 33), ws).decode_worker == "w1"
 
 
+def test_p_d_baselines_count_inbound_decodes():
+    """A P/D decode worker's requests still prefilling in the pool count where the peers count them:
+    in Ray Serve's queue length (the replica holds them) and in Dynamo's decode blocks (its books
+    count a request from its routing on)."""
+    ws = [WorkerState("p0", "prefill"), WorkerState("d0", "decode", running_decode_tokens=40),
+          WorkerState("d1", "decode", running_decode_requests=1, inbound_decode_requests=2,
+                      inbound_decode_tokens=64)]
+    assert ws[2].queue_length == 3
+    assert DynamoCostRouter(PrefixIndex()).route(req(chain(2), 8), ws).decode_worker == "d0"
+    ws[2].inbound_decode_tokens = 0
+    assert DynamoCostRouter(PrefixIndex()).route(req(chain(2), 8), ws).decode_worker == "d1"
+
+
 def test_every_baseline_in_table_routes():
     idx = PrefixIndex()
     for name, make in BASELINES.items():

@@ -4,7 +4,7 @@
     overlap_credit = sum over the worker's consecutive cached leading blocks of
                      credit[fastest tier]   (device 1.0, host 0.75, disk 0.25, remote 0.25)
     active_prefill = queued_prefill_tokens / block_size
-    decode_blocks  = running_decode_tokens / block_size
+    decode_blocks  = (running_decode_tokens + inbound_decode_tokens) / block_size
     cost_w = prefill_load_scale * max(active_prefill + new_blocks - overlap_credit, 0) + decode_blocks
 
 Ties go to the earlier worker. The overlap comes from the same prefix index
@@ -12,7 +12,9 @@ our router reads (block events), but counts MLA blocks only: like the
 original it does not know that a hybrid model also needs a KDA checkpoint
 at the resume point, so it can prefer a worker whose blocks it cannot use.
 With P/D pools the prefill worker is the lowest-cost prefill worker and the
-decode worker the one with the fewest decode blocks.
+decode worker the one with the fewest decode blocks. Those count the
+requests a decode worker took that still prefill in the pool (inbound), as
+the original's active-sequence books count a request from its routing on.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from disagg.router.index import PrefixIndex
 from disagg.router.types import RouteDecision, RouteRequest, WorkerState
 
 DEFAULT_CREDIT = (1.0, 0.75, 0.25, 0.25)  # device, host, disk, remote
+
+
+def _decode_tokens(w: WorkerState) -> int:
+    return w.running_decode_tokens + w.inbound_decode_tokens
 
 
 class DynamoCostRouter(NoFeedback):
@@ -51,7 +57,7 @@ class DynamoCostRouter(NoFeedback):
         for w in workers:
             credit = sum(c * n for c, n in zip(self.tier_credit, overlap[w.worker_id], strict=True))
             prefill = max(w.queued_prefill_tokens / bs + new_blocks - credit, 0.0)
-            out[w.worker_id] = self.prefill_load_scale * prefill + w.running_decode_tokens / bs
+            out[w.worker_id] = self.prefill_load_scale * prefill + _decode_tokens(w) / bs
         return out
 
     def route(self, request: RouteRequest, workers: list[WorkerState]) -> RouteDecision:
@@ -62,5 +68,5 @@ class DynamoCostRouter(NoFeedback):
         predicted = min(sum(overlap) * request.block_size, request.prompt_len)
         if is_aggregated(workers):
             return decision(request, best.worker_id, best.worker_id, True, "min_cost", predicted, costs)
-        d = min(dec, key=lambda w: w.running_decode_tokens).worker_id
+        d = min(dec, key=_decode_tokens).worker_id
         return decision(request, best.worker_id, d, False, "min_cost", predicted, costs)

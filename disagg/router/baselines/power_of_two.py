@@ -3,8 +3,9 @@
     a, b = two distinct workers drawn uniformly (seeded)
     pick = argmin(queue_length) over {a, b}; ties -> a
 
-queue_length = queued prefill requests + running decode requests (what Ray
-Serve's default router compares).
+queue_length = queued prefill requests + running decode requests + inbound
+decode requests (what Ray Serve's default router compares: the requests a
+replica holds, a P/D decode replica's included while their prefill runs).
 """
 
 from __future__ import annotations
