@@ -28,6 +28,16 @@ and run before any change (``--shapes second``; ``--shapes all`` runs both):
     slowthink 96, 8K, 4-12K, 1-4K, 10-20, 20-90 s; sessions start 10 a second
     rush      256, 3K, 1-6K, 0.3-3K, 5-15, 0.5-3 s; sessions start 20 a second
 
+A third set, written and first run with round 19's defaults, shapes neither
+set had (``--shapes third``):
+
+    reason    96, 6K, 2-8K, 0.3-2K, 4-12, 2-20 s; long answers (lognormal median 1.5K, 300-8K)
+    nest      160, four 8K prompts each under four 4K team prompts (nested prefixes), 0.5-4K,
+              0.5-3K, 6-20, 1-10 s; sessions start 5 a second
+    rag       1200 one-turn requests on four 10K documents, 0.2-1.5K questions, short answers
+              (median 150); requests start 33 a second
+    stampede  128, 10K, 4-20K, 0.5-4K, 8-20, 1-8 s; every session starts in the first 0.3 s
+
 Printed per shape: every policy's row, then the state-aware router's verdict
 against the best baseline per figure (TTFT P90 and P90 interactivity as
 ratios where > 1 is better; tok/s/GPU as a ratio; hit against the capacity
@@ -72,7 +82,11 @@ class Shape:
     growth: tuple[int, int] = (500, 6000)  # new tokens per turn besides the previous output
     turns: tuple[int, int] = (12, 36)
     think_ms: tuple[int, int] = (1000, 15000)
-    output: tuple[int, int] = (50, 900)  # clamp of a lognormal(5.3, 0.8) draw
+    output: tuple[int, int] = (50, 900)  # clamp of a lognormal(output_mu, output_sigma) draw
+    output_mu: float = 5.3
+    output_sigma: float = 0.8
+    subgroups: int = 0  # team prompts under each shared prompt (nested prefixes; 0: none) ...
+    subshared: int = 4000  # ... of this many tokens each
     max_context: int = 128000
     arrival_ms: float = 400.0  # mean gap between session starts (open-loop timestamps)
     fanout: float = 0.0  # share of turns that start a 3-turn subagent on the shared prompt
@@ -96,12 +110,21 @@ SHAPES: dict[str, Shape] = {
                        think_ms=(20000, 90000), arrival_ms=100),
     "rush": Shape(seed=105, sessions=256, shared=3000, first=(1000, 6000), growth=(300, 3000), turns=(5, 15),
                   think_ms=(500, 3000), arrival_ms=50),
+    "reason": Shape(seed=201, shared=6000, first=(2000, 8000), growth=(300, 2000), turns=(4, 12),
+                    think_ms=(2000, 20000), output=(300, 8000), output_mu=7.3, output_sigma=0.7),
+    "nest": Shape(seed=202, sessions=160, shared=8000, groups=4, subgroups=4, subshared=4000, first=(500, 4000),
+                  growth=(500, 3000), turns=(6, 20), think_ms=(1000, 10000), arrival_ms=200),
+    "rag": Shape(seed=203, sessions=1200, shared=10000, groups=4, first=(200, 1500), turns=(1, 1), think_ms=(0, 0),
+                 output=(20, 600), output_mu=5.0, output_sigma=0.6, arrival_ms=30),
+    "stampede": Shape(seed=204, sessions=128, shared=10000, first=(4000, 20000), growth=(500, 4000), turns=(8, 20),
+                      think_ms=(1000, 8000), arrival_ms=2),
 }
 SETS: dict[str, tuple[str, ...]] = {
     "first": ("issue", "docqa", "groups", "longdoc"),
     "second": ("toolloop", "mega", "swarm", "slowthink", "rush"),
+    "third": ("reason", "nest", "rag", "stampede"),
 }
-SETS["all"] = SETS["first"] + SETS["second"]
+SETS["all"] = SETS["first"] + SETS["second"] + SETS["third"]
 
 
 def shape_names(spec: str) -> list[str]:
@@ -126,6 +149,7 @@ def write_trace(shape: Shape, path: Path) -> int:
         return ids
 
     prompts = [fresh(shape.shared) for _ in range(shape.groups)]
+    teams = [[p + fresh(shape.subshared) for _ in range(shape.subgroups)] for p in prompts] if shape.subgroups else []
     rows: list[dict] = []
 
     def row(sid: str, turn: int, t0: float, ctx: list[int], out: int) -> None:
@@ -136,11 +160,12 @@ def write_trace(shape: Shape, path: Path) -> int:
     t0 = 0.0
     for s in range(shape.sessions):
         sid = f"{shape.seed}-{s:04d}"
-        shared = prompts[rng.randrange(shape.groups)]
-        ctx = shared + fresh(rng.randint(*shape.first))
+        g = rng.randrange(shape.groups)
+        shared = prompts[g]
+        ctx = (teams[g][rng.randrange(shape.subgroups)] if teams else shared) + fresh(rng.randint(*shape.first))
         t0 += rng.expovariate(1.0 / shape.arrival_ms)
         for k in range(rng.randint(*shape.turns)):
-            out = int(min(shape.output[1], max(shape.output[0], rng.lognormvariate(5.3, 0.8))))
+            out = int(min(shape.output[1], max(shape.output[0], rng.lognormvariate(shape.output_mu, shape.output_sigma))))
             row(sid, k, t0, ctx, out)
             if shape.fanout and rng.random() < shape.fanout:
                 sub = shared + fresh(rng.randint(1000, 4000))

@@ -1,6 +1,6 @@
 """``benchmarks/heldout_shapes.py``: the held-out traces and the verdict printed for them.
 
-Every shape of both sets is written (small copies: a few sessions each) and
+Every shape of the three sets is written (small copies: a few sessions each) and
 loaded by the trace reader ``disagg sim run --trace`` uses; the sessions must
 have the shape's structure (a shared prompt first, turns that extend their
 predecessor, contexts within the cap). Then the set names, the verdict's rule,
@@ -30,13 +30,16 @@ def held(monkeypatch: pytest.MonkeyPatch):
 
 def test_sets_name_every_shape_once(held) -> None:
     assert set(held.SETS["all"]) == set(held.SHAPES)
-    assert not set(held.SETS["first"]) & set(held.SETS["second"])
+    sets = [set(held.SETS[k]) for k in ("first", "second", "third")]
+    assert sum(map(len, sets)) == len(set.union(*sets))  # disjoint
+    assert held.shape_names("third") == ["reason", "nest", "rag", "stampede"]
     assert held.shape_names("first") == ["issue", "docqa", "groups", "longdoc"]
     assert held.shape_names("rush,second, issue") == ["rush", "toolloop", "mega", "swarm", "slowthink", "issue"]
     assert held.shape_names("all") == list(held.SETS["all"])
 
 
-@pytest.mark.parametrize("name", ["issue", "groups", "toolloop", "mega", "swarm", "slowthink", "rush"])
+@pytest.mark.parametrize("name", ["issue", "groups", "toolloop", "mega", "swarm", "slowthink", "rush", "reason", "nest",
+                                  "rag", "stampede"])
 def test_trace_has_the_shapes_structure(held, tmp_path: Path, name: str) -> None:
     shape = dataclasses.replace(held.SHAPES[name], sessions=6)
     path = tmp_path / f"{name}.jsonl"
@@ -65,11 +68,37 @@ def test_trace_has_the_shapes_structure(held, tmp_path: Path, name: str) -> None
                 shape.growth[1] - shape.output[1] - held.BLOCK
             assert len(turns) <= shape.turns[1]
             assert all(len(t["hash_ids"]) * held.BLOCK <= shape.max_context for t in turns)
+    if shape.subgroups:  # nested: each session opens with one of the team prompts under its shared prompt
+        team_len = shared_len + shape.subshared // held.BLOCK
+        teams = {tuple(by_session[s][0]["hash_ids"][:team_len]) for s in parents}
+        assert len(teams) <= shape.groups * shape.subgroups and {t[:shared_len] for t in teams} == firsts
     subs = [s for s in by_session if "-sub" in s]
     if not shape.fanout:
         assert not subs
     elif shape.fanout >= 0.3:  # 6 sessions of 8+ turns: some turn fans out
         assert subs
+
+
+def test_third_sets_outputs_and_arrivals(held, tmp_path: Path) -> None:
+    """``reason`` answers at length (lognormal median e^7.3, about 1.5K tokens); ``rag`` is one-turn
+    requests with short answers; ``stampede`` starts every session at once; ``nest``'s sessions open
+    with one of 16 team prompts."""
+    def rows(name: str, **kw) -> list[dict]:
+        path = tmp_path / f"{name}.jsonl"
+        held.write_trace(dataclasses.replace(held.SHAPES[name], **kw), path)
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    outs = sorted(r["output_length"] for r in rows("reason", sessions=40))
+    assert 1000 < outs[len(outs) // 2] < 2500 and outs[-1] <= 8000
+    rag = rows("rag", sessions=200)
+    assert len(rag) == len({r["session_id"] for r in rag}) == 200 and all(r["turn"] == 0 for r in rag)
+    assert sorted(r["output_length"] for r in rag)[100] < 300
+    starts = [r["timestamp"] for r in rows("stampede", sessions=40) if r["turn"] == 0]
+    assert max(starts) < 1000
+    shape = held.SHAPES["nest"]
+    cut = (shape.shared + shape.subshared) // held.BLOCK
+    opens = {tuple(r["hash_ids"][:cut]) for r in rows("nest", sessions=60) if r["turn"] == 0}
+    assert 8 < len(opens) <= 16  # sessions share team prompts, several under each shared prompt
 
 
 def _row(policy: str, ttft: float, inter: float, tps: float, hit: float = 1.0) -> dict:
