@@ -47,9 +47,10 @@ NOTES
    after its prefill and hand-off, so a decode prediction dropped at the
    worker's next report, which need not show it running yet, would leave it
    counted nowhere. The decode worker reports it as inbound from the moment
-   it takes the request (``WorkerState.inbound_decode_requests``), so the
-   drop rule holds for these too: a report newer than the routing counts
-   the request, inbound or running. Predictions of requests prefilled on
+   it sends the prompt to the pool (``WorkerState.inbound_decode_requests``;
+   in serving a few milliseconds after the routing, once its flow has
+   decided), so the drop rule holds for these too: a report newer than that
+   counts the request, inbound or running. Predictions of requests prefilled on
    their decode worker are counted by the prefill rows instead (that
    worker's queue), so they do not count as inbound.
 """

@@ -3,8 +3,9 @@
 For candidate w (B_w running decodes plus the requests on their way to its
 batch, which join it before r does: those queued for prefill on w and, P/D,
 those prefilling in the pool for w or handing off to it; D_w the context
-tokens of the running and inbound decodes; effective loads; n_w = prompt - resumable(w) tokens r would prefill
-there; o = r's expected output, its hint or ``default_output_tokens``)::
+tokens of the running and inbound decodes; effective loads; n_w = prompt -
+resumable(w) tokens r would prefill there; o = r's expected output, its hint
+or ``default_output_tokens``)::
 
     step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
     own_w   = o * step_w                                                r's decode time
@@ -36,8 +37,8 @@ scorer's share could not outweigh it), which is what made the TTFT tail
 (``count_queued``; docs/router.md, "Round 9"). The same holds across P/D
 pools: a request whose decode worker is chosen before its prefill runs in
 the pool is on no batch for that time, and a decode worker counted by its
-running batch alone took every placement of a burst (``count_inbound``;
-docs/router.md, "Round 20").
+running batch alone looks idle to every placement of a burst
+(``count_inbound``; docs/router.md, "Round 20").
 
 Decode-side load enters placement the way queued prefill does through the
 wait scorer: as seconds the user feels (here, inter-token latency: a long
