@@ -54,15 +54,15 @@ def test_requests_queued_for_prefill_count_as_the_batch_they_will_join():
 
 def test_inbound_decodes_count_as_the_batch_they_will_join():
     """P/D: a decode worker whose requests all still prefill in the pool runs no batch yet, but they
-    join it before r does (count_inbound); counted by its running batch alone, a would win here."""
+    join it before r does (count_inbound); counted by its running batch alone (the default), a wins."""
     loads = [EffectiveLoad(inbound_decodes=3), EffectiveLoad(decode_requests=1),
              EffectiveLoad(decode_requests=1, inbound_decodes=1)]
-    cost, _ = DecodeScorer(**CFG).costs(_ctx(loads), W3)
+    counting = DecodeScorer(**CFG, count_inbound=True)
+    cost, _ = counting.costs(_ctx(loads), W3)
     step = [0.01 + 0.001 * (b + 1) + 1e-6 * 1000 for b in (3, 1, 2)]
     assert cost.tolist() == pytest.approx([100 * step[0] + 3 * 1.0, 100 * step[1] + 1.0, 100 * step[2] + 2 * 1.0])
-    assert DecodeScorer(**CFG).score(_ctx(loads), W3)["b"] == 1.0
-    running_only = DecodeScorer(**CFG, count_inbound=False)
-    assert running_only.score(_ctx(loads), W3)["a"] == 1.0
+    assert counting.score(_ctx(loads), W3)["b"] == 1.0
+    assert DecodeScorer(**CFG).score(_ctx(loads), W3)["a"] == 1.0
 
 
 # the state hand-off a disaggregated decode waits for: 1000 prompt tokens

@@ -34,11 +34,14 @@ prefill queue is long has few running decodes *now* because its requests
 have not reached decode yet; counted by running decodes alone it looked the
 least loaded, and the scorer sent it the next long prompt too (its wait
 scorer's share could not outweigh it), which is what made the TTFT tail
-(``count_queued``; docs/router.md, "Round 9"). The same holds across P/D
-pools: a request whose decode worker is chosen before its prefill runs in
-the pool is on no batch for that time, and a decode worker counted by its
-running batch alone looks idle to every placement of a burst
-(``count_inbound``; docs/router.md, "Round 20").
+(``count_queued``; docs/router.md, "Round 9"). Across P/D pools the
+requests prefilling in the pool for w, or handing off to it, join its batch
+too. Their context tokens count in D_w, but by default not in B_w
+(``count_inbound``): measured on the router suite's P/D cells over two
+seeds, counting them placed no better (17 of 24 cells reached every figure
+without, 15 with). Where outputs are a few tokens, the co-runner a request
+avoids costs less than the longer hand-off to another worker
+(docs/router.md, "Round 20").
 
 Decode-side load enters placement the way queued prefill does through the
 wait scorer: as seconds the user feels (here, inter-token latency: a long
@@ -88,7 +91,7 @@ class DecodeScorerConfig:
     remote_latency_s: float = 1e-3
     join_step_fraction: float = 0.5  # phase decode: expected wait for w's step in progress, in steps
     count_queued: bool = True  # B_w counts the requests queued for prefill on w (they join its batch)
-    count_inbound: bool = True  # ... and those prefilling in the pool for w or handing off to it (P/D)
+    count_inbound: bool = False  # ... and those prefilling in the pool for w or handing off to it (P/D)
 
     def __post_init__(self) -> None:
         if min(self.decode_base_s, self.decode_per_seq_s, self.decode_per_ctx_token_s) < 0:
