@@ -37,7 +37,10 @@ with the prefill pool as this process's prefill-deployment router sees it
 uncached tokens, by the same index walk that places the prefill, plus what the
 asking decode replica's lookup found in its node's shared tiers for the pool's
 replicas on that node, whose events this router does not drain): the same
-figures, and the same ``PDDecider``, the simulator routes with.
+figures, and the same ``PDDecider``, the simulator routes with. Decode replicas
+also report their prefill pool's nodes (``prefill_nodes``, as their process's
+prefill router knows them): the decode profile costs a hand-off to a replica on
+one of those nodes over the host link, as the simulator's router does.
 
 ``AffinityRequestRouter`` is the simple baseline (rendezvous hashing of the
 session id, load-ordered fallback). Requests that carry no ``GenerateParams``
@@ -129,17 +132,27 @@ def _to_named(candidate_replicas, end: SessionEnd) -> list:
 
 
 def _register_replicas(router) -> None:
-    """Publish ``router``'s replica ids under its deployment's name (``router_metrics.REPLICA_IDS``)."""
+    """Publish ``router``'s replica ids and their nodes under its deployment's name
+    (``router_metrics.REPLICA_IDS``, ``REPLICA_NODES``)."""
     deployment = getattr(getattr(router, "_deployment_id", None), "name", None)
     if deployment:
         router_metrics.REPLICA_IDS[deployment] = lambda: [r.replica_id.unique_id for r in
                                                           list(router.curr_replicas.values())]
+        router_metrics.REPLICA_NODES[deployment] = lambda: sorted(
+            {n for r in list(router.curr_replicas.values()) if (n := (r.routing_stats or {}).get("node_id"))})
 
 
 def replica_ids(deployment: str) -> list[str]:
     """The replicas of ``deployment`` this process's router of it knows ([]: none yet)."""
     ids = router_metrics.REPLICA_IDS.get(deployment)
     return ids() if ids is not None else []
+
+
+def replica_nodes(deployment: str) -> list[str]:
+    """The nodes ``deployment``'s replicas report, as this process's router of it knows them, sorted
+    ([]: none yet)."""
+    nodes = router_metrics.REPLICA_NODES.get(deployment)
+    return nodes() if nodes is not None else []
 
 
 class NodeEventFeed:
@@ -384,7 +397,8 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
             self._policy.metrics.record_decision("no_stats", None)
             return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
         req = self._route_request(params)
-        decision = self._policy.route(req, workers)
+        pool_nodes = {n for r in candidate_replicas for n in (r.routing_stats or {}).get("prefill_nodes", ())}
+        decision = self._policy.route(req, workers, prefill_nodes=pool_nodes)
         self._policy.on_routed(req, decision)
         if decision.state_position > params.state_position:  # a moved session's last node (router step 4)
             params.state_node, params.state_position = decision.state_node, decision.state_position

@@ -24,7 +24,7 @@ from functools import partial
 from ray import serve
 
 from deployments.node_store import PeerStores, connect_node_store, node_store_actor_of
-from deployments.request_router import prefill_pool_view
+from deployments.request_router import prefill_pool_view, replica_nodes
 from deployments.timings import RecentTimings
 from disagg.config import AppConfig, load_config
 from disagg.engine.async_engine import AsyncEngine
@@ -66,6 +66,10 @@ class _ServerBase:
     def pool_role(self) -> str:
         """The role reported to routers: what this replica computes (``deployments.request_router``)."""
         return self.role
+
+    def _prefill_nodes(self) -> list[str]:
+        """The nodes of the prefill pool this replica hands prompts to ([]: none, or none known yet)."""
+        return []
 
     def __init__(self, config: dict | AppConfig):
         self.config = config if isinstance(config, AppConfig) else load_config(config)
@@ -124,7 +128,8 @@ class _ServerBase:
         return {"role": self.pool_role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
                 "model_id": self.engine.model_id, "block_size": self.engine.block_size, "load": load,
                 "device_version": self._snapshot_version, "device_sessions": self._snapshot,
-                "device_tails": self._tails, "device_checkpoints": self._checkpoints}
+                "device_tails": self._tails, "device_checkpoints": self._checkpoints,
+                "prefill_nodes": self._prefill_nodes()}
 
     async def stats(self) -> dict:
         out = self.worker.stats()
@@ -194,6 +199,10 @@ class DecodeServer(_ServerBase):
     @property
     def pool_role(self) -> str:
         return "decode" if self.prefill_handle is not None else "both"  # aggregated: it prefills everything
+
+    def _prefill_nodes(self) -> list[str]:
+        # as this process's prefill router knows them (it has one once a prefill was sent)
+        return replica_nodes(PREFILL_DEPLOYMENT) if self.prefill_handle is not None else []
 
     async def _prefill(self, params: GenerateParams) -> PrefillHandle:
         return await self.prefill_handle.prefill.remote(params)

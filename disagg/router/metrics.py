@@ -104,3 +104,8 @@ POOL_VIEWS: dict[str, Callable[[PoolQuery], PoolView | None]] = {}
 # Per deployment name, the ids of its replicas this process's router of it knows (set by the Serve
 # adapter; read by the ingress, which tells each decode replica of a session's end, disagg.flow NOTE 14).
 REPLICA_IDS: dict[str, Callable[[], list[str]]] = {}
+
+# Per deployment name, the nodes its replicas report, as this process's router of it knows them (set by
+# the Serve adapter; read by a decode replica, which reports its prefill pool's nodes to the decode
+# deployment's router: the decode profile's hand-off cost, ``disagg.router.scorers.decode``).
+REPLICA_NODES: dict[str, Callable[[], list[str]]] = {}

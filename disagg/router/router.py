@@ -19,7 +19,10 @@ Per request:
     3c. one pool of one role ("prefill" or "decode": a Serve deployment, whose
         router sees only its own replicas): that phase's profile picks one; the
         P/D decision is taken where both pools' figures meet, the decode
-        worker's request flow (``disagg.flow`` NOTE 5), with the same decider
+        worker's request flow (``disagg.flow`` NOTE 5), with the same decider;
+        a decode pool is told its prefill pool's nodes (``prefill_nodes``: what
+        the decode profile's hand-off cost reads in 3b, as the Serve adapter
+        learns them from the decode replicas' reports)
 
     4. a session whose decode moved to another node than its last turn's left its
        state in that node's shared tiers: when they hold more of the prompt than the
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -145,7 +148,11 @@ class StateAwareRouter:
             self._known = worker_ids
 
     # ---- decision ------------------------------------------------------------
-    def route(self, request: RouteRequest, workers: list[WorkerState]) -> RouteDecision:
+    def route(self, request: RouteRequest, workers: list[WorkerState],
+              prefill_nodes: Collection[str] = ()) -> RouteDecision:
+        """Place ``request`` on ``workers``; ``prefill_nodes``: a decode pool's prefill pool's
+        nodes when that pool is not among ``workers`` (step 3c; in 3b they are the prefill
+        workers')."""
         assert workers, "route() needs at least one worker"
         now = self.clock()
         all_ids = [w.worker_id for w in workers]
@@ -172,6 +179,8 @@ class StateAwareRouter:
             return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, "aggregated", res, "both")
         if len(roles) == 1:  # one phase's pool (3c)
             (phase,) = roles
+            if phase == "decode" and prefill_nodes:  # the hand-off's link, as in 3b
+                ctx.prefill_nodes = frozenset(prefill_nodes)
             res = self._run(phase, ctx, workers)
             return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, f"{phase}_pool",
                                   res, phase)

@@ -241,8 +241,8 @@ def test_the_routers_named_node_goes_on_the_request_when_it_names_more():
     route = rr._policy.route
 
     def naming(position):
-        def decide(req, workers):
-            d = route(req, workers)
+        def decide(req, workers, **kw):
+            d = route(req, workers, **kw)
             return RouteDecision(d.request_id, d.decode_worker, d.prefill_worker, d.reason, d.predicted_cached_tokens,
                                  d.source_tier, d.scores, state_node="n7", state_position=position)
         return decide
@@ -295,3 +295,34 @@ def test_a_session_end_goes_to_the_replica_it_names_and_the_router_forgets_the_s
     assert rr._policy.loads.session(key) is None
     ranks = asyncio.run(rr.choose_replicas(reps, SimpleNamespace(args=[SessionEnd("s", SALT, "gone")])))
     assert [len(rank) for rank in ranks] == [3]
+
+
+def test_decode_replicas_tell_the_decode_router_their_prefill_pools_nodes(monkeypatch):
+    """A router publishes the nodes its replicas report (``replica_nodes``: what a decode replica
+    reports of its prefill pool as ``prefill_nodes``); the decode deployment's router, told them,
+    costs a hand-off to a decode replica on a pool node over the host link (``test_pools``: as the
+    simulator's router does), so the tie between two idle replicas goes to the one beside the pool.
+    The node stores whose events a decode router drains are absent (a system boundary: Ray actors)."""
+    from deployments.request_router import NodeEventFeed, replica_nodes
+
+    monkeypatch.setattr(router_metrics, "REPLICA_NODES", {})
+    assert replica_nodes("Prefill") == []
+    pool = _router([_stats(0.0, node="n2"), _stats(0.0, node="n0"), _stats(0.0, node="n2"), {"role": "prefill"}],
+                   deployment="Prefill")
+    assert replica_nodes("Prefill") == ["n0", "n2"]  # one that has not reported a node: not yet
+    del pool._replicas["p1"]
+    assert replica_nodes("Prefill") == ["n2"]  # read when asked: the router's replicas now
+
+    def decode(node: str, told: list[str] | None) -> dict:
+        stats = {"role": "decode", "node_id": node, "time": time.time(), "load": {}, "model_id": "m",
+                 "block_size": BS}
+        return stats if told is None else {**stats, "prefill_nodes": told}
+
+    def pick(told: list[str] | None) -> str:
+        rr = _router([decode("n1", told), decode("n0", told)])  # p0 on n1, p1 beside the pool
+        rr._node_events = NodeEventFeed(rr._index, lookup=lambda node: None)  # no node stores (no Ray here)
+        tiers = asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[_params()])))
+        return tiers[0][0].replica_id.unique_id
+
+    assert pick(["n0"]) == "p1"
+    assert pick(None) == pick([]) == "p0"  # untold (an older replica, or no prefill sent yet): a tie, the first
