@@ -305,7 +305,8 @@ def test_decode_replicas_tell_the_decode_router_their_prefill_pools_nodes(monkey
     The node stores whose events a decode router drains are absent (a system boundary: Ray actors)."""
     from deployments.request_router import NodeEventFeed, replica_nodes
 
-    monkeypatch.setattr(router_metrics, "REPLICA_NODES", {})
+    for registry in ("REPLICA_NODES", "REPLICA_IDS", "POOL_VIEWS"):  # what the named router below publishes
+        monkeypatch.setattr(router_metrics, registry, {})
     assert replica_nodes("Prefill") == []
     pool = _router([_stats(0.0, node="n2"), _stats(0.0, node="n0"), _stats(0.0, node="n2"), {"role": "prefill"}],
                    deployment="Prefill")
