@@ -33,11 +33,16 @@ disaggregated request's decode worker is replaced, after the policy decided,
 by the decode worker with the fewest requests routed to it and not finished
 (the count the router keeps as ``C_d``, here exact and current); decode-local
 prefills keep their worker. What it leaves of the gap to a baseline is not
-placement's to close (docs/router.md, "Round 12").
+placement's to close (docs/router.md, "Round 12"). ``--oracle-by tokens``
+counts decode tokens instead, running and inbound as the workers report them
+(``dynamo_cost``'s decode pick, for the disaggregated requests only): the
+held-out shapes gain from it, the router suite's cells lose (docs/router.md,
+"Round 21").
 
     python benchmarks/pd_itl.py long_agentic/64/pd
     python benchmarks/pd_itl.py chat_burst/64/pd --policies state_aware,round_robin,prefix_affinity
     python benchmarks/pd_itl.py --trace T.jsonl --sim-args "--block-size 64 --prefill 4 --decode 12" --oracle-spread
+    python benchmarks/pd_itl.py long_agentic/64/pd --policies state_aware --oracle-spread --oracle-by tokens
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import Simulator
+
+SPREADS = ("unfinished", "tokens")  # --oracle-by: what --oracle-spread's "least busy" counts
 
 
 def _decodes(w) -> int:
@@ -137,20 +144,28 @@ def trace_sim(trace: str, sim_args: list[str], policy: str, router_config: dict 
                      router_config=router_config if policy == "state_aware" else None)
 
 
-def spread_decodes(sim: Simulator) -> None:
+def spread_decodes(sim: Simulator, by: str = "unfinished") -> None:
     """``--oracle-spread``: a disaggregated request decodes on the decode worker with the fewest
-    requests routed to it and not finished (ties: the policy's pick, else the first)."""
+    requests routed to it and not finished (``by``, ``--oracle-by``: "unfinished"), or with the
+    fewest decode tokens, running and inbound, as the workers report them when it is routed
+    ("tokens": ``dynamo_cost``'s decode pick); ties: the policy's pick, else the first."""
     decoders = [w for w, x in sim.workers.items() if x.role == "decode"]
     if not decoders:
         raise SystemExit("--oracle-spread needs a P/D cluster (decode workers)")
+    if by not in SPREADS:
+        raise ValueError(f"spread by one of {SPREADS}, got {by!r}")
     live = dict.fromkeys(decoders, 0)
     owner: dict[str, str] = {}
     route, finish = sim.router.route, sim.finish
 
     def routed(req, states):
         d = route(req, states)
-        if d.prefill_worker is not None and live.get(d.decode_worker, 0) > min(live.values()):
-            d = dataclasses.replace(d, decode_worker=min(decoders, key=live.__getitem__))
+        load = live
+        if by == "tokens":
+            load = {s.worker_id: s.running_decode_tokens + s.inbound_decode_tokens for s in states
+                    if s.worker_id in live}
+        if d.prefill_worker is not None and load.get(d.decode_worker, 0) > min(load.values()):
+            d = dataclasses.replace(d, decode_worker=min(decoders, key=load.__getitem__))
         if d.decode_worker in live:
             live[d.decode_worker] += 1
             owner[req.request_id] = d.decode_worker
@@ -165,9 +180,9 @@ def spread_decodes(sim: Simulator) -> None:
     sim.router.route, sim.finish = routed, finished
 
 
-def run(sim: Simulator, policy: str, oracle: bool = False) -> dict:
+def run(sim: Simulator, policy: str, oracle: str | None = None) -> dict:
     if oracle:
-        spread_decodes(sim)
+        spread_decodes(sim, oracle)
     info = instrument(sim)
     res = sim.run()
     rows = []
@@ -220,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retention", default="checkpoints", choices=RETENTION_POLICIES,
                     help="a suite cell's retention, as the suite's flag")
     ap.add_argument("--oracle-spread", action="store_true",
-                    help="decode on the decode worker with the fewest unfinished requests (see above)")
+                    help="a disaggregated request decodes on the least busy decode worker (see above)")
+    ap.add_argument("--oracle-by", default="unfinished", choices=SPREADS,
+                    help="--oracle-spread's least busy: the fewest unfinished requests, or decode tokens")
     args = ap.parse_args(argv)
     if (args.cell is None) == (args.trace is None):
         ap.error("give exactly one of: a suite cell, --trace")
@@ -235,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         def make(policy: str) -> Simulator:
             return suite_sim(cell, policy, rc, args.seed_offset, args.retention)
     for p in args.policies.split(","):
-        out = run(make(p.strip()), p.strip(), args.oracle_spread)
+        out = run(make(p.strip()), p.strip(), args.oracle_by if args.oracle_spread else None)
         print(json.dumps(out))
         for k in ("tail", "band", "all"):
             t = out[k]

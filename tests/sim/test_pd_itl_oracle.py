@@ -90,3 +90,48 @@ def test_oracle_spread_refuses_an_aggregated_cluster(tmp_path: Path, monkeypatch
     sim = pd_itl.trace_sim(str(trace), ["--block-size", "64", "--workers", "2"], "round_robin", None)
     with pytest.raises(SystemExit, match="P/D cluster"):
         pd_itl.spread_decodes(sim)
+
+
+@pytest.mark.parametrize("policy", ["state_aware", "round_robin"])
+def test_oracle_spread_by_tokens_takes_the_reported_least_loaded_decode_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """``--oracle-spread --oracle-by tokens``: a disaggregated request decodes where the decode workers report the
+    fewest decode tokens (running and inbound) when it is routed; a decode-local one keeps its worker."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import pd_itl
+
+    trace = tmp_path / "t.jsonl"
+    _trace(trace)
+    sim = pd_itl.trace_sim(str(trace), ["--block-size", "64", "--prefill", "1", "--decode", "3",
+                                        "--concurrency", "8"], policy, None)
+    picks: list = []
+
+    def route(req, states, inner=sim.router.route):
+        picks.append(inner(req, states))
+        return picks[-1]
+
+    sim.router.route = route
+    pd_itl.spread_decodes(sim, "tokens")
+    oracle_route = sim.router.route
+    seen = {"moved": 0, "disagg": 0, "local": 0}
+
+    def outer(req, states):
+        load = {s.worker_id: s.running_decode_tokens + s.inbound_decode_tokens for s in states if s.role == "decode"}
+        d = oracle_route(req, states)
+        if d.prefill_worker is not None:
+            seen["disagg"] += 1
+            assert load[d.decode_worker] == min(load.values())
+            seen["moved"] += d.decode_worker != picks[-1].decode_worker
+            if load[picks[-1].decode_worker] == min(load.values()):
+                assert d.decode_worker == picks[-1].decode_worker  # ties keep the policy's pick
+        else:
+            seen["local"] += 1
+            assert d.decode_worker == picks[-1].decode_worker
+        return d
+
+    sim.router.route = outer
+    res = sim.run()
+    assert sum(r.finish >= 0 for r in res.records) == 40
+    assert seen["disagg"] > 0 and seen["moved"] > 0  # it did replace picks
+    with pytest.raises(ValueError, match="spread by"):
+        pd_itl.spread_decodes(sim, "requests")
