@@ -165,7 +165,7 @@ def spread_decodes(sim: Simulator, by: str = "unfinished") -> None:
             load = {s.worker_id: s.running_decode_tokens + s.inbound_decode_tokens for s in states
                     if s.worker_id in live}
         if d.prefill_worker is not None and load.get(d.decode_worker, 0) > min(load.values()):
-            d = dataclasses.replace(d, decode_worker=min(decoders, key=load.__getitem__))
+            d = dataclasses.replace(d, decode_worker=min(load, key=load.__getitem__))
         if d.decode_worker in live:
             live[d.decode_worker] += 1
             owner[req.request_id] = d.decode_worker
