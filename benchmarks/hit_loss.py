@@ -7,7 +7,9 @@ tiers (a dry resume, nothing moved), and compares, summed over the finished
 requests, against ``disagg.tools.sim.bound`` per request::
 
     realized    the prompt tokens the run resumed
-    anywhere    the furthest any worker could have resumed, at arrival
+    anywhere    the furthest any worker could have resumed, at arrival (at least what
+                the run resumed: a prefill that planned nothing looks its device up
+                again when admitted, Simulator NOTE 8)
     bound       Belady's optimum with the cluster's pooled capacity
 
     bound - realized = (anywhere - realized)      placement: held, not used
@@ -88,11 +90,12 @@ def split(sim: Simulator, anywhere: dict[str, int], lanes: int) -> dict:
     bound = capacity_bound_per_request(sim.requests, sim.records, sim.cluster, sim.cost, lanes)
     total = sum(bound) or 1
     realized = sum(r.cached_tokens for r in done)
-    held = sum(anywhere[r.request_id] for r in done)
+    reach = {r.request_id: max(anywhere[r.request_id], r.cached_tokens) for r in done}  # Simulator NOTE 8: admissions
+    held = sum(reach.values())
     by_turn: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     for r, b in zip(done, bound, strict=True):
         band = by_turn[r.turn // 5 * 5]
-        band[0] += max(0, b - anywhere[r.request_id])
+        band[0] += max(0, b - reach[r.request_id])
         band[1] += b
     return {"requests": len(done), "hit_vs_bound": realized / total, "anywhere_vs_bound": held / total,
             "placement_loss": (held - realized) / total, "eviction_loss": (total - held) / total,

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from disagg.router.types import RouteRequest
+from disagg.tools.sim.bound import capacity_bound_per_request
 from disagg.tools.sim.cache import LRUTier
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
@@ -476,3 +477,41 @@ def test_write_back_host_tiers_hold_what_devices_evicted():
     assert all(sim.host["n0"].present(full)) and not any(sim.host["n1"].present(full))
     with pytest.raises(ValueError):
         ClusterConfig(host_write="around")
+
+
+def _sharing_pair(gap_ms: float, busy: bool = False) -> list[SimRequest]:
+    """Two sessions whose first prompts share 16 blocks of 256 (a periodic checkpoint at 4096),
+    the second sent ``gap_ms`` after the first; ``busy``: behind a third session's prompt."""
+    shared = list(range(16))
+    pair = [SimRequest("a", 0, 0, 1.0, 5120, 1, shared + [100, 101, 102, 103], 256),
+            SimRequest("b", 0, 0, 1.0 + gap_ms, 5120, 1, shared + [200, 201, 202, 203], 256)]
+    return [SimRequest("c", 0, 0, 0.0, 2048, 1, list(range(300, 308)), 256), *pair] if busy else pair
+
+
+def test_a_prefill_queued_behind_its_prefix_resumes_it_when_admitted():
+    """Simulator NOTE 8: B, sent while A computes the prefix they share on the one worker, planned
+    nothing at routing; its first step comes after A's prefill stored the prefix, and the engine's
+    look at its device then resumes it (the capacity bound looks it up there too)."""
+    reqs = _sharing_pair(500.0)
+    sim = Simulator(reqs, "round_robin", ClusterConfig(num_workers=1), HAND, mode="open")
+    res = sim.run()
+    a, b = sorted(res.records, key=lambda r: r.arrival)
+    assert a.cached_tokens == 0 and a.admitted == pytest.approx(a.arrival)
+    assert b.admitted == pytest.approx(a.first_token)  # the step after A's prefill, not its arrival
+    assert (b.cached_tokens, b.cached_tier) == (4096, "device")
+    assert b.first_token == pytest.approx(a.first_token + 0.01 + (5120 - 4096) * 0.001)
+    bound = capacity_bound_per_request(reqs, res.records, sim.cluster, sim.cost, 0)
+    assert bound == [0, 4096]
+
+
+def test_a_prefill_that_starts_beside_its_prefix_does_not_resume_it():
+    """Queued together behind a third prompt, A and B get their first chunks in one step (the
+    chunk budget holds both): nothing is stored when B is admitted, so it computes the prefix too,
+    in the run and in the bound."""
+    reqs = _sharing_pair(1.0, busy=True)
+    sim = Simulator(reqs, "round_robin", ClusterConfig(num_workers=1), HAND, mode="open")
+    res = sim.run()
+    c, a, b = sorted(res.records, key=lambda r: r.arrival)
+    assert a.admitted == b.admitted == pytest.approx(c.first_token)
+    assert [r.cached_tokens for r in (c, a, b)] == [0, 0, 0]
+    assert capacity_bound_per_request(reqs, res.records, sim.cluster, sim.cost, 0) == [0, 0, 0]

@@ -8,9 +8,10 @@ workers' device blocks plus every node's host and disk blocks) run by
 Belady's rule: on a miss, keep the block whose next use is furthest away out
 (the newcomer itself, when it is the one used last or never again)::
 
-    access     every full block of every prompt: looked up at its arrival, stored
-               from its first token on (capacity_bound; belady_hits: at once
-               without times)
+    access     every full block of every prompt: looked up when the run admitted
+               its prefill (its arrival, or its first step where the engine looks
+               its device up again: Simulator NOTE 8), stored from its first token
+               on (capacity_bound; belady_hits: at once without times)
     hit(r)     = q * block_size capped at prompt - 1 (or, past it, an earlier
                  prompt's end inside the block after the leading run), q = the furthest resume
                  point <= the prompt's leading run of cached blocks, where a
@@ -24,9 +25,9 @@ Belady's rule: on a miss, keep the block whose next use is furthest away out
 It is an optimistic bound, not a placement: one pooled cache (no worker
 boundaries, no duplicate device/host copies), checkpoints free of space,
 reads free of time. It keeps one thing of time: a prompt's blocks exist from
-its first token on (``capacity_bound``: a run's own arrival and first-token
-times), so a session that arrives while another computes the prefix they
-share cannot resume it, in the bound as in the run (the suite's sessions
+its first token on (``capacity_bound``: a run's own admission and first-token
+times), so a session admitted while another computes the prefix they share
+cannot resume it, in the bound as in the run (the suite's sessions
 start together; with every block boundary a resume point, a 2K system prompt
 sent by 32 sessions at once was counted as 31 resumes nobody could make).
 A router's hit / bound near 1 means placement and eviction lose little to
@@ -60,9 +61,10 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
         salts: each request's cache-busting salt (0 without recycling).
         capacity_blocks: the pooled cache, in blocks.
         checkpoint_every: periodic checkpoint spacing in blocks (0: none).
-        times: per prompt (arrival, ready): it looks its blocks up at arrival and they exist from
-            ``ready`` on (its prefill's end), in time order, an insert before a lookup at the same
-            time; None: each prompt is looked up and inserted at once, in the given order.
+        times: per prompt (lookup, ready): it looks its blocks up at ``lookup`` (its arrival or
+            admission) and they exist from ``ready`` on (its prefill's end), in time order, an
+            insert before a lookup at the same time; None: each prompt is looked up and inserted
+            at once, in the given order.
     """
     if capacity_blocks < 0 or checkpoint_every < 0:
         raise ValueError("capacity_blocks and checkpoint_every must be >= 0")
@@ -170,6 +172,7 @@ def capacity_bound_per_request(requests: Sequence[SimRequest], records: Sequence
     pooled = cluster.num_engines * cluster.device_blocks + nodes * (cluster.host_blocks + cluster.disk_blocks)
     units = checkpoint_units(cost, prompts[0].block_size)
     capacity = max(pooled - live_sessions * units, 0)
-    times = [(r.arrival, max(r.first_token, r.arrival)) for r in done]
+    # looked up where the run's engine looked its device up last (Simulator NOTE 8: admission)
+    times = [(look, max(r.first_token, look)) for r in done for look in (max(r.arrival, r.admitted),)]
     every = 1 if cluster.learned_checkpoints else cluster.checkpoint_every_blocks  # learned: any boundary
     return belady_hits(prompts, [r.salt for r in done], capacity, every, times)

@@ -43,6 +43,7 @@ class RequestRecord:
     decode_worker: str = ""  # where decode ran
     reason: str = ""  # router reason
     first_token: float = -1.0  # seconds
+    admitted: float = -1.0  # seconds: its prefill's first step, where the engine looks its device up again
     finish: float = -1.0  # seconds
     lane: int = -1  # closed-loop lane (-1: open loop)
     salt: int = 0  # cache-busting salt of the replay

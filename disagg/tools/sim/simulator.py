@@ -87,6 +87,15 @@ NOTES
    end a session only after its last turn's answer (``session_end_after``: the API's ``DELETE
    /v1/sessions/{id}``, ``disagg.flow`` NOTE 14) leave that turn written like any other, and
    the retention demotes it all the same.
+8. A device looked up again at admission: a prefill whose plan found no state to resume
+   (planned at routing) looks its worker's device up again when it first gets a step, and
+   resumes what the device holds by then (``admit``). Serving's engines do: the reference
+   engine adopts a resident session when it admits a request that brought no state
+   (``ReferenceEngine._admit``), vLLM's scheduler matches its prefix cache when it schedules a
+   request. So a request queued behind another that computes the prefix they share resumes it,
+   once that prefill has stored it (one that starts beside it, in the same step, does not).
+   Planned at routing alone, the sessions of a burst that share a prompt each recomputed it,
+   however long they had waited behind its first computation (docs/router.md, "Round 22").
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -459,6 +468,19 @@ class Simulator:
                 if peer.tokens > own.tokens:
                     return self.state.resume(ps, target.device, *peer_tiers, remote=True)
         return self.state.resume(ps, target.device, *tiers)
+
+    def admit(self, job: SimJob, w: SimWorker, now: float) -> int:
+        """NOTE 8: ``job`` gets its first step on ``w``: the tokens its device resumes now, past
+        what the job planned (0 when it planned a resume: the engine imports that state)."""
+        rec = job.record
+        rec.admitted = now
+        if job.cached:
+            return 0
+        res = self.state.resume(job.prompt, w.device, None, None)
+        if not res.tokens:
+            return 0
+        rec.cached_tokens, rec.cached_tier = res.tokens, res.tier
+        return res.tokens
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt

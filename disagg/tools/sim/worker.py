@@ -80,6 +80,8 @@ class Simulator(Protocol):
 
     def node_slowdown(self, w: SimWorker) -> float: ...
 
+    def admit(self, job: SimJob, w: SimWorker, now: float) -> int: ...
+
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None: ...
 
     def finish(self, job: SimJob, w: SimWorker, now: float) -> None: ...
@@ -280,6 +282,12 @@ class SimWorker:
         for job in self.prefill_q:
             if budget <= 0:
                 break
+            if job.record.admitted < 0:  # its first step: the engine looks its device up again
+                gain = self.sim.admit(job, self, now)
+                if gain:
+                    job.cached += gain
+                    job.computed += gain
+                    self.queued_prefill_tokens -= gain
             left = job.prompt_len - job.computed
             n = min(left, budget)
             if n < left:  # a partial chunk ends on a block boundary
