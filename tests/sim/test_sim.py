@@ -515,3 +515,20 @@ def test_a_prefill_that_starts_beside_its_prefix_does_not_resume_it():
     assert a.admitted == b.admitted == pytest.approx(c.first_token)
     assert [r.cached_tokens for r in (c, a, b)] == [0, 0, 0]
     assert capacity_bound_per_request(reqs, res.records, sim.cluster, sim.cost, 0) == [0, 0, 0]
+
+
+def test_a_pd_prefix_is_resumable_from_its_store_before_the_hand_off_returns():
+    """P/D: the pool's prefill stores A's state before A's first token comes back (the publish and
+    the hand-off's overhead). B, queued behind A on the one prefill worker, is admitted right at
+    that store and resumes the prefix, and the capacity bound counts it ready from the store too,
+    so the run does not beat its own bound."""
+    cost = CostModel(prefill_base_s=0.01, prefill_per_token_s=0.001, prefill_attn_s=0.0, decode_base_s=0.02,
+                     decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0, disagg_overhead_s=0.05)
+    reqs = _sharing_pair(500.0)
+    sim = Simulator(reqs, "round_robin", ClusterConfig(num_prefill=1, num_decode=1), cost, mode="open")
+    res = sim.run()
+    a, b = sorted(res.records, key=lambda r: r.arrival)
+    assert a.prefill_worker == b.prefill_worker == "w00"
+    assert a.stored < a.first_token and b.admitted == pytest.approx(a.stored)
+    assert b.cached_tokens == 4096
+    assert capacity_bound_per_request(reqs, res.records, sim.cluster, sim.cost, 0) == [0, 4096]

@@ -10,8 +10,8 @@ Belady's rule: on a miss, keep the block whose next use is furthest away out
 
     access     every full block of every prompt: looked up when the run admitted
                its prefill (its arrival, or its first step where the engine looks
-               its device up again: Simulator NOTE 8), stored from its first token
-               on (capacity_bound; belady_hits: at once without times)
+               its device up again: Simulator NOTE 8), stored from its prefill's
+               end on (capacity_bound; belady_hits: at once without times)
     hit(r)     = q * block_size capped at prompt - 1 (or, past it, an earlier
                  prompt's end inside the block after the leading run), q = the furthest resume
                  point <= the prompt's leading run of cached blocks, where a
@@ -25,9 +25,9 @@ Belady's rule: on a miss, keep the block whose next use is furthest away out
 It is an optimistic bound, not a placement: one pooled cache (no worker
 boundaries, no duplicate device/host copies), checkpoints free of space,
 reads free of time. It keeps one thing of time: a prompt's blocks exist from
-its first token on (``capacity_bound``: a run's own admission and first-token
-times), so a session admitted while another computes the prefix they share
-cannot resume it, in the bound as in the run (the suite's sessions
+the end of its prefill on (``capacity_bound``: a run's own admission and
+prefill-end times), so a session admitted while another computes the prefix
+they share cannot resume it, in the bound as in the run (the suite's sessions
 start together; with every block boundary a resume point, a 2K system prompt
 sent by 32 sessions at once was counted as 31 resumes nobody could make).
 A router's hit / bound near 1 means placement and eviction lose little to
@@ -172,7 +172,9 @@ def capacity_bound_per_request(requests: Sequence[SimRequest], records: Sequence
     pooled = cluster.num_engines * cluster.device_blocks + nodes * (cluster.host_blocks + cluster.disk_blocks)
     units = checkpoint_units(cost, prompts[0].block_size)
     capacity = max(pooled - live_sessions * units, 0)
-    # looked up where the run's engine looked its device up last (Simulator NOTE 8: admission)
-    times = [(look, max(r.first_token, look)) for r in done for look in (max(r.arrival, r.admitted),)]
+    # looked up where the run's engine looked its device up last (Simulator NOTE 8: admission), ready
+    # once its prefill stored it (a P/D hand-off's first token comes later)
+    times = [(look, max(r.stored if r.stored >= 0 else r.first_token, look))
+             for r in done for look in (max(r.arrival, r.admitted),)]
     every = 1 if cluster.learned_checkpoints else cluster.checkpoint_every_blocks  # learned: any boundary
     return belady_hits(prompts, [r.salt for r in done], capacity, every, times)

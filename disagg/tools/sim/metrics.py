@@ -44,6 +44,7 @@ class RequestRecord:
     reason: str = ""  # router reason
     first_token: float = -1.0  # seconds
     admitted: float = -1.0  # seconds: its prefill's first step, where the engine looks its device up again
+    stored: float = -1.0  # seconds: its prefill's end, when its state is stored (P/D: before its first token)
     finish: float = -1.0  # seconds
     lane: int = -1  # closed-loop lane (-1: open loop)
     salt: int = 0  # cache-busting salt of the replay

@@ -484,6 +484,7 @@ class Simulator:
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
+        job.record.stored = now
         job.ckpts = self.state.store(ps, job.cached, w.device,
                                      self._write_host(w, job.record, job.decode_worker is not None), extra=job.extra)
         skey = (job.record.session_id, job.record.salt)
