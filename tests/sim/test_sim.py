@@ -532,3 +532,18 @@ def test_a_pd_prefix_is_resumable_from_its_store_before_the_hand_off_returns():
     assert a.stored < a.first_token and b.admitted == pytest.approx(a.stored)
     assert b.cached_tokens == 4096
     assert capacity_bound_per_request(reqs, res.records, sim.cluster, sim.cost, 0) == [0, 4096]
+
+
+def test_a_prefill_left_no_room_in_a_step_is_looked_up_when_it_starts():
+    """Beside a running decode the step's budget (8192 - 1) leaves A's single chunk of 8,000 tokens
+    191 to spare, too few for a block of B's: B starts in the next step, after A stored the prefix,
+    and that is when the engine looks its device up (not in the step it had no room in)."""
+    shared = list(range(16))
+    reqs = [SimRequest("c", 0, 0, 0.0, 256, 1000, [900], 256),  # decodes throughout
+            SimRequest("a", 0, 0, 300.0, 8000, 1, shared + list(range(100, 116)), 256),
+            SimRequest("b", 0, 0, 300.1, 5120, 1, shared + [200, 201, 202, 203], 256)]
+    sim = Simulator(reqs, "round_robin", ClusterConfig(num_workers=1), HAND, mode="open")
+    res = sim.run()
+    _, a, b = sorted(res.records, key=lambda r: r.arrival)
+    assert a.admitted < b.admitted == pytest.approx(a.stored)
+    assert (b.cached_tokens, b.cached_tier) == (4096, "device")

@@ -271,29 +271,37 @@ class SimWorker:
             self._seq += 1
             heapq.heappush(batch, (job.end_step, self._seq, job))
 
+    def _chunk(self, job: SimJob, budget: int) -> int:
+        """Tokens of ``job``'s prompt this step's ``budget`` computes (a partial chunk ends on a block
+        boundary: 0 when none fits)."""
+        left = job.prompt_len - job.computed
+        if left <= budget:
+            return left
+        bs = self.block_size
+        return (job.computed + budget) // bs * bs - job.computed
+
     def _start_step(self, now: float) -> None:
         cost = self.cost
         self._admit_decodes()
         batch = len(self._batch)
         budget = cost.max_prefill_tokens_per_step - batch
-        bs = self.block_size
         chunks: list[tuple[SimJob, int]] = []
         prefill_s = 0.0
         for job in self.prefill_q:
             if budget <= 0:
                 break
-            if job.record.admitted < 0:  # its first step: the engine looks its device up again
+            n = self._chunk(job, budget)
+            if n <= 0:
+                break
+            if job.record.admitted < 0:  # it starts now: the engine looks its device up again
                 gain = self.sim.admit(job, self, now)
                 if gain:
                     job.cached += gain
                     job.computed += gain
                     self.queued_prefill_tokens -= gain
-            left = job.prompt_len - job.computed
-            n = min(left, budget)
-            if n < left:  # a partial chunk ends on a block boundary
-                n = (job.computed + n) // bs * bs - job.computed
-                if n <= 0:
-                    break
+                    n = self._chunk(job, budget)
+                    if n <= 0:  # admitted, its first chunk next step
+                        break
             prefill_s += cost.prefill_job_time(n, job.computed)
             chunks.append((job, n))
             budget -= n
