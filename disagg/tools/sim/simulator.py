@@ -88,8 +88,8 @@ NOTES
    /v1/sessions/{id}``, ``disagg.flow`` NOTE 14) leave that turn written like any other, and
    the retention demotes it all the same.
 8. A device looked up again at admission: a prefill whose plan found no state to resume
-   (planned at routing) looks its worker's device up again when it first gets a step, and
-   resumes what the device holds by then (``admit``). Serving's engines do: the reference
+   (planned at routing) looks its worker's device up again in the step that gives it its
+   first chunk, and resumes what the device holds by then (``admit``). Serving's engines do: the reference
    engine adopts a resident session when it admits a request that brought no state
    (``ReferenceEngine._admit``), vLLM's scheduler matches its prefix cache when it schedules a
    request. So a request queued behind another that computes the prefix they share resumes it,
