@@ -5,6 +5,10 @@ Per request:
     1. one index walk for all workers -> resumable (tokens, tier) per worker,
        and the commonly held leading blocks (held by more than common_fraction
        of the n healthy workers, and by at least common_min_workers)
+    1b. with ``pending_credit`` (off by default): the prefixes that prefills routed earlier
+        will store and have not yet, credited as device resumes where waiting for them is
+        the shortest way to the first token (``disagg.router.pending``; docs/router.md,
+        "Round 23")
     2. effective loads = live stats + own in-flight predictions
     3a. aggregated pool (every role "both"): profile "both" picks one worker
     3b. P/D pools: profile "decode" picks D (with ``peer_reads``, the prefill
@@ -57,17 +61,18 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from disagg.router.context import EffectiveLoad, RoutingContext
+from disagg.router.context import LOAD_ROW, EffectiveLoad, LoadColumns, RoutingContext
 from disagg.router.decider import PDDecider
 from disagg.router.divergence import DivergenceLearner
 from disagg.router.filters.role import ALLOWED_ROLES
 from disagg.router.index import PrefixIndex
 from disagg.router.loads import LoadTracker
-from disagg.router.match import credit_node_state
+from disagg.router.match import MatchResult, credit_node_state
 from disagg.router.metrics import RouterMetrics
+from disagg.router.pending import PendingPrefixes
 from disagg.router.profile import ProfileResult
 from disagg.router.registry import build_profiles
-from disagg.router.types import RouteDecision, RouteRequest, WorkerState
+from disagg.router.types import TIER_INDEX, RouteDecision, RouteRequest, WorkerState
 from disagg.session import session_key
 
 _ID_NODE = attrgetter("worker_id", "node_id")
@@ -87,12 +92,18 @@ class RouterConfig:
     area_tau_s: float = math.inf  # decay of the booked prefill area (inf: none)
     peer_reads: bool = False  # P/D: credit the pool with the decode worker's node tiers (3b)
     checkpoint_hints: bool = True  # learn where follow-ups diverge and name it in each decision (step 5)
+    pending_credit: bool = False  # credit prefixes routed and not stored yet where waiting pays (step 1b)
+    pending_ttl_s: float = 120.0  # ... forgotten this long after routing, if never finished
+    pending_step_tokens: int = 8192  # ... an engine step's prefill budget (``disagg.router.pending`` NOTE 4)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.common_fraction <= 1.0:
             raise ValueError("common_fraction must be in (0, 1]")
-        if min(self.prediction_tau_s, self.session_ttl_s, self.queue_avg_tau_s, self.area_tau_s) <= 0:
+        if min(self.prediction_tau_s, self.session_ttl_s, self.queue_avg_tau_s, self.area_tau_s,
+               self.pending_ttl_s) <= 0:
             raise ValueError("time constants must be positive")
+        if self.pending_step_tokens < 0:
+            raise ValueError("pending_step_tokens must be >= 0")
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> RouterConfig:
@@ -133,6 +144,8 @@ class StateAwareRouter:
         self._ending: dict[str, str] = {}  # request id -> the session it ends (RouteRequest.session_end)
         self._known: list[str] = []  # worker ids registered by the last route() call
         self.divergence = DivergenceLearner()  # where follow-ups diverge (step 5)
+        self.pending = (PendingPrefixes(ttl_s=cfg.pending_ttl_s, step_tokens=cfg.pending_step_tokens)
+                        if cfg.pending_credit else None)  # prompts routed, not stored yet (step 1b)
 
     # ---- effective state ---------------------------------------------------
     def effective_loads(self, workers: list[WorkerState], now: float) -> dict[str, EffectiveLoad]:
@@ -164,6 +177,8 @@ class StateAwareRouter:
         common_min = max(cfg.common_min_workers, math.floor(cfg.common_fraction * len(ids)) + 1)
         match = self.index.match(request, ids, common_min)
         loads = self.loads.columns(workers, now, all_ids)  # expires old sessions: before the lookup
+        if self.pending is not None:
+            match = self._credit_pending(request, match, loads, workers, now)
         prev = self.loads.session(_session_key(request))
         ctx = RoutingContext(
             request=request,
@@ -213,6 +228,35 @@ class StateAwareRouter:
         if pre.picked is None:
             return self._decision(request, ctx, workers, decode_id, None, "local_no_prefill_pool", dec, "decode")
         return self._decision(request, ctx, workers, decode_id, pre.picked, pd.reason, pre, "prefill")
+
+    def _credit_pending(self, request: RouteRequest, match: MatchResult, loads: LoadColumns,
+                        workers: list[WorkerState], now: float) -> MatchResult:
+        """``match`` with the prefixes other requests' queued prefills will store credited, as device
+        resumes, on the workers where waiting for them is the shortest way to the first token (step 1b,
+        ``disagg.router.pending``); ``match`` itself when none is."""
+        credit = self.pending.credit(request, now)
+        if not credit:
+            return match
+        ids, held = match.worker_ids, match.resumable
+        q = loads.data[LOAD_ROW["prefill_tokens"]].tolist()
+        col = {wid: i for i, wid in enumerate(loads.worker_ids)}
+        role = {w.worker_id: w.role for w in workers}
+        cost = [q[col[wid]] - r for wid, r in zip(ids, held, strict=True)]  # queue ahead minus resumable
+        res = tiers = None
+        for i, wid in enumerate(ids):
+            k = credit.get(wid, 0)
+            if k <= held[i]:
+                continue
+            mine = role[wid]
+            alt = min((c for j, c in enumerate(cost) if j != i and role[ids[j]] == mine), default=math.inf)
+            if q[col[wid]] - k < alt:
+                if res is None:
+                    res, tiers = list(held), list(match.tiers)
+                res[i], tiers[i] = k, TIER_INDEX["device"]
+        if res is None:
+            return match
+        return MatchResult(common_blocks=match.common_blocks, worker_ids=ids, resumable=res, tiers=tiers,
+                           mla_blocks=match.mla_blocks)
 
     def _run(self, profile: str, ctx: RoutingContext, workers: list[WorkerState]) -> ProfileResult:
         ctx.phase = profile
@@ -282,6 +326,9 @@ class StateAwareRouter:
         self._to_decode[decision.decode_worker] = self._to_decode.get(decision.decode_worker, 0) + 1
         if request.session_end and request.session_id:
             self._ending[request.request_id] = _session_key(request)
+        if self.pending is not None and uncached:
+            self.pending.add(request, decision.prefill_target, decision.predicted_cached_tokens, now,
+                             decision.checkpoint_back or ())
         self.metrics.record_decision(decision.reason, decision.source_tier)
         if self.config.checkpoint_hints:
             self.divergence.observe(_session_key(request), request.block_hashes, request.prompt_len,
@@ -296,6 +343,8 @@ class StateAwareRouter:
     def on_finished(self, request_id: str, realized_cached_tokens: int | None) -> None:
         """The request ended: with the cached tokens it reused, or None without a result (abandoned,
         failed), which drops its bookkeeping and records nothing."""
+        if self.pending is not None:
+            self.pending.remove(request_id)
         entry = self._inflight.pop(request_id, None)
         if entry is None:
             return
