@@ -88,3 +88,35 @@ def test_a_missing_file_fails_in_one_line(tmp_path, capsys):
     assert _run(str(tmp_path / "nope.jsonl")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("disagg sim: ")
+
+
+def test_router_config_reaches_the_state_aware_router_only(tmp_path, capsys):
+    """``--router-config`` (JSON text or a YAML file) configures the state-aware router: by default
+    these short prompts prefill on their decode worker; a decider with no local rule sends them
+    all through the P/D pool. The baselines run as before."""
+    trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
+    pd = ("--block-size", "64", "--prefill", "1", "--decode", "2", "--policy", "all")
+
+    def runs(*extra: str) -> dict[str, dict]:
+        assert _run(trace, *pd, *extra) == 0
+        rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+        return {r["policy"]: r for r in rows}
+
+    plain = runs()
+    assert set(plain["state_aware"]["router"]["decisions"]) == {"local_short_suffix/cold", "local_short_suffix/cache_hit"}
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("decider: {local_prefill_max_tokens: 0, local_idle_margin: 0}\n")
+    for text in (str(cfg), '{"decider": {"local_prefill_max_tokens": 0, "local_idle_margin": 0}}'):
+        pool = runs("--router-config", text)
+        assert set(pool["state_aware"]["router"]["decisions"]) == {"disagg/cold", "disagg/cache_hit"}
+        assert pool["dynamo_cost"] == {**plain["dynamo_cost"], "wall_s": pool["dynamo_cost"]["wall_s"]}
+
+
+@pytest.mark.parametrize("text, says", [('{"pending": true}', "unknown router config keys"),
+                                        ('{"pending_ttl_s": 0}', "positive"), ("{", "--router-config"),
+                                        ("missing.yaml", "No such file")])
+def test_a_bad_router_config_fails_in_one_line(tmp_path, capsys, text, says):
+    trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
+    assert _run(trace, "--block-size", "64", "--router-config", text) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]

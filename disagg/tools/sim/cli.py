@@ -256,12 +256,37 @@ def _load_or_fail(args: argparse.Namespace) -> list[SimRequest] | None:
         return None
 
 
+def router_config(text: str) -> dict | None:
+    """``--router-config``: JSON text, or the path of a JSON or YAML file, checked against
+    ``RouterConfig`` (an unknown key or a bad value raises ValueError); None when empty."""
+    if not text:
+        return None
+    from disagg.router.router import RouterConfig
+
+    if text.lstrip().startswith("{"):
+        cfg = json.loads(text)
+    else:
+        import yaml
+
+        with open(text) as f:
+            cfg = yaml.safe_load(f) or {}
+    if not isinstance(cfg, dict):
+        raise ValueError("--router-config: a mapping of RouterConfig keys")
+    RouterConfig.from_dict(cfg)  # raises on unknown keys and bad values
+    return cfg
+
+
 # ---- commands ------------------------------------------------------------------------------
 def _run(args: argparse.Namespace) -> int:
     from disagg.tools.bench.metrics import format_summary
     from disagg.tools.sim.shard import simulate
 
     t0 = time.perf_counter()
+    try:
+        rc = router_config(args.router_config)
+    except (ValueError, TypeError, OSError) as exc:  # bad JSON or YAML, unknown keys, bad values, no file
+        print(f"disagg sim: --router-config: {exc}", file=sys.stderr)
+        return 2
     requests = _load_or_fail(args)
     if requests is None:
         return 2
@@ -276,7 +301,7 @@ def _run(args: argparse.Namespace) -> int:
     for i, policy in enumerate(policies):
         t1 = time.perf_counter()
         res = simulate(requests, policy, cluster, cost, replay, domains=args.domains, jobs=args.jobs, seed=args.seed,
-                       shared_ids=shared)
+                       router_config=rc if policy == "state_aware" else None, shared_ids=shared)
         wall = time.perf_counter() - t1
         print(f"[{i + 1}/{len(policies)}] {policy}: {sum(r.finish >= 0 for r in res.records)} requests in "
               f"{wall:.1f} s wall ({res.sim_events} events)", file=sys.stderr, flush=True)
@@ -367,6 +392,9 @@ def add_sim_parsers(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--json", action="store_true", help="one JSON line per policy")
     run.add_argument("--no-bound", action="store_true",
                      help="skip hit_vs_bound: hit against Belady's optimum with the cluster's capacities")
+    run.add_argument("--router-config", default="", metavar="JSON|FILE",
+                     help="state_aware's RouterConfig (docs/router.md, Configuration): JSON text or a JSON/YAML "
+                          "file, e.g. '{\"pending_credit\": true}'")
     run.set_defaults(func=_run)
 
     sw = sim_sub.add_parser("sweep", help="P:D ratios x replicas x host tiers x policies; best at a target")
