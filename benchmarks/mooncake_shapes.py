@@ -44,22 +44,19 @@ CLUSTERS = {"agg16": ["--workers", "16"], "pd16": ["--prefill", "4", "--decode",
 MODES = ("closed", "open")
 
 
-def shape(seed: int) -> dict:
-    """The shape of trace ``seed`` (module docstring)."""
-    r = random.Random(seed)
+def shape(r: random.Random) -> dict:
+    """A shape drawn from ``r`` (module docstring)."""
     return {"sessions": r.choice([24, 48, 96, 160]), "shared": r.choice([0, 4, 12, 24, 48]),
             "prompts": r.choice([1, 1, 2, 4]), "first": (r.choice([1, 2, 4]), r.choice([8, 16, 32])),
             "grow": (r.choice([0, 1]), r.choice([2, 4, 8])), "turns": (r.choice([1, 2, 4]), r.choice([6, 12, 24, 40])),
             "think_s": r.choice([0.5, 2, 5, 15]), "gap_s": r.choice([0.05, 0.2, 0.5, 1.5]),
-            "output": (r.choice([20, 100]), r.choice([300, 800, 2000])), "cap": r.choice([64, 128, 256]),
-            "rng": r.getstate()}
+            "output": (r.choice([20, 100]), r.choice([300, 800, 2000])), "cap": r.choice([64, 128, 256])}
 
 
 def trace(seed: int) -> tuple[dict, list[dict]]:
     """(shape, Mooncake records in timestamp order) of trace ``seed``."""
-    s = shape(seed)
-    r = random.Random()
-    r.setstate(s.pop("rng"))
+    r = random.Random(seed)
+    s = shape(r)  # the shape, then its sessions, from one stream
     events: list[tuple[float, list[int], int]] = []
     fresh = 1 << 20  # ids of blocks no other prompt sent
     t = 0.0
