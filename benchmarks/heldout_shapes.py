@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"),
                     help="passed to disagg sim run: clients say when a session ends, with its last turn "
                          "(session_end; the flag alone) or after its answer (DELETE)")
+    ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
+                                            "(JSON text or a file)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to every shape's seed: other traces of the same shapes (files and cells are "
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = (["--retention", args.retention] if args.retention else []) + \
         (["--host-write", args.host_write] if args.host_write else []) + \
         (["--host-policy", args.host_policy] if args.host_policy else []) + \
-        (["--session-ends", args.session_ends] if args.session_ends else [])
+        (["--session-ends", args.session_ends] if args.session_ends else []) + \
+        (["--router-config", args.router_config] if args.router_config else [])
     try:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:

@@ -84,10 +84,11 @@ def trace(seed: int) -> tuple[dict, list[dict]]:
     return s, records
 
 
-def run_cell(path: Path, cluster: str, mode: str) -> dict[str, dict]:
-    """Every policy on one trace, one cluster, one replay mode: policy -> summary."""
+def run_cell(path: Path, cluster: str, mode: str, extra: list[str] | None = None) -> dict[str, dict]:
+    """Every policy on one trace, one cluster, one replay mode: policy -> summary (``extra``: more
+    ``disagg sim run`` flags)."""
     cmd = [sys.executable, "-m", "disagg", "sim", "run", "--trace", str(path), "--policy", "all", "--json",
-           *CLUSTERS[cluster], *(["--mode", "open"] if mode == "open" else [])]
+           *CLUSTERS[cluster], *(["--mode", "open"] if mode == "open" else []), *(extra or [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = {}
     for line in out.splitlines():
@@ -112,6 +113,8 @@ def main() -> int:
     ap.add_argument("--clusters", default="agg16,pd16", help=f"comma list of {', '.join(CLUSTERS)}")
     ap.add_argument("--modes", default="closed,open", help="comma list of closed (the CLI's lanes), open "
                                                         "(the trace's timestamps)")
+    ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
+                                            "(JSON text or a file)")
     args = ap.parse_args()
     clusters, modes = args.clusters.split(","), args.modes.split(",")
     bad = [c for c in clusters if c not in CLUSTERS] + [m for m in modes if m not in MODES]
@@ -132,7 +135,7 @@ def main() -> int:
                 s, records = trace(seed)
                 path.write_text("".join(json.dumps(x) + "\n" for x in records))
                 tqdm.write(f"trace {seed}: {len(records)} requests, {json.dumps(s)}")
-            rows = run_cell(path, cluster, mode)
+            rows = run_cell(path, cluster, mode, ["--router-config", args.router_config] if args.router_config else [])
             label = f"{seed}/{cluster}/{mode}"
             for policy, summary in rows.items():
                 runs.write(json.dumps({"cell": label, "policy": policy, **summary}) + "\n")

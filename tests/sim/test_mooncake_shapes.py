@@ -51,3 +51,15 @@ def test_a_cell_is_the_clis_runs_and_the_suites_verdict(mc, tmp_path):
     v = mc.verdict({"state_aware": rows.pop("state_aware"), **rows})
     assert set(v) >= {"ttft_p90", "interactivity_p90", "tokens_per_s_per_gpu", "hit_vs_bound", "pass"}
     assert mc._seeds("1-3,7") == [1, 2, 3, 7]
+
+
+def test_a_cell_passes_the_router_config_to_the_cli(mc, tmp_path):
+    """``--router-config`` reaches ``disagg sim run``: a config it rejects fails the cell."""
+    import subprocess
+
+    _, records = mc.trace(32)
+    path = tmp_path / "32.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        mc.run_cell(path, "agg16", "open", ["--router-config", '{"no_such_key": 1}'])
+    assert "no_such_key" in err.value.stderr
