@@ -21,8 +21,8 @@ prefix digests that name them, until the request finishes::
 
 A later request sharing an entry's prefix up to point k may resume k tokens on
 that entry's worker, after waiting for what is queued there. ``credit`` returns
-the furthest such point per worker; the router (``disagg.router.router``) credits
-it only where that wait costs less than computing it elsewhere (``worth``):
+the furthest such point per worker; the router credits it only where that wait
+costs less than computing it elsewhere (``StateAwareRouter._credit_pending``):
 
     credit on w   iff   q_w - k  <  min_{v in w's pool, v != w} (q_v - r_v)
 
@@ -72,7 +72,8 @@ class PendingPrefixes:
         self.ttl_s = ttl_s
         self.step_tokens = step_tokens
         self._points: dict[bytes, dict[str, int]] = {}  # digest -> request id -> tokens
-        self._entries: dict[str, tuple[tuple[bytes, ...], str, float]] = {}  # request id -> (digests, worker, mark)
+        # request id -> (point digests, worker, mark: NOTE 4, routed at)
+        self._entries: dict[str, tuple[tuple[bytes, ...], str, float, float]] = {}
         self._routed: dict[str, float] = {}  # worker -> uncached tokens routed there so far (NOTE 4)
         self._order: deque[tuple[float, str]] = deque()  # (routed at, request id), oldest first (NOTE 1)
 
@@ -103,7 +104,7 @@ class PendingPrefixes:
         digests = tuple(hashes[p - 1] for p in pts)
         for d, p in zip(digests, pts, strict=True):
             self._points.setdefault(d, {})[rid] = p * bs
-        self._entries[rid] = (digests, worker_id, mark)
+        self._entries[rid] = (digests, worker_id, mark, now)
         self._order.append((now, rid))
 
     def remove(self, request_id: str) -> None:
@@ -122,10 +123,12 @@ class PendingPrefixes:
         order, entries = self._order, self._entries
         while order:
             at, rid = order[0]
-            if rid in entries and now - at <= self.ttl_s:
+            entry = entries.get(rid)
+            if entry is not None and entry[3] == at and now - at <= self.ttl_s:
                 return
-            order.popleft()  # removed already, or expired (NOTE 1)
-            self.remove(rid)
+            order.popleft()  # removed already, booked again later (a re-route), or expired (NOTE 1)
+            if entry is not None and entry[3] == at:
+                self.remove(rid)
 
     def credit(self, request: RouteRequest, now: float) -> dict[str, int]:
         """Worker -> the furthest booked point of another request's prefill there that ``request``
@@ -146,7 +149,7 @@ class PendingPrefixes:
                 if tokens >= plen:
                     break
                 for rid in self._points[h]:
-                    _, wid, mark = entries[rid]
+                    _, wid, mark, _ = entries[rid]
                     if routed[wid] - mark >= step:  # admitted a step after that prefill ends (NOTE 4)
                         out[wid] = tokens  # blocks in order: the last hit per worker is its furthest
         return out

@@ -53,6 +53,16 @@ def test_an_entry_ends_when_its_request_finishes_or_its_ttl_passes():
     assert p.credit(b, p.ttl_s + 1.0) == {} and len(p) == 0
 
 
+def test_a_request_routed_again_lives_from_its_last_routing():
+    """A re-route (a replica lost, the request placed again) books the request anew: it is not
+    expired by its first routing's time."""
+    p, h = _booked(step_tokens=0)
+    p.add(req(h, rid="a"), "w1", 0, now=100.0)
+    b = req(h + chain(10, "b"), rid="b")
+    assert p.credit(b, p.ttl_s + 50.0) == {"w1": 40 * BS} and len(p) == 1
+    assert p.credit(b, p.ttl_s + 101.0) == {}
+
+
 def test_a_request_that_resumed_its_whole_prompt_books_nothing():
     p, h = PendingPrefixes(step_tokens=0), chain(40)
     p.add(req(h, rid="a"), "w0", 40 * BS, now=0.0)
