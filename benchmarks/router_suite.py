@@ -59,6 +59,7 @@ from tqdm.auto import tqdm
 from disagg.router.baselines import BASELINES
 from disagg.tools.bench.family import SUITE, member_trace
 from disagg.tools.sim.bound import capacity_bound
+from disagg.tools.sim.cli import router_config
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.retention import RETENTION_POLICIES
@@ -252,12 +253,11 @@ def suite_selection(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tu
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or policies[0] != "state_aware" or any(p not in POLICIES for p in policies):
         ap.error(f"policies: state_aware first, then any of {', '.join(POLICIES[1:])}")
-    rc = args.router_config
-    if rc and not rc.lstrip().startswith("{"):
-        import yaml
-
-        rc = json.dumps(yaml.safe_load(Path(rc).read_text()) or {})
-    return members, policies, rc
+    try:
+        rc = router_config(args.router_config)  # disagg sim run's reading: JSON text or a file, checked
+    except (ValueError, TypeError, OSError) as exc:
+        ap.error(f"--router-config: {exc}")
+    return members, policies, json.dumps(rc) if rc else ""
 
 
 def main(argv: list[str] | None = None) -> int:
