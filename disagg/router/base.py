@@ -4,9 +4,10 @@ The Serve adapter and the simulator only use this surface:
 
     decision = router.route(request, workers)     pure decision, no side effects
     router.on_routed(request, decision)           the request was dispatched
-    router.on_finished(request_id, cached)        realized cached tokens (None: the request ended
+    router.on_finished(request_id, cached, out)   realized cached tokens (None: the request ended
                                                   without a result, abandoned or failed: its
-                                                  bookkeeping goes, nothing is recorded)
+                                                  bookkeeping goes, nothing is recorded) and the
+                                                  output tokens it generated (None: not counted)
 """
 
 from __future__ import annotations
@@ -23,4 +24,5 @@ class BaseRouter(Protocol):
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None: ...
 
-    def on_finished(self, request_id: str, realized_cached_tokens: int | None) -> None: ...
+    def on_finished(self, request_id: str, realized_cached_tokens: int | None,
+                    output_tokens: int | None = None) -> None: ...

@@ -115,6 +115,7 @@ class RoutingContext:
     session_node: str | None = None  # node of that worker
     now: float = 0.0  # router clock
     prefill_nodes: frozenset[str] = frozenset()  # P/D: nodes of the healthy prefill workers (else empty)
+    expected_output: float = 0.0  # the request's expected output tokens (router step 0; 0 = unknown)
     extra: dict[str, object] = field(default_factory=dict)  # plugin scratch space
     _views: dict[tuple[str, ...], CandidateView] = field(default_factory=dict)  # cache of view()
     _last: tuple[list[WorkerState], WorkerState, CandidateView] | None = None  # last list viewed (identity)

@@ -2,6 +2,9 @@
 
 Per request:
 
+    0. the request's expected output tokens: the client's own figure if it gave one, else what the
+       session's (or, new, the cluster's) finished requests generated, under its ``max_tokens``
+       (``disagg.router.outputs``; docs/router.md, "Round 24")
     1. one index walk for all workers -> resumable (tokens, tier) per worker,
        and the commonly held leading blocks (held by more than common_fraction
        of the n healthy workers, and by at least common_min_workers)
@@ -69,6 +72,7 @@ from disagg.router.index import PrefixIndex
 from disagg.router.loads import LoadTracker
 from disagg.router.match import MatchResult, credit_node_state
 from disagg.router.metrics import RouterMetrics
+from disagg.router.outputs import OutputPredictor
 from disagg.router.pending import PendingPrefixes
 from disagg.router.profile import ProfileResult
 from disagg.router.registry import build_profiles
@@ -144,6 +148,7 @@ class StateAwareRouter:
         self._ending: dict[str, str] = {}  # request id -> the session it ends (RouteRequest.session_end)
         self._known: list[str] = []  # worker ids registered by the last route() call
         self.divergence = DivergenceLearner()  # where follow-ups diverge (step 5)
+        self.outputs = OutputPredictor()  # what requests generate (step 0)
         self.pending = (PendingPrefixes(ttl_s=cfg.pending_ttl_s, step_tokens=cfg.pending_step_tokens)
                         if cfg.pending_credit else None)  # prompts routed, not stored yet (step 1b)
 
@@ -187,6 +192,8 @@ class StateAwareRouter:
             session_worker=prev.worker_id if prev else None,
             session_node=prev.node_id if prev else None,
             now=now,
+            expected_output=self.outputs.expect(_session_key(request) if request.session_id else "",
+                                                request.output_len_hint, request.max_output_tokens),
         )
         roles = {w.role for w in workers}
         if roles == _AGGREGATED:
@@ -321,6 +328,7 @@ class StateAwareRouter:
         uncached = max(request.prompt_len - decision.predicted_cached_tokens, 0)
         self.loads.on_routed(_session_key(request), request.prompt_len, uncached, decision.prefill_target,
                              decision.decode_worker, self.index.node_of(decision.decode_worker), now)
+        self.outputs.book(request.request_id, _session_key(request) if request.session_id else "")
         self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len,
                                               decision.decode_worker, decision.prefill_target, now, uncached)
         self._to_decode[decision.decode_worker] = self._to_decode.get(decision.decode_worker, 0) + 1
@@ -340,9 +348,12 @@ class StateAwareRouter:
         on its worker."""
         self.loads.end_session(session)
 
-    def on_finished(self, request_id: str, realized_cached_tokens: int | None) -> None:
+    def on_finished(self, request_id: str, realized_cached_tokens: int | None,
+                    output_tokens: int | None = None) -> None:
         """The request ended: with the cached tokens it reused, or None without a result (abandoned,
-        failed), which drops its bookkeeping and records nothing."""
+        failed), which drops its bookkeeping and records nothing; ``output_tokens``: what it
+        generated, which teaches the output expectation (step 0; None: not counted)."""
+        self.outputs.learn(request_id, output_tokens if realized_cached_tokens is not None else None)
         if self.pending is not None:
             self.pending.remove(request_id)
         entry = self._inflight.pop(request_id, None)

@@ -80,7 +80,8 @@ class RouteRequest:
     block_size: int = 256  # tokens per block
     tail_probes: list[TailProbe] = field(default_factory=list)  # unaligned resume points
     cache_salt: str = ""  # tenant salt (already folded into the digests)
-    output_len_hint: int = 0  # expected output tokens (0 = unknown)
+    output_len_hint: int = 0  # expected output tokens, when the client knows them (0 = unknown)
+    max_output_tokens: int = 0  # the client's cap (the API's max_tokens; 0 = none): bounds the expectation
     session_end: bool = False  # the session's last turn (the API's session_end): forgotten once it finishes
     text: str | None = None  # optional prompt text (text-radix baseline only)
 

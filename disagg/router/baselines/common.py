@@ -52,5 +52,6 @@ class NoFeedback:
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
         return None
 
-    def on_finished(self, request_id: str, realized_cached_tokens: int | None) -> None:
+    def on_finished(self, request_id: str, realized_cached_tokens: int | None,
+                    output_tokens: int | None = None) -> None:
         return None

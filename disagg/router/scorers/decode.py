@@ -120,7 +120,7 @@ class DecodeScorer(ArrayScorer):
         b = v.loads[_B] + v.loads[_N] if cfg.count_queued else v.loads[_B]
         if cfg.count_inbound:
             b = b + v.loads[_IN]
-        out = float(req.output_len_hint or cfg.default_output_tokens)
+        out = float(ctx.expected_output or req.output_len_hint or cfg.default_output_tokens)
         step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + cfg.decode_per_ctx_token_s * (
             v.loads[_D] + req.prompt_len)
         cost = out * step
