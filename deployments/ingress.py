@@ -163,6 +163,7 @@ class ServeBackend:
         stamp("call")
         gen = self._decode_stream.generate.remote(params)
         done = False
+        generated = 0  # this call's output tokens (a continuation's: those after the loss)
         try:
             chunks = gen.__aiter__()
             while not done:
@@ -179,9 +180,10 @@ class ServeBackend:
                     return
                 if chunk.token_ids:
                     stamp("chunk_in")
+                    generated += len(chunk.token_ids)
                 done = chunk.finished
                 if done:
-                    report_finished(params.request_id, chunk.num_cached_tokens)
+                    report_finished(params.request_id, chunk.num_cached_tokens, generated)
                 yield chunk
         finally:
             if not done:

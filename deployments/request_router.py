@@ -78,11 +78,12 @@ from kv_transfer.keys import BlockHasher, KeyExtras
 log = logging.getLogger("ray.serve")
 
 
-def report_finished(request_id: str, realized_cached_tokens: int | None) -> None:
+def report_finished(request_id: str, realized_cached_tokens: int | None, output_tokens: int | None = None) -> None:
     """Tell this process's policies how many cached tokens a routed request really reused (None: it
-    ended without a result; they drop its bookkeeping)."""
+    ended without a result; they drop its bookkeeping) and how many tokens it generated (what
+    the state-aware router learns to expect of a session's next turn, ``disagg.router.outputs``)."""
     for policy in list(router_metrics.LIVE_POLICIES.values()):
-        policy.on_finished(request_id, realized_cached_tokens)
+        policy.on_finished(request_id, realized_cached_tokens, output_tokens)
 
 
 def router_stats() -> dict:
@@ -347,7 +348,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._last_digests = (tokens, hasher.root, hashes)
         return RouteRequest(params.request_id, params.session_id or "", hashes, len(tokens), hasher.block_size,
                             self._snapshots.tail_probes(hasher, tokens, hashes), cache_salt=params.cache_salt,
-                            output_len_hint=params.sampling.max_tokens, session_end=params.session_end)
+                            max_output_tokens=params.sampling.max_tokens, session_end=params.session_end)
 
     def _sync(self, replica) -> WorkerState:
         rid = replica.replica_id.unique_id

@@ -327,3 +327,29 @@ def test_decode_replicas_tell_the_decode_router_their_prefill_pools_nodes(monkey
 
     assert pick(["n0"]) == "p1"
     assert pick(None) == pick([]) == "p0"  # untold (an older replica, or no prefill sent yet): a tie, the first
+
+
+def test_max_tokens_is_a_cap_and_a_finished_requests_output_teaches_the_router():
+    """The adapter tells the router the API's ``max_tokens`` as a cap, not as the expected output,
+    and ``report_finished`` (the ingress, once a request's last chunk arrives) passes the tokens the
+    request generated: the session's next turn is expected to answer as this one did."""
+    from deployments.request_router import report_finished
+    from disagg.session import session_key
+
+    rr = _pool()
+    params = GenerateParams("t1", PROMPT, SamplingParams(max_tokens=4096), session_id="s", cache_salt=SALT)
+    asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+    req = rr._route_request(params)
+    assert (req.output_len_hint, req.max_output_tokens) == (0, 4096)
+    key = session_key(SALT, "s")
+    assert rr._policy.outputs.expect(key, cap=4096) == 0.0  # nothing finished: unknown
+    live = dict(router_metrics.LIVE_POLICIES)
+    router_metrics.LIVE_POLICIES.clear()
+    router_metrics.LIVE_POLICIES["pool"] = rr._policy
+    try:
+        report_finished("t1", 30, 250)
+    finally:
+        router_metrics.LIVE_POLICIES.clear()
+        router_metrics.LIVE_POLICIES.update(live)
+    assert rr._policy.outputs.expect(key, cap=4096) == 250.0
+    assert rr._policy.outputs.expect(key, cap=100) == 100.0
