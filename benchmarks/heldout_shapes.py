@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"),
                     help="passed to disagg sim run: clients say when a session ends, with its last turn "
                          "(session_end; the flag alone) or after its answer (DELETE)")
+    ap.add_argument("--output-hint", choices=("none", "exact"),
+                    help="passed to disagg sim run: what the router is told of outputs (default: the CLI's, none)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
                                             "(JSON text or a file)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
@@ -243,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         (["--host-write", args.host_write] if args.host_write else []) + \
         (["--host-policy", args.host_policy] if args.host_policy else []) + \
         (["--session-ends", args.session_ends] if args.session_ends else []) + \
-        (["--router-config", args.router_config] if args.router_config else [])
+        (["--router-config", args.router_config] if args.router_config else []) + \
+        (["--output-hint", args.output_hint] if args.output_hint else [])
     try:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:

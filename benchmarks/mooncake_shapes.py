@@ -113,6 +113,8 @@ def main() -> int:
     ap.add_argument("--clusters", default="agg16,pd16", help=f"comma list of {', '.join(CLUSTERS)}")
     ap.add_argument("--modes", default="closed,open", help="comma list of closed (the CLI's lanes), open "
                                                         "(the trace's timestamps)")
+    ap.add_argument("--output-hint", choices=("none", "exact"),
+                    help="passed to disagg sim run: what the router is told of outputs (default: the CLI's, none)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
                                             "(JSON text or a file)")
     args = ap.parse_args()
@@ -135,7 +137,9 @@ def main() -> int:
                 s, records = trace(seed)
                 path.write_text("".join(json.dumps(x) + "\n" for x in records))
                 tqdm.write(f"trace {seed}: {len(records)} requests, {json.dumps(s)}")
-            rows = run_cell(path, cluster, mode, ["--router-config", args.router_config] if args.router_config else [])
+            extra = (["--router-config", args.router_config] if args.router_config else []) + \
+                (["--output-hint", args.output_hint] if args.output_hint else [])
+            rows = run_cell(path, cluster, mode, extra)
             label = f"{seed}/{cluster}/{mode}"
             for policy, summary in rows.items():
                 runs.write(json.dumps({"cell": label, "policy": policy, **summary}) + "\n")

@@ -107,6 +107,7 @@ class Scale:
     host_write: str = "through"  # ClusterConfig.host_write (Simulator NOTE 6)
     session_ends: str = ""  # "turn" | "after" (ClusterConfig.session_ends, session_end_after): clients say when
     # a session ends, with its last turn or after its answer; "": they do not
+    output_hint: str = "none"  # ClusterConfig.output_hint (Simulator NOTE 9); no baseline reads it
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
@@ -137,6 +138,7 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
                          workers_per_node=WORKERS_PER_NODE, device_blocks=dev, host_blocks=host,
                          retention=sc.retention, spill_to_pool=sc.spill_to_pool, host_write=sc.host_write,
                          session_ends=bool(sc.session_ends), session_end_after=sc.session_ends == "after",
+                         output_hint=sc.output_hint,
                          **CHECKPOINT_MODELS[sc.checkpoints])
 
 
@@ -242,6 +244,9 @@ def add_suite_args(ap: argparse.ArgumentParser) -> None:
                     help="clients say when a session ends (every policy): 'turn' (the flag alone) marks its "
                          "last turn (the API's session_end), 'after' ends it once that turn is answered "
                          "(DELETE /v1/sessions/{id})")
+    ap.add_argument("--output-hint", default="none", choices=("none", "exact"),
+                    help="what state_aware is told of each request's output: none (it learns), or exact (an "
+                         "oracle: rounds 1-23's runs; Simulator NOTE 9)")
 
 
 def suite_selection(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str], str]:
@@ -279,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     members, policies, rc = suite_selection(ap, args)
     sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc,
-               args.seed_offset, args.spill_to_pool, args.checkpoints, args.host_write, args.session_ends)
+               args.seed_offset, args.spill_to_pool, args.checkpoints, args.host_write, args.session_ends,
+               args.output_hint)
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

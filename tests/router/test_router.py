@@ -146,11 +146,10 @@ def test_hot_shared_prompt_stays_balanced_with_high_hit_rate():
     pinned = _hot_prompt_run("prefix_affinity")
     assert pinned.summary["max_mean_prefill_work"] > 4.0  # the failure mode: all on one worker
     assert pinned.summary["max_mean_queue"] > 4.0
-    # the first-turn area guard balances queued prefill (1.21 here); prefill work less so (1.55: two of the
-    # eight workers, cold, take one session each, whose first turn recomputes the 8K system prompt, and the
-    # decode scorer sends some first turns where fewer decodes run rather than where less prefill ran; 1.34
-    # before it)
-    assert ours.summary["max_mean_queue"] <= 1.25
+    # the first-turn area guard balances queued prefill: 1.29 here, where the router learns what sessions
+    # generate (1.11 when the simulator tells it each output, Simulator NOTE 9: the decode scorer's share
+    # of a first turn's placement follows its expected output); prefill work 1.24 (1.20)
+    assert ours.summary["max_mean_queue"] <= 1.35
     assert ours.summary["max_mean_prefill_work"] <= 1.6
     assert ours.summary["hit_vs_theory"] >= 0.9
 

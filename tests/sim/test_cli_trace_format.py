@@ -120,3 +120,45 @@ def test_a_bad_router_config_fails_in_one_line(tmp_path, capsys, text, says):
     assert _run(trace, "--block-size", "64", "--router-config", text) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
+
+
+def test_output_hint_says_what_the_router_is_told_of_outputs(tmp_path, capsys, monkeypatch):
+    """``--output-hint none`` (the default) tells the routers nothing of a request's output, as a
+    serving client's ``max_tokens`` tells them a cap at most, and the state-aware router learns
+    from what finished (Simulator NOTE 9); ``exact`` hands them the trace's output lengths."""
+    from disagg.router.router import StateAwareRouter
+
+    rows = [dict(r, output_length=5 + 10 * i) for i, r in enumerate(MOONCAKE)]
+    trace = _write(tmp_path / "mc.jsonl", rows)
+    seen: list[int] = []
+    learned: list[int] = []
+    route, finished = StateAwareRouter.route, StateAwareRouter.on_finished
+
+    def spy_route(self, request, workers, *args, **kw):
+        seen.append(request.output_len_hint)
+        return route(self, request, workers, *args, **kw)
+
+    def spy_finished(self, request_id, cached, output_tokens=None):
+        learned.append(output_tokens)
+        finished(self, request_id, cached, output_tokens)
+
+    monkeypatch.setattr(StateAwareRouter, "route", spy_route)
+    monkeypatch.setattr(StateAwareRouter, "on_finished", spy_finished)
+    assert _run(trace, "--block-size", "64") == 0
+    assert seen == [0, 0, 0, 0]
+    assert sorted(learned) == [5, 15, 25, 35]  # every finished request's output reached the router
+    seen.clear()
+    assert _run(trace, "--block-size", "64", "--output-hint", "exact") == 0
+    assert sorted(seen) == [5, 15, 25, 35]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        _run(trace, "--output-hint", "max_tokens")
+    assert exc.value.code == 2
+    assert "--output-hint" in capsys.readouterr().err
+
+
+def test_a_cluster_refuses_an_unknown_output_hint():
+    from disagg.tools.sim.simulator import ClusterConfig
+
+    with pytest.raises(ValueError, match="output_hint"):
+        ClusterConfig(output_hint="oracle")

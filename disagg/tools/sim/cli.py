@@ -35,7 +35,7 @@ from disagg.tools.sim.cost_model import PROFILES
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.profile import cost_profile, profile_names
 from disagg.tools.sim.retention import RETENTION_POLICIES
-from disagg.tools.sim.simulator import HOST_POLICIES, HOST_WRITES, ClusterConfig
+from disagg.tools.sim.simulator import HOST_POLICIES, HOST_WRITES, OUTPUT_HINTS, ClusterConfig
 from disagg.tools.sim.workload import (
     SimRequest,
     SynthConfig,
@@ -119,6 +119,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "API's session_end), which writes no host tier; 'after' ends it once that turn is "
                         "answered (DELETE /v1/sessions/{id}). Either way the session's private state is "
                         "then evicted first (needs --retention checkpoints or session)")
+    g.add_argument("--output-hint", default="none", choices=list(OUTPUT_HINTS),
+                   help="what the router is told of each request's output: none (serving's clients send a "
+                        "max_tokens cap at most; the state-aware router learns what sessions generate), or "
+                        "exact (the trace's output lengths: an oracle, what rounds 1-23 of docs/router.md ran)")
     g.add_argument("--host-policy", default="lru", choices=list(HOST_POLICIES),
                    help="host tiers' eviction order: lru (serving's default, transfer.host.policy; here "
                         "refreshed by each turn's store too), or serving's s3fifo or arc (its own classes, "
@@ -221,7 +225,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             learned_checkpoints=args.learned_checkpoints,
                             host_policy=args.host_policy, host_write=args.host_write,
                             retention=args.retention, session_ends=bool(args.session_ends),
-                            session_end_after=args.session_ends == "after",
+                            session_end_after=args.session_ends == "after", output_hint=args.output_hint,
                             peer_reads=not args.no_peer_reads,
                             spill_to_pool=args.spill_to_pool,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None

@@ -96,6 +96,12 @@ NOTES
    once that prefill has stored it (one that starts beside it, in the same step, does not).
    Planned at routing alone, the sessions of a burst that share a prompt each recomputed it,
    however long they had waited behind its first computation (docs/router.md, "Round 22").
+9. What the router is told of a request's output (``ClusterConfig.output_hint``): "none" (the
+   default) tells it nothing, as a serving client that sends ``max_tokens`` or nothing tells it
+   a cap at most; the state-aware router learns what sessions generate from the requests that
+   finish (``disagg.router.outputs``). "exact" hands it each request's true output length, an
+   oracle no serving router has (rounds 1-23 ran with it; docs/router.md, "Round 24").
+   The baselines read no output length either way.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -132,8 +138,9 @@ from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
 
 HOST_POLICIES = ("lru", "s3fifo", "arc")  # serving's host tier policies (transfer.host.policy)
 HOST_WRITES = ("through", "back")  # NOTE 6
+OUTPUT_HINTS = ("none", "exact")  # NOTE 9
 
-__all__ = ["HOST_POLICIES", "HOST_WRITES", "TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
+__all__ = ["HOST_POLICIES", "HOST_WRITES", "OUTPUT_HINTS", "TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
 
 
 @dataclass(slots=True)
@@ -161,6 +168,7 @@ class ClusterConfig:
     host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6
     session_ends: bool = False  # clients mark each session's last turn (the API's session_end; retention)
     session_end_after: bool = False  # ... after its answer instead (DELETE /v1/sessions/{id}): written (NOTE 7)
+    output_hint: str = "none"  # what clients tell the router of a request's output: OUTPUT_HINTS (NOTE 9)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -181,6 +189,8 @@ class ClusterConfig:
             raise ValueError(f"host_write must be one of {HOST_WRITES}")
         if self.session_ends and self.retention == "lru":
             raise ValueError("session_ends needs a retention that tracks sessions (checkpoints or session)")
+        if self.output_hint not in OUTPUT_HINTS:
+            raise ValueError(f"output_hint must be one of {OUTPUT_HINTS}")
         if self.session_end_after and not self.session_ends:
             raise ValueError("session_end_after is how clients end sessions: it needs session_ends")
 
@@ -413,7 +423,8 @@ class Simulator:
         ps = PromptState(digests, plen, bs, probes)
         c = self.cluster
         rr = RouteRequest(rec.request_id, req.session_id, digests[:nfull], plen, bs,
-                          tail_probes=ps.tail_probes(), output_len_hint=req.output_length,
+                          tail_probes=ps.tail_probes(),
+                          output_len_hint=req.output_length if c.output_hint == "exact" else 0,
                           session_end=rec.last_turn and c.session_ends and not c.session_end_after)
         decision = self.router.route(rr, self.worker_states())
         self.router.on_routed(rr, decision)
@@ -550,7 +561,7 @@ class Simulator:
     def finish(self, job: SimJob, w: SimWorker, now: float) -> None:
         rec = job.record
         rec.finish = now
-        self.router.on_finished(job.rid, job.cached)
+        self.router.on_finished(job.rid, job.cached, job.output_len)
         self.driver.on_finished(now, rec.lane)
 
     def session_done(self, session_id: str, salt: int) -> None:
