@@ -114,7 +114,8 @@ def test_pd_idle_decode_worker_absorbs_a_queued_pool_until_a_decode_is_on_its_wa
         store(idx, "kda", h[63], "device", w)
     ws = [WorkerState("p0", "prefill", "n0", queued_prefill_tokens=3000),
           WorkerState("p1", "prefill", "n0", queued_prefill_tokens=50_000),
-          WorkerState("d0", "decode", "n1"), WorkerState("d1", "decode", "n1")]
+          WorkerState("d0", "decode", "n1", running_decode_requests=2, running_decode_tokens=40_000),
+          WorkerState("d1", "decode", "n1")]  # d0 decodes more than a's 17K: the session's turns stay on d1
     plen = 64 * 256 + 1000
     r = StateAwareRouter(idx)
     a = RouteRequest("a", "s", h, plen, 256)
