@@ -4,8 +4,10 @@ For candidate w (B_w running decodes plus the requests on their way to its
 batch, which join it before r does: those queued for prefill on w and, P/D,
 those prefilling in the pool for w or handing off to it; D_w the context
 tokens of the running and inbound decodes; effective loads; n_w = prompt -
-resumable(w) tokens r would prefill there; o = r's expected output, its hint
-or ``default_output_tokens``)::
+resumable(w) tokens r would prefill there; o = r's expected output: the
+router's (``ctx.expected_output``, step 0: the client's figure, else what the
+session's finished turns generated), else its hint, else
+``default_output_tokens``)::
 
     step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
     own_w   = o * step_w                                                r's decode time
