@@ -3,7 +3,7 @@
 Per request:
 
     0. the request's expected output tokens: the client's own figure if it gave one, else what the
-       session's (or, new, the cluster's) finished requests generated, under its ``max_tokens``
+       session's finished requests generated (a new session's: the cluster's), under its ``max_tokens``
        (``disagg.router.outputs``; docs/router.md, "Round 24")
     1. one index walk for all workers -> resumable (tokens, tier) per worker,
        and the commonly held leading blocks (held by more than common_fraction
