@@ -129,6 +129,8 @@ def main() -> int:
     except ValueError:
         ap.error(f"--seeds takes numbers and ranges a-b, got {args.seeds!r}")
     cells = [(seed, c, m) for seed in seeds for m in modes for c in clusters]
+    extra = (["--router-config", args.router_config] if args.router_config else []) + \
+        (["--output-hint", args.output_hint] if args.output_hint else [])
     verdicts, passed = {}, 0
     with open(out / "runs.jsonl", "w") as runs:
         for seed, cluster, mode in tqdm(cells, unit="cell", desc="mooncake shapes"):
@@ -137,8 +139,6 @@ def main() -> int:
                 s, records = trace(seed)
                 path.write_text("".join(json.dumps(x) + "\n" for x in records))
                 tqdm.write(f"trace {seed}: {len(records)} requests, {json.dumps(s)}")
-            extra = (["--router-config", args.router_config] if args.router_config else []) + \
-                (["--output-hint", args.output_hint] if args.output_hint else [])
             rows = run_cell(path, cluster, mode, extra)
             label = f"{seed}/{cluster}/{mode}"
             for policy, summary in rows.items():

@@ -184,7 +184,8 @@ class StateAwareRouter:
         loads = self.loads.columns(workers, now, all_ids)  # expires old sessions: before the lookup
         if self.pending is not None:
             match = self._credit_pending(request, match, loads, workers, now)
-        prev = self.loads.session(_session_key(request))
+        session = _session_key(request)  # "" when the request names none
+        prev = self.loads.session(session)
         ctx = RoutingContext(
             request=request,
             match=match,
@@ -192,8 +193,7 @@ class StateAwareRouter:
             session_worker=prev.worker_id if prev else None,
             session_node=prev.node_id if prev else None,
             now=now,
-            expected_output=self.outputs.expect(_session_key(request) if request.session_id else "",
-                                                request.output_len_hint, request.max_output_tokens),
+            expected_output=self.outputs.expect(session, request.output_len_hint, request.max_output_tokens),
         )
         roles = {w.role for w in workers}
         if roles == _AGGREGATED:
@@ -326,20 +326,21 @@ class StateAwareRouter:
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
         now = self.clock()
         uncached = max(request.prompt_len - decision.predicted_cached_tokens, 0)
-        self.loads.on_routed(_session_key(request), request.prompt_len, uncached, decision.prefill_target,
+        session = _session_key(request)
+        self.loads.on_routed(session, request.prompt_len, uncached, decision.prefill_target,
                              decision.decode_worker, self.index.node_of(decision.decode_worker), now)
-        self.outputs.book(request.request_id, _session_key(request) if request.session_id else "")
+        self.outputs.book(request.request_id, session)
         self._inflight[request.request_id] = (decision.predicted_cached_tokens, request.prompt_len,
                                               decision.decode_worker, decision.prefill_target, now, uncached)
         self._to_decode[decision.decode_worker] = self._to_decode.get(decision.decode_worker, 0) + 1
         if request.session_end and request.session_id:
-            self._ending[request.request_id] = _session_key(request)
+            self._ending[request.request_id] = session
         if self.pending is not None and uncached:
             self.pending.add(request, decision.prefill_target, decision.predicted_cached_tokens, now,
                              decision.checkpoint_back or ())
         self.metrics.record_decision(decision.reason, decision.source_tier)
         if self.config.checkpoint_hints:
-            self.divergence.observe(_session_key(request), request.block_hashes, request.prompt_len,
+            self.divergence.observe(session, request.block_hashes, request.prompt_len,
                                     request.block_size)
 
     def end_session(self, session: str) -> None:
