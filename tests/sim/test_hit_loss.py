@@ -63,13 +63,19 @@ def test_the_split_adds_up_to_the_bound(tmp_path: Path, hit_loss) -> None:
 
 
 def test_knowing_session_ends_is_worth_hit_under_pressure(tmp_path: Path, hit_loss) -> None:
-    """Recency keeps an ended session's state (the newest) over a thinking session's."""
+    """Recency keeps an ended session's state (the newest) over a thinking session's.
+
+    One worker, so placement takes no part and the runs differ in what their tiers evict (0.782
+    against 0.834 of the bound when written; with two workers the gap moved with the router's
+    weights)."""
     trace = tmp_path / "t.jsonl"
     _trace(trace)
-    plain = hit_loss.main(["--trace", str(trace), "--sim-args", TIGHT, "--json"])
-    told = hit_loss.main(["--trace", str(trace), "--sim-args", TIGHT, "--know", "end", "--json"])
+    one = TIGHT.replace("--workers 2 --workers-per-node 2", "--workers 1 --workers-per-node 1")
+    plain = hit_loss.main(["--trace", str(trace), "--sim-args", one, "--json"])
+    told = hit_loss.main(["--trace", str(trace), "--sim-args", one, "--know", "end", "--json"])
     assert told["know"] == ["end"]
-    assert told["hit_vs_bound"] > plain["hit_vs_bound"] + 0.05, (plain, told)
+    assert plain["placement_loss"] == pytest.approx(0.0, abs=1e-9)  # one worker: nothing misplaced
+    assert told["hit_vs_bound"] > plain["hit_vs_bound"] + 0.04, (plain, told)
 
 
 def test_bad_knowledge_is_refused(tmp_path: Path, hit_loss) -> None:
