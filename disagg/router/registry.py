@@ -71,14 +71,14 @@ BALANCE_LOAD: dict[str, Any] = {
 # 90 of 1,256 turns to their own busy worker while a node mate sat idle: the time-averaged prefill
 # queue (load) favoured the busy one by more than the decode term charged for the shared batch.
 # At 14 such turns fall to 26, the P90 band decodes alone, and the suite keeps 35 of 36 ("Round 12").
-# At 28: on traces of Mooncake's format with few sessions a worker (16 workers, open loop), 14
-# still put turns on workers where another session decoded (on one, 1.4 requests shared a worker
-# with each request at or past the P90 ITL, 0.16 under the Dynamo-style baseline: x0.979);
-# 28 takes those cells 15 -> 18 of 24 (12 more traces of the family: 15 -> 18; at 64 workers
-# 12 -> 11, a cell won and two ties at x1.0000 lost) and keeps the suite's aggregated cells (35 of
-# 36 over three seeds) and the held-out ones (11 of 13).
-# Past 28 (34, 40) long documents move across nodes and recompute (held-out longdoc: TTFT P90 and
-# P90 interactivity lost, "Round 25").
+# Weight 28, with the decode time r adds to the decodes it joins (count_joined): on traces of
+# Mooncake's format with few sessions a worker (16 workers, open loop), 14 without it still put
+# turns on workers where another session decoded (on one, 1.4 requests shared a worker with each
+# request at or past the P90 ITL, 0.16 under the Dynamo-style baseline: x0.979). Over the suite's
+# aggregated cells (three seeds), 24 Mooncake-family traces at 16 workers, 12 at 64 and the
+# held-out set: 87 of 121 cells at 14, 92 at 28, 96 at 28 with count_joined (88 at 14 with it).
+# Past 28 (34) long documents move across nodes and recompute (held-out longdoc loses TTFT P90 and
+# P90 interactivity; docs/router.md, "Round 25").
 AGGREGATED_PREFIX: dict[str, Any] = {
     "weight": 2.0,
     "params": {"tier_weights": {"device": 1.0, "host": 0.95, "disk": 0.5, "remote": 0.4}},
@@ -86,7 +86,8 @@ AGGREGATED_PREFIX: dict[str, Any] = {
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "both": {
         "filters": ["healthy", "role", "load_guard"],
-        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD, "decode": 28.0,
+        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD,
+                    "decode": {"weight": 28.0, "params": {"count_joined": True}},
                     "affinity": 0.1},
     },
     "prefill": {

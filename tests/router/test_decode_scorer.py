@@ -141,3 +141,28 @@ def test_registered_and_configurable():
         DecodeScorer(prefill_tokens_per_s=0)
     with pytest.raises(ValueError):
         DecodeScorer(remote_gbps=0)
+
+
+def test_joined_decodes_are_charged_what_r_adds_to_them():
+    """count_joined: each of the B_w decodes r joins steps slower while r decodes beside it, by one
+    sequence and r's context a step, over r's o steps; an idle worker is charged nothing."""
+    loads = [EffectiveLoad(), EffectiveLoad(decode_tokens=2000, decode_requests=2), EffectiveLoad()]
+    plain, _ = DecodeScorer(**CFG).costs(_ctx(loads), W3)
+    joined, scale = DecodeScorer(**CFG, count_joined=True).costs(_ctx(loads), W3)
+    added = 2 * 100 * (0.001 + 1e-6 * 1000)  # B_w * o * (per_seq + per_ctx * prompt)
+    assert (joined - plain).tolist() == pytest.approx([0.0, added, 0.0])
+    assert scale == pytest.approx(DecodeScorer(**CFG).costs(_ctx(loads), W3)[1])  # r's own time: unchanged
+
+
+def test_aggregated_default_profile_counts_joined_decodes():
+    """Profile "both" (aggregated placement) builds its decode scorer with the joined decodes priced;
+    the P/D decode profile keeps the scorer's default (off): its load term weighs the batch."""
+    from disagg.router.registry import DEFAULT_PROFILES
+
+    spec = DEFAULT_PROFILES["both"]["scorers"]["decode"]
+    assert spec["params"]["count_joined"] is True
+    scorer = build_profile("both", DEFAULT_PROFILES["both"]).scorers
+    decode = next(s for s, _ in scorer if s.name == "decode")
+    assert decode.config.count_joined
+    pd = build_profile("decode", DEFAULT_PROFILES["decode"]).scorers
+    assert not next(s for s, _ in pd if s.name == "decode").config.count_joined

@@ -11,6 +11,9 @@ session's finished turns generated), else its hint, else
 
     step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
     own_w   = o * step_w                                                r's decode time
+    joined_w = B_w * o * (per_seq + per_ctx * prompt)                   what r's decode adds to the
+                                                                        B_w decodes it joins, while
+                                                                        both run (``count_joined``)
     harm_w  = B_w * n_w / prefill_tokens_per_s                          decode time r's prefill steals
                                                                         from the batch on w (phase
                                                                         "both": it prefills there;
@@ -26,7 +29,7 @@ session's finished turns generated), else its hint, else
                                                                         remote link; held_w: what w
                                                                         resumes from its device (the
                                                                         hand-off skips those rows)
-    cost_w  = own_w + harm_w + join_w
+    cost_w  = own_w + [count_joined] joined_w + harm_w + join_w
     scale   = o * min_v step_v + max(prompt - common, 0) / prefill_tokens_per_s   r's own service time
               (phase "decode": o * min_v step_v, the time r's ITL is made of)
     score_w = max(1 - (cost_w - min_v cost_v) / scale, 0)               in [0, 1]; 1 for the cheapest
@@ -45,6 +48,17 @@ without, 15 with). Where outputs are a few tokens, the co-runner a request
 avoids costs less than the longer hand-off to another worker
 (docs/router.md, "Round 20").
 
+A batch slows each of its members: r's own steps price the decodes it
+joins (``own_w``), and ``joined_w`` prices r for them, as ``harm_w`` prices
+its prefill. It counts r's o steps, the most the two decodes can overlap.
+Aggregated placement counts it (profile "both"): on traces of Mooncake's
+format with a few sessions a worker, a turn with a short suffix cost little
+of its own at a worker where another session decoded, and joined it; the
+other session's interactivity paid (docs/router.md, "Round 25"). P/D decode
+placement does not (off by default): its load term, at weight 8, already
+weighs the running decodes, and counting them twice placed no better (suite
+P/D cells 15 -> 13 of 36 over three seeds, Mooncake-family P/D 7 -> 9 of 24).
+
 Decode-side load enters placement the way queued prefill does through the
 wait scorer: as seconds the user feels (here, inter-token latency: a long
 batch, long contexts, and prefill chunks interleaved with the decodes),
@@ -57,7 +71,8 @@ the shared host tier, so a move within the node costs little.
 Config example (YAML)::
 
     decode: {decode_base_s: 0.008, decode_per_seq_s: 1.0e-4, decode_per_ctx_token_s: 2.0e-9,
-             prefill_tokens_per_s: 25000, default_output_tokens: 256, join_step_fraction: 0.5}
+             prefill_tokens_per_s: 25000, default_output_tokens: 256, join_step_fraction: 0.5,
+             count_joined: true}
 """
 
 from __future__ import annotations
@@ -94,6 +109,7 @@ class DecodeScorerConfig:
     join_step_fraction: float = 0.5  # phase decode: expected wait for w's step in progress, in steps
     count_queued: bool = True  # B_w counts the requests queued for prefill on w (they join its batch)
     count_inbound: bool = False  # ... and those prefilling in the pool for w or handing off to it (P/D)
+    count_joined: bool = False  # cost_w counts the decode time r's decode adds to the B_w it joins
 
     def __post_init__(self) -> None:
         if min(self.decode_base_s, self.decode_per_seq_s, self.decode_per_ctx_token_s) < 0:
@@ -126,6 +142,8 @@ class DecodeScorer(ArrayScorer):
         step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + cfg.decode_per_ctx_token_s * (
             v.loads[_D] + req.prompt_len)
         cost = out * step
+        if cfg.count_joined:  # each of the B_w decodes r joins steps slower while r decodes beside it
+            cost = cost + b * out * (cfg.decode_per_seq_s + cfg.decode_per_ctx_token_s * req.prompt_len)
         if ctx.phase != "prefill":  # it prefills there ("both"), or may (a P/D decider's local rules)
             uncached = np.maximum(req.prompt_len - v.resumable, 0.0)
             cost = cost + b * uncached / cfg.prefill_tokens_per_s
