@@ -67,7 +67,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from disagg.tools.sim.simulator import HOST_POLICIES
+from disagg.tools.sim.simulator import HOST_POLICIES, OUTPUT_HINTS
 
 BLOCK = 64
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"),
                     help="passed to disagg sim run: clients say when a session ends, with its last turn "
                          "(session_end; the flag alone) or after its answer (DELETE)")
-    ap.add_argument("--output-hint", choices=("none", "exact"),
+    ap.add_argument("--output-hint", choices=OUTPUT_HINTS,
                     help="passed to disagg sim run: what the router is told of outputs (default: the CLI's, none)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
                                             "(JSON text or a file)")

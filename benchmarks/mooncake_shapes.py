@@ -38,6 +38,8 @@ from pathlib import Path
 from router_suite import verdict
 from tqdm.auto import tqdm
 
+from disagg.tools.sim.simulator import OUTPUT_HINTS
+
 BLOCK = 512  # tokens per hash id, Mooncake's
 CLUSTERS = {"agg16": ["--workers", "16"], "pd16": ["--prefill", "4", "--decode", "12"],
             "agg64": ["--workers", "64"], "pd64": ["--prefill", "16", "--decode", "48"]}
@@ -113,7 +115,7 @@ def main() -> int:
     ap.add_argument("--clusters", default="agg16,pd16", help=f"comma list of {', '.join(CLUSTERS)}")
     ap.add_argument("--modes", default="closed,open", help="comma list of closed (the CLI's lanes), open "
                                                         "(the trace's timestamps)")
-    ap.add_argument("--output-hint", choices=("none", "exact"),
+    ap.add_argument("--output-hint", choices=OUTPUT_HINTS,
                     help="passed to disagg sim run: what the router is told of outputs (default: the CLI's, none)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
                                             "(JSON text or a file)")

@@ -63,7 +63,7 @@ from disagg.tools.sim.cli import router_config
 from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.retention import RETENTION_POLICIES
-from disagg.tools.sim.simulator import ClusterConfig, Simulator
+from disagg.tools.sim.simulator import OUTPUT_HINTS, ClusterConfig, Simulator
 from disagg.tools.sim.workload import SimRequest, from_trace_records
 
 POLICIES = ["state_aware", *BASELINES]
@@ -244,7 +244,7 @@ def add_suite_args(ap: argparse.ArgumentParser) -> None:
                     help="clients say when a session ends (every policy): 'turn' (the flag alone) marks its "
                          "last turn (the API's session_end), 'after' ends it once that turn is answered "
                          "(DELETE /v1/sessions/{id})")
-    ap.add_argument("--output-hint", default="none", choices=("none", "exact"),
+    ap.add_argument("--output-hint", default="none", choices=OUTPUT_HINTS,
                     help="what state_aware is told of each request's output: none (it learns), or exact (an "
                          "oracle: rounds 1-23's runs; Simulator NOTE 9)")
 
