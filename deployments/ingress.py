@@ -183,7 +183,7 @@ class ServeBackend:
                     generated += len(chunk.token_ids)
                 done = chunk.finished
                 if done:
-                    report_finished(params.request_id, chunk.num_cached_tokens, generated)
+                    report_finished(params.request_id, chunk.num_cached_tokens, generated, chunk.served)
                 yield chunk
         finally:
             if not done:

@@ -78,12 +78,21 @@ from kv_transfer.keys import BlockHasher, KeyExtras
 log = logging.getLogger("ray.serve")
 
 
-def report_finished(request_id: str, realized_cached_tokens: int | None, output_tokens: int | None = None) -> None:
+def report_finished(request_id: str, realized_cached_tokens: int | None, output_tokens: int | None = None,
+                    served: tuple[float, float] | None = None) -> None:
     """Tell this process's policies how many cached tokens a routed request really reused (None: it
-    ended without a result; they drop its bookkeeping) and how many tokens it generated (what
-    the state-aware router learns to expect of a session's next turn, ``disagg.router.outputs``)."""
+    ended without a result; they drop its bookkeeping), how many tokens it generated (what
+    the state-aware router learns to expect of a session's next turn, ``disagg.router.outputs``)
+    and ``served``: the replica's wall times from which it counted as a decode and of its end
+    (``StreamChunk.served``), put on each policy's clock as the replica's reports are (``_sync``),
+    so reports taken before its end stop counting it (``disagg.router.loads`` NOTE 6)."""
+    wall = time.time()
     for policy in list(router_metrics.LIVE_POLICIES.values()):
-        policy.on_finished(request_id, realized_cached_tokens, output_tokens)
+        own = None
+        if served is not None:
+            now = policy.clock()
+            own = (now - max(0.0, wall - served[0]), now - max(0.0, wall - served[1]))
+        policy.on_finished(request_id, realized_cached_tokens, output_tokens, own)
 
 
 def router_stats() -> dict:

@@ -121,11 +121,14 @@ class _ServerBase:
     async def record_routing_stats(self) -> dict:
         """Load and device-tier content for the request routers (see deployments.request_router)."""
         version, sessions, load = await self.engine.routing_report(self._snapshot_version)
+        # stamped when the engine's figures were read: requests that ended after it are still in them
+        # (disagg.router.loads NOTE 6)
+        measured_at = load.pop("measured_at", None) or time.time()
         load = {**load, **self.worker.flow.routing_load()}  # P/D: requests on their way (disagg.flow NOTE 15)
         if sessions is not None:
             self._snapshot, self._tails, self._checkpoints = device_snapshot(self.worker.hasher, sessions)
             self._snapshot_version = version
-        return {"role": self.pool_role, "node_id": self.node_id, "inflight": self._inflight, "time": time.time(),
+        return {"role": self.pool_role, "node_id": self.node_id, "inflight": self._inflight, "time": measured_at,
                 "model_id": self.engine.model_id, "block_size": self.engine.block_size, "load": load,
                 "device_version": self._snapshot_version, "device_sessions": self._snapshot,
                 "device_tails": self._tails, "device_checkpoints": self._checkpoints,

@@ -569,10 +569,14 @@ class RequestFlow:
                             save_state=not params.session_end)  # NOTE 13
         n_prompt = len(params.prompt_token_ids)
         first = True
+        # wall time (the replica's reports are stamped so) from which its engine counts it as a decode, not
+        # an inbound one (NOTE 15) or a queued prefill: prefilled in the pool, from here; else its first output
+        decode_from = time.time() if reported is not None else 0.0
         try:
             async with aclosing(self.engine.generate(req, plan.state)) as outs:  # closing aborts the request
                 async for out in outs:
                     if first and reported is None:  # reuse: misses of the local prefill
+                        decode_from = time.time()
                         await self.reuse_finish(ticket, out.num_cached_tokens, plan.failure, params)
                     first = False
                     cached, source = reported or (out.num_cached_tokens, out.cached_source)
@@ -589,6 +593,7 @@ class RequestFlow:
                                         out.error, plan.nbytes, plan.seconds, self.replica_id, logprobs=out.logprobs)
                     if out.finished:
                         chunk.reuse_misses, chunk.reuse_bound = ticket.misses, ticket.bound
+                        chunk.served = (decode_from, time.time())
                     yield chunk
         finally:  # an unfinished request was aborted when ``outs`` closed (async_engine NOTE 4)
             self.counters["decodes"] += 1

@@ -85,4 +85,8 @@ class StreamChunk:
     replica_id: str = ""  # the replica that produced the chunk
     reuse_misses: dict[str, int] | None = None  # last chunk: prompt tokens missed by reason (disagg.reuse.misses)
     reuse_bound: int = 0  # last chunk: prompt tokens an infinite cache would have reused (the server's view)
+    # last chunk: wall times on the replica's clock from which its engine counted the request as a decode and
+    # of its end: the routers stop counting it in that replica's load reports taken before its end
+    # (disagg.router.loads NOTE 6)
+    served: tuple[float, float] | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in ``token_ids``, when the request asked

@@ -273,10 +273,12 @@ class AsyncEngine:
         return await self.call(self.engine.computed_tokens, request_id)
 
     async def routing_report(self, known_version: int) -> tuple[int, list | None, dict]:
-        """(resident version, resident sessions or None when ``known_version`` is current, load)."""
+        """(resident version, resident sessions or None when ``known_version`` is current, load);
+        the load's ``measured_at`` is the wall time it was read, between two steps."""
         eng = self.engine
         return await self.call(lambda: (eng.resident_version, eng.resident_contents()
-                                        if eng.resident_version != known_version else None, eng.load()))
+                                        if eng.resident_version != known_version else None,
+                                        {**eng.load(), "measured_at": time.time()}))
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -26,7 +26,9 @@ Per worker w, at decision time ``now`` (one numpy column each, see
 Predictions made before the worker's stats timestamp are dropped (the stats
 include them; one made at the very instant of the stats is kept, so a burst
 routed in one instant is spread), so the router reacts to a burst before
-stats arrive and stops double counting once they do. ``queue_avg`` is the smoothed load that breaks
+stats arrive and stops double counting once they do. The converse holds for
+requests that ended: a report taken while r ran, older than r's end, still
+counts r, so r's rows are taken off that report (NOTE 6). ``queue_avg`` is the smoothed load that breaks
 ties between idle workers: most of the time every queue is empty, and the
 worker that has carried the least queued prefill lately is the one to give
 the next large prompt to.
@@ -53,6 +55,25 @@ NOTES
    counts the request, inbound or running. Predictions of requests prefilled on
    their decode worker are counted by the prefill rows instead (that
    worker's queue), so they do not count as inbound.
+6. A report stamped at t with routed_at(r) < t < ended(r) counted r, which
+   runs nowhere now: until a report newer than r's end lands, r is taken off
+   its decode worker's report (``on_finished`` with ``served``). Before
+   ``decode_from`` (when its engine began counting it as a decode: its first
+   output; handed off by the pool, the start of its decode) the report held
+   it as a queued prefill (its uncached tokens and one request; prefilled in
+   the pool: one inbound decode and its prompt tokens), from then on as one
+   running decode of its prompt tokens. Each row stays >= 0, and when the
+   report holds no request in the state the stamps say, r is taken from the
+   other state it can be in: near ``decode_from`` the engine's figures and
+   the flow's stamp can disagree by an event-loop hop. Without this a
+   session's next turn, sent as soon as the last one answered, saw its own
+   finished turn decoding on the worker holding its state (the report in hand
+   was taken a moment before that turn's end), and the decode scorer could
+   send it elsewhere. Serving stamps both ends on the replica's clock, like
+   its reports (``StreamChunk.served``), so the comparison does not depend on
+   how late the router hears of either. A pool's prefill worker is not
+   discounted: its report held r's prefill only until the hand-off, long
+   before r ended.
 """
 
 from __future__ import annotations
@@ -70,6 +91,7 @@ from disagg.router.types import WorkerState
 _T = attrgetter("updated_at")
 _PREFILL_REQUESTS = LOAD_ROW["prefill_requests"]
 _INBOUND = LOAD_ROW["inbound_decodes"]
+_DECODE_REQUESTS = LOAD_ROW["decode_requests"]
 _ROWS = 6  # per-slot state rows: sessions, their tokens, queue_avg, held prefill, its time, booked area
 
 
@@ -81,6 +103,18 @@ class SessionPlacement:
     node_id: str  # its node
     routed_at: float  # router clock at routing
     prompt_len: int  # prompt tokens of that turn (the session's context)
+
+
+@dataclass(slots=True)
+class _Ended:
+    """A request that ended, while reports taken before its end still count it (NOTE 6)."""
+
+    routed_at: float
+    decode_from: float  # from then its engine counted it as a decode: before, as a prefill (or inbound)
+    ended: float
+    prompt_len: int
+    uncached: int
+    local: bool  # prefilled on its decode worker (else in the pool: inbound before its decode)
 
 
 class LoadTracker:
@@ -100,6 +134,7 @@ class LoadTracker:
         self._prefill_pending: dict[str, list[tuple[float, int]]] = {}  # worker -> [(t, tokens)]
         self._decode_pending: dict[str, list[tuple[float, int]]] = {}  # prefilled on the decode worker
         self._inbound_pending: dict[str, list[tuple[float, int]]] = {}  # prefilled in the pool (NOTE 5)
+        self._ended: dict[str, list[_Ended]] = {}  # decode worker -> requests that ended lately (NOTE 6)
         self._sessions: OrderedDict[str, SessionPlacement] = OrderedDict()  # oldest first
         # per slot (columns): active sessions, their tokens, queue_avg, the prefill load observed
         # last (held until the next observation) and the time of that observation
@@ -159,6 +194,36 @@ class LoadTracker:
             else:
                 del book[wid]
 
+    def _discount_ended(self, pos: dict[str, int], updated: list[float], now: float, data: np.ndarray) -> None:
+        """Take the requests that ended after their worker's report off that report (NOTE 6)."""
+        horizon = 10 * self.prediction_tau_s
+        for wid in list(self._ended):
+            i = pos.get(wid)
+            if i is None:
+                continue
+            t_stats = updated[i]
+            live = [e for e in self._ended[wid] if e.ended > t_stats and now - e.ended < horizon]
+            if not live:
+                del self._ended[wid]
+                continue
+            self._ended[wid] = live
+            # the report's requests by state: running decodes, queued prefills, inbound decodes
+            left = {_DECODE_REQUESTS: data[_DECODE_REQUESTS, i], _PREFILL_REQUESTS: data[_PREFILL_REQUESTS, i],
+                    _INBOUND: data[_INBOUND, i]}
+            for e in live:
+                if e.routed_at >= t_stats:  # the report predates r: a newer one may count it
+                    continue
+                before = _PREFILL_REQUESTS if e.local else _INBOUND
+                for row in ((_DECODE_REQUESTS, before) if t_stats >= e.decode_from else (before, _DECODE_REQUESTS)):
+                    if left[row] >= 1:  # the state the stamps say, else the other one it can be in
+                        left[row] -= 1
+                        tokens_row = 0 if row == _PREFILL_REQUESTS else 1
+                        data[tokens_row, i] = max(data[tokens_row, i] - (e.uncached if tokens_row == 0 else
+                                                                         e.prompt_len), 0.0)
+                        break
+            for row, n in left.items():
+                data[row, i] = n
+
     def _expire_sessions(self, now: float) -> None:
         ttl = self.session_ttl_s
         while self._sessions:
@@ -190,9 +255,11 @@ class LoadTracker:
         base = data[:4]  # the four live stats, one row each
         data[_PREFILL_REQUESTS] = [w.queued_prefill_requests for w in workers]
         data[_INBOUND] = [w.inbound_decode_requests for w in workers]
-        if self._prefill_pending or self._decode_pending or self._inbound_pending:
+        if self._prefill_pending or self._decode_pending or self._inbound_pending or self._ended:
             pos = dict(zip(ids, range(n), strict=True))
             updated = list(map(float, map(_T, workers)))  # Python floats: compared per pending item
+            if self._ended:
+                self._discount_ended(pos, updated, now, data)
             self._pending(self._prefill_pending, pos, updated, now, base[0], data[_PREFILL_REQUESTS])
             self._pending(self._decode_pending, pos, updated, now, base[1])
             self._pending(self._inbound_pending, pos, updated, now, base[1], data[_INBOUND])
@@ -235,9 +302,15 @@ class LoadTracker:
             self._forget(old)
 
     def on_finished(self, prefill_worker: str, decode_worker: str, routed_at: float, uncached: int,
-                    prompt_len: int) -> None:
+                    prompt_len: int, served: tuple[float, float] | None = None) -> None:
         """A request routed at ``routed_at`` ended: drop the load ``on_routed`` predicted for it. It
-        runs nowhere now, whether or not a stats report saying so has landed yet (NOTE 4)."""
+        runs nowhere now, whether or not a stats report saying so has landed yet (NOTE 4).
+        ``served`` (when its engine began counting it as a decode, its end; this tracker's clock)
+        takes it off its worker's reports taken before its end (NOTE 6); None: they count it until
+        a newer one lands."""
+        if served is not None and served[1] > routed_at:
+            self._ended.setdefault(decode_worker, []).append(
+                _Ended(routed_at, served[0], served[1], prompt_len, uncached, prefill_worker == decode_worker))
         decode_book = self._decode_pending if prefill_worker == decode_worker else self._inbound_pending
         for book, wid, n in ((self._prefill_pending, prefill_worker, uncached),
                              (decode_book, decode_worker, prompt_len)):

@@ -350,10 +350,12 @@ class StateAwareRouter:
         self.loads.end_session(session)
 
     def on_finished(self, request_id: str, realized_cached_tokens: int | None,
-                    output_tokens: int | None = None) -> None:
+                    output_tokens: int | None = None, served: tuple[float, float] | None = None) -> None:
         """The request ended: with the cached tokens it reused, or None without a result (abandoned,
         failed), which drops its bookkeeping and records nothing; ``output_tokens``: what it
-        generated, which teaches the output expectation (step 0; None: not counted)."""
+        generated, which teaches the output expectation (step 0; None: not counted); ``served``:
+        when its decode began and when it ended, on ``clock``, so reports taken before its end stop
+        counting it (``disagg.router.loads`` NOTE 6)."""
         self.outputs.learn(request_id, output_tokens if realized_cached_tokens is not None else None)
         if self.pending is not None:
             self.pending.remove(request_id)
@@ -361,7 +363,7 @@ class StateAwareRouter:
         if entry is None:
             return
         predicted, prompt_len, decode_id, prefill_id, routed_at, uncached = entry
-        self.loads.on_finished(prefill_id, decode_id, routed_at, uncached, prompt_len)
+        self.loads.on_finished(prefill_id, decode_id, routed_at, uncached, prompt_len, served)
         ending = self._ending.pop(request_id, None)
         if ending is not None and realized_cached_tokens is not None:  # answered: the session is over
             self.loads.end_session(ending)

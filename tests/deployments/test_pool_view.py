@@ -179,8 +179,12 @@ def test_a_failing_view_leaves_the_decision_without_it():
             return [c async for c in worker.generate(GenerateParams("r", [5] * 100, SamplingParams(max_tokens=2)),
                                                      refuse)]
 
+        t0 = time.time()
         chunks = asyncio.run(run())
         assert chunks[-1].finished and worker.flow.decisions == {"disagg": 1} and asked == ["r"]
+        # the last chunk stamps the decode's start and its end on the replica's clock (routers.loads NOTE 6)
+        assert chunks[-1].served is not None and t0 < chunks[-1].served[0] <= chunks[-1].served[1] <= time.time()
+        assert all(c.served is None for c in chunks[:-1])
     finally:
         engine.shutdown()
         torch.set_num_threads(threads)
@@ -353,3 +357,35 @@ def test_max_tokens_is_a_cap_and_a_finished_requests_output_teaches_the_router()
         router_metrics.LIVE_POLICIES.update(live)
     assert rr._policy.outputs.expect(key, cap=4096) == 250.0
     assert rr._policy.outputs.expect(key, cap=100) == 100.0
+
+
+def test_a_report_taken_before_a_request_ended_stops_counting_it_once_the_ingress_reports_the_end():
+    """``report_finished`` puts the replica's wall stamps of the request's decode and end
+    (``StreamChunk.served``) on the policy's clock as ``_sync`` puts the replica's report stamp: the
+    report taken while the request decoded, before its end, stops counting it (router.loads NOTE 6);
+    without the stamps it counts until a newer report lands."""
+    from deployments.request_router import report_finished
+
+    for served in (True, False):
+        rr = _router([_stats(0.0), _stats(0.0)])
+        params = GenerateParams("d1", PROMPT, SamplingParams(max_tokens=4), session_id="s", cache_salt=SALT)
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        picked = rr._policy._inflight["d1"][2]
+        time.sleep(0.01)
+        began = time.time()
+        time.sleep(0.01)
+        stats = rr._replicas[picked].routing_stats
+        stats["time"] = time.time()  # taken while it decoded
+        stats["load"] = {"running_decode_requests": 1, "running_decode_tokens": len(PROMPT) + 2}
+        time.sleep(0.01)
+        live = dict(router_metrics.LIVE_POLICIES)
+        router_metrics.LIVE_POLICIES.clear()
+        router_metrics.LIVE_POLICIES["pool"] = rr._policy
+        try:
+            report_finished("d1", 30, 4, (began, time.time()) if served else None)
+        finally:
+            router_metrics.LIVE_POLICIES.clear()
+            router_metrics.LIVE_POLICIES.update(live)
+        workers = [rr._sync(r) for r in rr._replicas.values()]
+        load = rr._policy.effective_loads(workers, rr._policy.clock())[picked]
+        assert (load.decode_requests, load.decode_tokens) == ((0.0, 2.0) if served else (1.0, len(PROMPT) + 2.0))

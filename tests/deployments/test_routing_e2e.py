@@ -67,10 +67,9 @@ def test_turns_follow_their_state_and_survive_losing_it():
         placed = {}
         for s, r in first.items():
             sessions[s] = sessions[s] + r["choices"][0]["token_ids"] + _ids(40, salt[s])
-            # the previous turn's in-flight prediction counts against its replica until a newer
-            # report lands; a node mate reading the node's host tier could then win on load (a
-            # report can land late on a loaded machine: it failed once at 2 periods, with three
-            # other CPU-bound jobs on the 2 cores)
+            # the router no longer counts the previous turn (its predictions go when it ends, NOTE 4
+            # of disagg.router.loads, and reports taken before its end stop counting it, NOTE 6); the
+            # wait lets the replicas report the other sessions' turn ends as device-resident
             time.sleep(4 * cfg.router.stats_period_s)
             r2 = _complete(url, sessions[s], s)
             assert r2["disagg"]["replica"] == r["disagg"]["replica"], "turn 2 must land where its state is"

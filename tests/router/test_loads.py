@@ -175,3 +175,115 @@ def test_inbound_decodes_are_live_plus_pool_prefilled_predictions():
     tr.on_routed("s3", 60, 60, "p0", "d1", "n0", 2.0)
     tr.on_finished("p0", "d1", 2.0, 60, 60)
     assert tr.columns(live, 3.0).data[row].tolist() == [0.0, 1.0, 0.0]
+
+
+# a request routed at 0.0 to d0, a decode from 2.0, ended at 4.0 (NOTE 6)
+_SERVED = (2.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    "report, local, expect",
+    [
+        # taken while it decoded: one running decode of its 300 prompt tokens (310 with its output)
+        (dict(running_decode_requests=2, running_decode_tokens=710, updated_at=3.0), True,
+         dict(decode_requests=1.0, decode_tokens=410.0, prefill_requests=0.0, prefill_tokens=0.0)),
+        # taken while it queued for its prefill on d0: its uncached tokens and one request
+        (dict(queued_prefill_tokens=250, queued_prefill_requests=1, updated_at=1.0), True,
+         dict(decode_requests=0.0, decode_tokens=0.0, prefill_requests=0.0, prefill_tokens=0.0)),
+        # prefilled in the pool: before its decode it was an inbound decode of its prompt
+        (dict(inbound_decode_requests=1, inbound_decode_tokens=300, running_decode_tokens=50,
+              running_decode_requests=1, updated_at=1.0), False,
+         dict(inbound_decodes=0.0, decode_tokens=50.0, decode_requests=1.0)),
+        # a report older than its routing never counted it, one newer than its end no longer does
+        (dict(running_decode_requests=1, running_decode_tokens=400, updated_at=-1.0), True,
+         dict(decode_requests=1.0, decode_tokens=400.0)),
+        (dict(running_decode_requests=1, running_decode_tokens=400, updated_at=4.0), True,
+         dict(decode_requests=1.0, decode_tokens=400.0)),
+        # the report counted it, but what it shows is less than its rows: each row stops at 0
+        (dict(running_decode_requests=1, running_decode_tokens=100, updated_at=3.0), True,
+         dict(decode_requests=0.0, decode_tokens=0.0)),
+    ],
+)
+def test_a_report_taken_before_a_request_ended_stops_counting_it(report, local, expect):
+    """NOTE 6: a request the router saw end is taken off its decode worker's reports stamped between
+    its routing and its end, in the rows the report held it in (prefill queue or inbound before its
+    first decode output, running decode after); the other worker's figures are untouched."""
+    tr = LoadTracker(prediction_tau_s=1e9)
+    tr.on_routed("s", 300, 250, "d0" if local else "p0", "d0", "n0", 0.0)
+    tr.on_finished("d0" if local else "p0", "d0", 0.0, 250, 300, _SERVED)
+    other = WorkerState("d1", running_decode_requests=1, running_decode_tokens=400, updated_at=3.0)
+    cols = tr.columns([WorkerState("d0", **report), other], 5.0)
+    for name, want in expect.items():
+        assert cols.data[LOAD_ROW[name]].tolist() == [want, float(getattr(other, {
+            "decode_requests": "running_decode_requests", "decode_tokens": "running_decode_tokens",
+            "prefill_requests": "queued_prefill_requests", "prefill_tokens": "queued_prefill_tokens",
+            "inbound_decodes": "inbound_decode_requests"}[name]))], name
+
+
+def test_an_ended_request_is_forgotten_once_a_newer_report_lands():
+    """Once d0 reports from after the request's end, an older report can no longer be the one in
+    hand, and the request is dropped: a later report that shows a decode counts it in full."""
+    tr = LoadTracker(prediction_tau_s=1e9)
+    tr.on_routed("s", 300, 300, "d0", "d0", "n0", 0.0)
+    tr.on_finished("d0", "d0", 0.0, 300, 300, _SERVED)
+    busy = dict(running_decode_requests=1, running_decode_tokens=300)
+    assert tr.columns([WorkerState("d0", **busy, updated_at=3.0)], 5.0).data[LOAD_ROW["decode_requests"]][0] == 0
+    tr.columns([WorkerState("d0", updated_at=4.5)], 5.0)  # newer than its end: it is forgotten
+    assert tr.columns([WorkerState("d0", **busy, updated_at=3.0)], 6.0).data[LOAD_ROW["decode_requests"]][0] == 1
+    # and a request that ended without ``served`` (no stamps) is never taken off a report
+    tr.on_routed("t", 300, 300, "d0", "d0", "n0", 6.0)
+    tr.on_finished("d0", "d0", 6.0, 300, 300)
+    assert tr.columns([WorkerState("d0", **busy, updated_at=7.0)], 8.0).data[LOAD_ROW["decode_requests"]][0] == 1
+
+
+@pytest.mark.parametrize("role", ["both", "decode"])
+def test_a_turn_sent_as_its_last_one_answered_stays_with_its_state(role):
+    """The serving race NOTE 6 closes: sessions s (on w0) and u (on w1) each ran a turn; the report
+    in hand from w0 was taken while s's turn still decoded, and s's next turn is routed right after
+    that turn answered. Counted as running, the ended turn priced w0 as a busy batch and the turn
+    went to its node mate (a host-tier resume instead of the device), under both the aggregated and
+    the P/D decode profile. With the end's stamps it stays on w0."""
+    idx = PrefixIndex()
+    ws = workers(2, per_node=2, role=role)
+    for w in ws:
+        idx.add_worker(w.worker_id, w.node_id)
+    t = [0.0]
+    r = StateAwareRouter(idx, clock=lambda: t[0])
+    prompts = {}
+    for s, home in (("s", "w0"), ("u", "w1")):
+        h = prompts[s] = chain(13, s)
+        d = r.route(req(h[:12], 12 * 64 + 1, bs=64, sid=s, rid=f"{s}0"), ws)
+        r.on_routed(req(h[:12], 12 * 64 + 1, bs=64, sid=s, rid=f"{s}0"), d)
+        assert d.decode_worker == home
+        for kind, tier in (("mla", "device"), ("mla", "host"), ("kda", "device"), ("kda", "host")):
+            for x in (h[:12] if kind == "mla" else h[11:12]):
+                store(idx, kind, x, tier, home)
+    r.on_finished("u0", 0, 8, (0.5, 1.0))
+    ws[0].running_decode_requests, ws[0].running_decode_tokens = 1, 12 * 64 + 5  # s's turn, at 2.0
+    ws[0].updated_at = ws[1].updated_at = 2.0
+    t[0] = 3.2
+    r.on_finished("s0", 0, 8, (1.5, 3.0))  # decoded from 1.5, answered at 3.0
+    assert r.effective_loads(ws, t[0])["w0"].decode_requests == 0
+    d = r.route(req(prompts["s"], 13 * 64 + 1, bs=64, sid="s", rid="s1"), ws)
+    assert (d.decode_worker, d.source_tier) == ("w0", "device")
+
+
+@pytest.mark.parametrize("local, report, expect", [
+    # stamped a hop before its decode began, the report already counted it as a decode: taken from there
+    (True, dict(running_decode_requests=1, running_decode_tokens=300, queued_prefill_tokens=40,
+                queued_prefill_requests=0), (0.0, 0.0, 0.0, 40.0)),
+    (False, dict(running_decode_requests=1, running_decode_tokens=300), (0.0, 0.0, 0.0, 0.0)),
+    # ... or, past its decode's start, still as queued: taken from the queue
+    (True, dict(queued_prefill_tokens=250, queued_prefill_requests=1), (0.0, 0.0, 0.0, 0.0)),
+])
+def test_an_ended_request_is_taken_from_the_state_the_report_holds_it_in(local, report, expect):
+    """NOTE 6: the stamps say which state the report held the request in; where the report holds no
+    request in that state, it is the other one (a report and a stamp an event-loop hop apart)."""
+    tr = LoadTracker(prediction_tau_s=1e9)
+    p = "d0" if local else "p0"
+    tr.on_routed("s", 300, 250, p, "d0", "n0", 0.0)
+    t_report = 1.99 if "queued_prefill_requests" not in report or report["queued_prefill_requests"] == 0 else 2.01
+    tr.on_finished(p, "d0", 0.0, 250, 300, _SERVED)
+    cols = tr.columns([WorkerState("d0", **report, updated_at=t_report)], 5.0)
+    got = tuple(cols.data[LOAD_ROW[f]][0] for f in ("decode_requests", "decode_tokens", "prefill_requests"))
+    assert got + (cols.data[LOAD_ROW["prefill_tokens"]][0],) == expect

@@ -138,9 +138,9 @@ def test_output_hint_says_what_the_router_is_told_of_outputs(tmp_path, capsys, m
         seen.append(request.output_len_hint)
         return route(self, request, workers, *args, **kw)
 
-    def spy_finished(self, request_id, cached, output_tokens=None):
+    def spy_finished(self, request_id, cached, output_tokens=None, served=None):
         learned.append(output_tokens)
-        finished(self, request_id, cached, output_tokens)
+        finished(self, request_id, cached, output_tokens, served)
 
     monkeypatch.setattr(StateAwareRouter, "route", spy_route)
     monkeypatch.setattr(StateAwareRouter, "on_finished", spy_finished)
@@ -162,3 +162,26 @@ def test_a_cluster_refuses_an_unknown_output_hint():
 
     with pytest.raises(ValueError, match="output_hint"):
         ClusterConfig(output_hint="oracle")
+
+
+def test_stale_stats_tell_the_router_when_each_request_decoded_and_ended(tmp_path, monkeypatch):
+    """With ``--stats-period`` the router reads stats copies, so each finished request comes with
+    when its decode began and when it ended (``served``), which takes it off copies taken before
+    its end (disagg.router.loads NOTE 6); with live stats (the default) it comes with none."""
+    from disagg.router.router import StateAwareRouter
+
+    trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
+    served_seen: list = []
+    finished = StateAwareRouter.on_finished
+
+    def spy_finished(self, request_id, cached, output_tokens=None, served=None):
+        served_seen.append(served)
+        finished(self, request_id, cached, output_tokens, served)
+
+    monkeypatch.setattr(StateAwareRouter, "on_finished", spy_finished)
+    assert _run(trace, "--block-size", "64") == 0
+    assert served_seen == [None] * len(MOONCAKE)
+    served_seen.clear()
+    assert _run(trace, "--block-size", "64", "--stats-period", "0.5") == 0
+    assert len(served_seen) == len(MOONCAKE)
+    assert all(s is not None and 0 < s[0] <= s[1] for s in served_seen)

@@ -187,9 +187,11 @@ class VLLMEngine:
         raise KeyError(request_id)
 
     async def routing_report(self, known_version: int) -> tuple[int, list | None, dict]:
-        """(resident version, resident sessions or None when current, load): what replicas report."""
+        """(resident version, resident sessions or None when current, load): what replicas report;
+        the load's ``measured_at`` is the wall time it was read."""
         view = self.engine
-        return view.resident_version, (None if known_version == view.resident_version else []), view.load()
+        return (view.resident_version, (None if known_version == view.resident_version else []),
+                {**view.load(), "measured_at": time.time()})
 
     def stats(self) -> dict:
         return self.engine.stats()

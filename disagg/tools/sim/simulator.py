@@ -552,6 +552,7 @@ class Simulator:
         rec = job.record
         if rec.first_token < 0:
             rec.first_token = now
+        job.decode_from = now
         if job.output_len <= 1:
             self.finish(job, w, max(now, rec.first_token))
             return
@@ -561,7 +562,12 @@ class Simulator:
     def finish(self, job: SimJob, w: SimWorker, now: float) -> None:
         rec = job.record
         rec.finish = now
-        self.router.on_finished(job.rid, job.cached, job.output_len)
+        # served: the stats copies a router reads with stats_period_s, taken before its end, stop counting
+        # it (disagg.router.loads NOTE 6). Live stats are every policy's same view of the workers, left
+        # undiscounted (a turn sent at the very instant its previous one ends reads its worker before
+        # the worker publishes that end, whatever the policy)
+        served = (job.decode_from, now) if self.cluster.stats_period_s > 0 else None
+        self.router.on_finished(job.rid, job.cached, job.output_len, served)
         self.driver.on_finished(now, rec.lane)
 
     def session_done(self, session_id: str, salt: int) -> None:

@@ -106,6 +106,7 @@ class SimJob:
     remaining: int = 0  # tokens to produce when it joins
     join_step: int = 0  # worker decode-step count at join
     end_step: int = 0  # worker decode-step count of its last token
+    decode_from: float = 0.0  # when its decode began (its first token on its decode worker)
 
     def __repr__(self) -> str:
         return f"SimJob({self.rid}, prompt={self.prompt_len}, cached={self.cached}, computed={self.computed})"
