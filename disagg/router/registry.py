@@ -71,17 +71,16 @@ BALANCE_LOAD: dict[str, Any] = {
 # 90 of 1,256 turns to their own busy worker while a node mate sat idle: the time-averaged prefill
 # queue (load) favoured the busy one by more than the decode term charged for the shared batch.
 # At 14 such turns fall to 26, the P90 band decodes alone, and the suite keeps 35 of 36 ("Round 12").
-# Not the default (docs/router.md, "Round 25"): weight 28 with the decode scorer's count_joined
-# (the decode time r adds to the decodes it joins) gave more aggregated cells in the simulator, but
-# serving's routing test (tests/deployments/test_routing_e2e.py) then saw a session's second turn
-# leave its replica in 2 of 3 full test runs. Measured in the simulator: on traces of
+# Weight 28, with the decode time r adds to the decodes it joins (count_joined): on traces of
 # Mooncake's format with few sessions a worker (16 workers, open loop), 14 without it still put
 # turns on workers where another session decoded (on one, 1.4 requests shared a worker with each
 # request at or past the P90 ITL, 0.16 under the Dynamo-style baseline: x0.979). Over the suite's
 # aggregated cells (three seeds), 24 Mooncake-family traces at 16 workers, 12 at 64 and the
 # held-out set: 87 of 121 cells at 14, 92 at 28, 96 at 28 with count_joined (88 at 14 with it).
 # Past 28 (34) long documents move across nodes and recompute (held-out longdoc loses TTFT P90 and
-# P90 interactivity; docs/router.md, "Round 25").
+# P90 interactivity; docs/router.md, "Round 25"). A serving test failure once blamed on it came
+# from replica reports that still counted a turn after it ended, under the P/D decode profile too
+# (disagg.router.loads NOTE 6; docs/router.md, "Round 26").
 AGGREGATED_PREFIX: dict[str, Any] = {
     "weight": 2.0,
     "params": {"tier_weights": {"device": 1.0, "host": 0.95, "disk": 0.5, "remote": 0.4}},
@@ -90,7 +89,7 @@ DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "both": {
         "filters": ["healthy", "role", "load_guard"],
         "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD,
-                    "decode": 14.0,
+                    "decode": {"weight": 28.0, "params": {"count_joined": True}},
                     "affinity": 0.1},
     },
     "prefill": {

@@ -154,14 +154,15 @@ def test_joined_decodes_are_charged_what_r_adds_to_them():
     assert scale == pytest.approx(DecodeScorer(**CFG).costs(_ctx(loads), W3)[1])  # r's own time: unchanged
 
 
-def test_count_joined_is_off_in_the_default_profiles():
-    """No default profile prices the joined decodes (docs/router.md, "Round 25"); a profile that names
-    the option gets it."""
+def test_aggregated_default_profile_counts_joined_decodes():
+    """Profile "both" (aggregated placement) builds its decode scorer with the joined decodes priced;
+    the P/D decode profile keeps the scorer's default (off): its load term weighs the batch."""
     from disagg.router.registry import DEFAULT_PROFILES
 
+    spec = DEFAULT_PROFILES["both"]["scorers"]["decode"]
+    assert spec["params"]["count_joined"] is True
     scorer = build_profile("both", DEFAULT_PROFILES["both"]).scorers
-    assert not next(s for s, _ in scorer if s.name == "decode").config.count_joined
-    on = build_profile("both", {"scorers": {"decode": {"weight": 28.0, "params": {"count_joined": True}}}})
-    assert next(s for s, _ in on.scorers if s.name == "decode").config.count_joined
+    decode = next(s for s, _ in scorer if s.name == "decode")
+    assert decode.config.count_joined
     pd = build_profile("decode", DEFAULT_PROFILES["decode"]).scorers
     assert not next(s for s, _ in pd if s.name == "decode").config.count_joined

