@@ -66,7 +66,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 
 import disagg.router.metrics as router_metrics
 from deployments.node_store import node_store_actor_of
-from disagg.messages import GenerateParams, SessionEnd
+from disagg.messages import GenerateParams, PrefillHandle, SessionEnd
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.match import credit_node_state
 from disagg.router.metrics import PoolQuery, PoolView
@@ -86,13 +86,32 @@ def report_finished(request_id: str, realized_cached_tokens: int | None, output_
     and ``served``: the replica's wall times from which it counted as a decode and of its end
     (``StreamChunk.served``), put on each policy's clock as the replica's reports are (``_sync``),
     so reports taken before its end stop counting it (``disagg.router.loads`` NOTE 6)."""
-    wall = time.time()
     for policy in list(router_metrics.LIVE_POLICIES.values()):
-        own = None
-        if served is not None:
-            now = policy.clock()
-            own = (now - max(0.0, wall - served[0]), now - max(0.0, wall - served[1]))
-        policy.on_finished(request_id, realized_cached_tokens, output_tokens, own)
+        policy.on_finished(request_id, realized_cached_tokens, output_tokens, _on_clock(policy, served))
+
+
+def prefill_finished(deployment: str, request_id: str, handle: PrefillHandle | None) -> None:
+    """A remote prefill this process sent to ``deployment`` returned ``handle`` (None: the call
+    failed): that pool's router here forgets the request, with the cached tokens it reused and,
+    from ``handle.computed_at``, no longer counts it in reports the prefill replica took before
+    its prompt was computed (``disagg.router.loads`` NOTE 6). Without this, each prefill routed
+    from a decode replica stayed in that router's books for the replica's life."""
+    policy = router_metrics.POOL_POLICIES.get(deployment)
+    if policy is None:
+        return
+    if handle is None:
+        policy.on_finished(request_id, None)
+        return
+    t = handle.computed_at
+    policy.on_finished(request_id, handle.num_cached_tokens, None, _on_clock(policy, (t, t)) if t else None)
+
+
+def _on_clock(policy, served: tuple[float, float] | None) -> tuple[float, float] | None:
+    """Wall stamps of a replica put on ``policy``'s clock, as ``_sync`` puts its reports' stamps."""
+    if served is None:
+        return None
+    wall, now = time.time(), policy.clock()
+    return now - max(0.0, wall - served[0]), now - max(0.0, wall - served[1])
 
 
 def router_stats() -> dict:
@@ -290,6 +309,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         deployment = getattr(getattr(self, "_deployment_id", None), "name", None)
         if deployment:  # as LIVE_POLICIES: in a module imported by reference
             router_metrics.POOL_VIEWS[deployment] = self.pool_view
+            router_metrics.POOL_POLICIES[deployment] = self._policy
         _register_replicas(self)
 
     def pool_loads(self) -> list[float] | None:

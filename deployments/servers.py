@@ -24,7 +24,7 @@ from functools import partial
 from ray import serve
 
 from deployments.node_store import PeerStores, connect_node_store, node_store_actor_of
-from deployments.request_router import prefill_pool_view, replica_nodes
+from deployments.request_router import prefill_finished, prefill_pool_view, replica_nodes
 from deployments.timings import RecentTimings
 from disagg.config import AppConfig, load_config
 from disagg.engine.async_engine import AsyncEngine
@@ -208,7 +208,12 @@ class DecodeServer(_ServerBase):
         return replica_nodes(PREFILL_DEPLOYMENT) if self.prefill_handle is not None else []
 
     async def _prefill(self, params: GenerateParams) -> PrefillHandle:
-        return await self.prefill_handle.prefill.remote(params)
+        handle = None
+        try:
+            handle = await self.prefill_handle.prefill.remote(params)
+            return handle
+        finally:  # this process's prefill router forgets it, done or failed (disagg.router.loads NOTE 6)
+            prefill_finished(PREFILL_DEPLOYMENT, params.request_id, handle)
 
     async def generate(self, params: GenerateParams):
         """Stream ``StreamChunk``s for one request (a Serve streaming method)."""

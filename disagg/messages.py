@@ -29,6 +29,9 @@ class PrefillHandle:
     checkpoints: tuple[int, ...] = ()  # positions whose state the prefill published (decode's reuse ledger)
     resume_failure: str = ""  # "load_deadline" | "load_failed": what the prefill's own state lookup hit
     first_logprob: TokenLogprob | None = None  # ``first_token``'s, when the request asked for logprobs
+    # wall time (the prefill replica's clock) its engine finished the prompt: the pool's load reports taken
+    # later no longer count the request (disagg.router.loads NOTE 6); 0: unknown
+    computed_at: float = 0.0
 
 
 @dataclass(slots=True, repr=False)

@@ -71,9 +71,13 @@ NOTES
    was taken a moment before that turn's end), and the decode scorer could
    send it elsewhere. Serving stamps both ends on the replica's clock, like
    its reports (``StreamChunk.served``), so the comparison does not depend on
-   how late the router hears of either. A pool's prefill worker is not
-   discounted: its report held r's prefill only until the hand-off, long
-   before r ended.
+   how late the router hears of either. Where one router places both pools
+   (the simulator's P/D), a pool's prefill worker is not discounted: its
+   report held r's prefill only until the hand-off, long before r ended. In
+   serving the prefill pool has its own router, in each decode replica's
+   process; the decode replica tells it each remote prefill's end with the
+   prefill replica's stamp of it (``PrefillHandle.computed_at`` as both
+   ends: a prefill is a queued prefill until its prompt is computed).
 """
 
 from __future__ import annotations

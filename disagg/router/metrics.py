@@ -109,3 +109,8 @@ REPLICA_IDS: dict[str, Callable[[], list[str]]] = {}
 # the Serve adapter; read by a decode replica, which reports its prefill pool's nodes to the decode
 # deployment's router: the decode profile's hand-off cost, ``disagg.router.scorers.decode``).
 REPLICA_NODES: dict[str, Callable[[], list[str]]] = {}
+
+# Per deployment name, this process's policy of that deployment's router (set by the Serve adapter; read
+# by a decode replica, which tells its prefill pool's router each remote prefill's end: the prefill replica
+# called is not in the ingress, where requests' ends are reported, disagg.router.loads NOTE 6).
+POOL_POLICIES: dict[str, object] = {}

@@ -293,6 +293,7 @@ class StatefulWorker:
         async for out in engine.generate(req, plan.state):
             last = out
         assert last is not None and last.new_token_ids, "prefill produced no token"
+        computed_at = time.time()  # its engine's reports stop counting it (PrefillHandle.computed_at)
         compute_s = time.perf_counter() - t0
         shared, stored = None, ()
         try:
@@ -322,7 +323,7 @@ class StatefulWorker:
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
                              self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared, stored, plan.failure,
-                             first_logprob=last.logprobs[0] if last.logprobs else None)
+                             first_logprob=last.logprobs[0] if last.logprobs else None, computed_at=computed_at)
 
     async def drain(self) -> None:
         """Wait for background publishes (graceful shutdown, tests)."""

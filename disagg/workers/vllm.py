@@ -136,13 +136,14 @@ class VLLMWorker:
         async for out in self.engine.generate(req, {"do_remote_decode": True}, handle_params.append):
             last = out
         assert last is not None and last.new_token_ids, "prefill produced no token"
+        computed_at = time.time()  # its engine's reports stop counting it (PrefillHandle.computed_at)
         saved = StateHandle.from_params(handle_params[0] if handle_params else None)
         if saved is None or saved.position != len(tokens):
             log.warning("prefill of %s left no hand-off (%s); decode will recompute", params.request_id, saved)
         self.counters["prefills"] += 1
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
                              self.replica_id, self.node_id, 0, 0.0, time.perf_counter() - t0,
-                             first_logprob=last.logprobs[0] if last.logprobs else None)
+                             first_logprob=last.logprobs[0] if last.logprobs else None, computed_at=computed_at)
 
     async def drain(self) -> None:
         await self.flow.drain()  # nothing in the background: saves run inside vLLM, drained before it frees blocks

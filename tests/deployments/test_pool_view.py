@@ -389,3 +389,35 @@ def test_a_report_taken_before_a_request_ended_stops_counting_it_once_the_ingres
         workers = [rr._sync(r) for r in rr._replicas.values()]
         load = rr._policy.effective_loads(workers, rr._policy.clock())[picked]
         assert (load.decode_requests, load.decode_tokens) == ((0.0, 2.0) if served else (1.0, len(PROMPT) + 2.0))
+
+
+def test_a_remote_prefills_end_reaches_the_pool_router_of_the_process_that_sent_it():
+    """A decode replica tells its process's prefill-pool router each remote prefill's end
+    (``prefill_finished``): the router forgets the request (before, every prefill routed from a
+    decode replica stayed in its books for the replica's life) and, from the prefill replica's
+    stamp (``PrefillHandle.computed_at``), stops counting it in that replica's reports taken
+    before its prompt was computed; a failed call (None) is forgotten too."""
+    from deployments.request_router import prefill_finished
+    from disagg.messages import PrefillHandle
+
+    rr = _router([_stats(0.0), _stats(0.0)], deployment="Prefill")
+    sent = []
+    for rid in ("a", "b"):
+        params = GenerateParams(rid, PROMPT, SamplingParams(max_tokens=4), session_id=rid, cache_salt=SALT)
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        sent.append(rr._policy._inflight[rid][2])
+    time.sleep(0.01)
+    for rid in set(sent):  # reports taken while both prefills queued
+        stats = rr._replicas[rid].routing_stats
+        stats["time"] = time.time()
+        stats["load"] = {"queued_prefill_tokens": len(PROMPT) * sent.count(rid),
+                         "queued_prefill_requests": sent.count(rid)}
+    time.sleep(0.01)
+    prefill_finished("Prefill", "a", PrefillHandle(len(PROMPT), 7, 0, "computed", sent[0], "n0",
+                                                   computed_at=time.time()))
+    prefill_finished("Prefill", "b", None)
+    prefill_finished("Decode", "b", None)  # no router of that pool here: nothing to tell
+    assert rr._policy._inflight == {}
+    loads = rr._policy.effective_loads([rr._sync(r) for r in rr._replicas.values()], rr._policy.clock())
+    assert loads[sent[0]].prefill_requests == sent.count(sent[0]) - 1  # "a" is off, "b" failed: counted
+    assert loads[sent[0]].prefill_tokens == len(PROMPT) * (sent.count(sent[0]) - 1)

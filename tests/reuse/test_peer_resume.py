@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -178,6 +179,8 @@ def test_a_prefill_for_another_nodes_decode_demotes_what_it_published(cluster, d
         await prefill.drain()
         return handle
 
+    t0 = time.time()
     handle = asyncio.run(go())
+    assert t0 < handle.computed_at <= time.time()  # when its engine finished the prompt (router.loads NOTE 6)
     assert handle.checkpoints  # the hand-off's points are stored on "p"
     assert (prefill.flow.counters["checkpoints_demoted"] > 0) == (decode_node == "d")
