@@ -63,9 +63,13 @@ NOTES
    it as a queued prefill (its uncached tokens and one request; prefilled in
    the pool: one inbound decode and its prompt tokens), from then on as one
    running decode of its prompt tokens. Each row stays >= 0, and when the
-   report holds no request in the state the stamps say, r is taken from the
-   other state it can be in: near ``decode_from`` the engine's figures and
-   the flow's stamp can disagree by an event-loop hop. Without this a
+   report holds no request in the state the stamps and the routing say, r is
+   taken from another state it can be in: near ``decode_from`` the engine's
+   figures and the flow's stamp can disagree by an event-loop hop, and a
+   serving decode pool's router does not know which requests its replicas
+   send to the prefill pool (the flow decides, ``disagg.flow`` NOTE 5): it
+   sees them as prefilled on their decode worker, and a report held them as
+   inbound decodes. Without this a
    session's next turn, sent as soon as the last one answered, saw its own
    finished turn decoding on the worker holding its state (the report in hand
    was taken a moment before that turn's end), and the decode scorer could
@@ -217,9 +221,9 @@ class LoadTracker:
             for e in live:
                 if e.routed_at >= t_stats:  # the report predates r: a newer one may count it
                     continue
-                before = _PREFILL_REQUESTS if e.local else _INBOUND
-                for row in ((_DECODE_REQUESTS, before) if t_stats >= e.decode_from else (before, _DECODE_REQUESTS)):
-                    if left[row] >= 1:  # the state the stamps say, else the other one it can be in
+                before = (_PREFILL_REQUESTS, _INBOUND) if e.local else (_INBOUND, _PREFILL_REQUESTS)
+                for row in ((_DECODE_REQUESTS, *before) if t_stats >= e.decode_from else (*before, _DECODE_REQUESTS)):
+                    if left[row] >= 1:  # the state the stamps say, else another one it can be in
                         left[row] -= 1
                         tokens_row = 0 if row == _PREFILL_REQUESTS else 1
                         data[tokens_row, i] = max(data[tokens_row, i] - (e.uncached if tokens_row == 0 else

@@ -287,3 +287,17 @@ def test_an_ended_request_is_taken_from_the_state_the_report_holds_it_in(local, 
     cols = tr.columns([WorkerState("d0", **report, updated_at=t_report)], 5.0)
     got = tuple(cols.data[LOAD_ROW[f]][0] for f in ("decode_requests", "decode_tokens", "prefill_requests"))
     assert got + (cols.data[LOAD_ROW["prefill_tokens"]][0],) == expect
+
+
+def test_a_pool_prefilled_request_is_taken_off_the_inbound_row_its_decode_router_did_not_book():
+    """Serving's decode-pool router routes a request as if prefilled on its decode worker (its flow
+    sends it to the prefill pool); a report taken while it prefilled there held it as an inbound
+    decode, and that is where it comes off once it ended (NOTE 6)."""
+    tr = LoadTracker(prediction_tau_s=1e9)
+    tr.on_routed("s", 300, 300, "d0", "d0", "n0", 0.0)
+    tr.on_finished("d0", "d0", 0.0, 300, 300, _SERVED)
+    report = WorkerState("d0", inbound_decode_requests=1, inbound_decode_tokens=300, running_decode_requests=1,
+                         running_decode_tokens=500, updated_at=1.0)
+    cols = tr.columns([report], 5.0)
+    assert [cols.data[LOAD_ROW[f]][0] for f in ("inbound_decodes", "decode_tokens", "decode_requests")] == [
+        0.0, 500.0, 1.0]
