@@ -207,7 +207,7 @@ _SERVED = (2.0, 4.0)
 def test_a_report_taken_before_a_request_ended_stops_counting_it(report, local, expect):
     """NOTE 6: a request the router saw end is taken off its decode worker's reports stamped between
     its routing and its end, in the rows the report held it in (prefill queue or inbound before its
-    first decode output, running decode after); the other worker's figures are untouched."""
+    engine counted it as a decode, running decode after); the other worker's figures are untouched."""
     tr = LoadTracker(prediction_tau_s=1e9)
     tr.on_routed("s", 300, 250, "d0" if local else "p0", "d0", "n0", 0.0)
     tr.on_finished("d0" if local else "p0", "d0", 0.0, 250, 300, _SERVED)
