@@ -107,11 +107,13 @@ def prefill_finished(deployment: str, request_id: str, handle: PrefillHandle | N
 
 
 def _on_clock(policy, served: tuple[float, float] | None) -> tuple[float, float] | None:
-    """Wall stamps of a replica put on ``policy``'s clock, as ``_sync`` puts its reports' stamps."""
-    if served is None:
-        return None
-    wall, now = time.time(), policy.clock()
-    return now - max(0.0, wall - served[0]), now - max(0.0, wall - served[1])
+    """A replica's wall stamps of a request put on ``policy``'s clock (``_wall_to_clock``)."""
+    return None if served is None else (_wall_to_clock(policy, served[0]), _wall_to_clock(policy, served[1]))
+
+
+def _wall_to_clock(policy, wall: float) -> float:
+    """A replica's wall time on ``policy``'s clock: as long ago as it is now (never in the future)."""
+    return policy.clock() - max(0.0, time.time() - wall)
 
 
 def router_stats() -> dict:
@@ -408,7 +410,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                            inbound_decode_tokens=load.get("inbound_decode_tokens", 0),
                            cache_utilization=min(1.0, max(0.0, load.get("cache_utilization", 0.0))),
                            # the report's age on this policy's clock (replicas stamp wall time)
-                           updated_at=self._policy.clock() - max(0.0, time.time() - stats.get("time", time.time())))
+                           updated_at=_wall_to_clock(self._policy, stats.get("time", time.time())))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         end = _session_end(pending_request)

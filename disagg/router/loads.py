@@ -100,6 +100,8 @@ _T = attrgetter("updated_at")
 _PREFILL_REQUESTS = LOAD_ROW["prefill_requests"]
 _INBOUND = LOAD_ROW["inbound_decodes"]
 _DECODE_REQUESTS = LOAD_ROW["decode_requests"]
+_PREFILL_TOKENS = LOAD_ROW["prefill_tokens"]
+_DECODE_TOKENS = LOAD_ROW["decode_tokens"]
 _ROWS = 6  # per-slot state rows: sessions, their tokens, queue_avg, held prefill, its time, booked area
 
 
@@ -215,22 +217,20 @@ class LoadTracker:
                 del self._ended[wid]
                 continue
             self._ended[wid] = live
-            # the report's requests by state: running decodes, queued prefills, inbound decodes
-            left = {_DECODE_REQUESTS: data[_DECODE_REQUESTS, i], _PREFILL_REQUESTS: data[_PREFILL_REQUESTS, i],
-                    _INBOUND: data[_INBOUND, i]}
             for e in live:
                 if e.routed_at >= t_stats:  # the report predates r: a newer one may count it
                     continue
                 before = (_PREFILL_REQUESTS, _INBOUND) if e.local else (_INBOUND, _PREFILL_REQUESTS)
-                for row in ((_DECODE_REQUESTS, *before) if t_stats >= e.decode_from else (*before, _DECODE_REQUESTS)):
-                    if left[row] >= 1:  # the state the stamps say, else another one it can be in
-                        left[row] -= 1
-                        tokens_row = 0 if row == _PREFILL_REQUESTS else 1
-                        data[tokens_row, i] = max(data[tokens_row, i] - (e.uncached if tokens_row == 0 else
-                                                                         e.prompt_len), 0.0)
-                        break
-            for row, n in left.items():
-                data[row, i] = n
+                states = (_DECODE_REQUESTS, *before) if t_stats >= e.decode_from else (*before, _DECODE_REQUESTS)
+                # the state the stamps say, else another one it can be in
+                row = next((r for r in states if data[r, i] >= 1), None)
+                if row is None:
+                    continue
+                data[row, i] -= 1
+                if row == _PREFILL_REQUESTS:  # a queued prefill: its uncached tokens
+                    data[_PREFILL_TOKENS, i] = max(data[_PREFILL_TOKENS, i] - e.uncached, 0.0)
+                else:  # a running or inbound decode: its prompt tokens
+                    data[_DECODE_TOKENS, i] = max(data[_DECODE_TOKENS, i] - e.prompt_len, 0.0)
 
     def _expire_sessions(self, now: float) -> None:
         ttl = self.session_ttl_s
