@@ -125,6 +125,31 @@ def test_load_guard_area(booked, q, resumable, prompt_len, session, expect):
     assert [w.worker_id for w in f.filter(ctx, W3)] == expect
 
 
+@pytest.mark.parametrize(
+    "busy, expect",
+    [
+        # c raises the booked area least but decodes another session: a, the idle worker where the
+        # turn raises the area least, stays beside it (b would raise it more)
+        ({"c": {"decode_requests": 1}}, ["a", "c"]),
+        # a prefill queued for c, or one on its way to c's batch from a P/D pool, is as busy
+        ({"c": {"prefill_requests": 1}}, ["a", "c"]),
+        ({"c": {"inbound_decodes": 1}}, ["a", "c"]),
+        # a busy too: b is the idle one
+        ({"a": {"inbound_decodes": 1}, "c": {"decode_requests": 2}}, ["b", "c"]),
+        # nobody idle: the area rule alone
+        ({"a": {"decode_requests": 1}, "b": {"decode_requests": 1}, "c": {"decode_requests": 1}}, ["c"]),
+        # the kept worker is idle: nothing added
+        ({"a": {"decode_requests": 1}}, ["c"]),
+    ],
+)
+def test_load_guard_area_keeps_an_idle_worker(busy, expect):
+    """The area is a long-run balance: it never leaves a first turn only busy workers while one idles."""
+    loads = {w.worker_id: EffectiveLoad(0.0, booked_area=a, **busy.get(w.worker_id, {}))
+             for w, a in zip(W3, [10000, 15000, 0], strict=True)}
+    f = LoadGuardFilter(prefill_slack_tokens=1e9)
+    assert [w.worker_id for w in f.filter(_ctx(loads=loads, prompt_len=150), W3)] == expect
+
+
 def test_load_guard_never_empties():
     loads = {"a": EffectiveLoad(10, 0, 0, 0, 9), "b": EffectiveLoad(5, 0, 0, 0, 9)}
     f = LoadGuardFilter(prefill_ratio=1.0, prefill_slack_tokens=0.0, session_ratio=1.0, session_slack=0.0)

@@ -9,6 +9,9 @@ Two guards, relative to the candidates:
                  booked prefill area where the best placement would:
                      post_w = A_w + n_w (n_w / 2 + q_w)       n_w = prompt - resumable(w)
                      keep w if post_w <= max(max_v A_v, min_v post_v)
+                 and, when every worker it keeps is busy, the idle workers (nothing
+                 queued, no decodes running or on their way) where it raises the
+                 area least, by the same rule over the idle workers alone
       "sessions" drop w if  s_w > session_ratio * mean(s) + session_slack
       "none"
 
@@ -26,6 +29,15 @@ first-turn guard stops one worker from collecting every new session: the
 sessions' areas add up on it (area), or it holds more than its share of
 sessions (sessions); then new sessions go to the next-best (cached) worker.
 
+The booked area is a long-run balance (it does not decay by default), so at
+light load it can keep only workers that are busy *now*: on a Mooncake-format
+trace at 16 workers, a first turn went to a worker decoding another session,
+whose decode its 7K-token prefill stalled by 0.3 s, while four node mates
+holding the same system prompt sat idle with more area booked. The guard never
+forces that choice: when it keeps no idle worker, it also keeps the idle ones
+it would keep if they were the only candidates, and the scorers (decode time,
+cache) choose (docs/router.md, "Round 27").
+
 Config example (YAML)::
 
     load_guard: {prefill_ratio: 1.25, prefill_slack_tokens: 8192, first_turn_guard: area,
@@ -38,8 +50,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.router.context import RoutingContext
+from disagg.router.context import LOAD_ROW, RoutingContext
 from disagg.router.types import WorkerState
+
+_B = LOAD_ROW["decode_requests"]
+_N = LOAD_ROW["prefill_requests"]
+_IN = LOAD_ROW["inbound_decodes"]
 
 
 @dataclass(slots=True)
@@ -82,7 +98,13 @@ class LoadGuardFilter:
                     booked = v.booked_area
                     post = booked + nu * (0.5 * nu + q)  # booked area after placing it there
                     top = max(float(np.maximum.reduce(booked)), float(np.minimum.reduce(post[ok])))
-                    ok &= post <= top
+                    kept = ok & (post <= top)
+                    ld = v.loads
+                    idle = ok & (q <= 0) & (ld[_B] + ld[_N] + ld[_IN] <= 0)
+                    if np.logical_or.reduce(idle) and not np.logical_or.reduce(kept & idle):
+                        top_idle = max(float(np.maximum.reduce(booked)), float(np.minimum.reduce(post[idle])))
+                        kept |= idle & (post <= top_idle)
+                    ok = kept
             else:
                 s = v.sessions
                 ok &= s <= cfg.session_ratio * float(np.add.reduce(s)) / n + cfg.session_slack
