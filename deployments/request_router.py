@@ -436,6 +436,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
             params.state_node, params.state_position = decision.state_node, decision.state_position
         if decision.checkpoint_back is not None:  # where follow-ups diverge (router step 5)
             params.checkpoint_back = decision.checkpoint_back
+        params.first_turn = decision.first_turn  # the decode replica's P/D decider reads it ("local_burst")
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         pick = by_id[decision.decode_worker]
         rest = sorted((r for r in candidate_replicas if r is not pick),

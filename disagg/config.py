@@ -43,7 +43,9 @@ BUSY_LOCAL_MAX_TOKENS = 8192  # while the prefill pool is busy, weighted suffixe
 LOCAL_HARM_WEIGHT = 16.0
 # "local_idle": an idle decode replica (nothing running there nor routed to it) that resumes at least as
 # much as any prefill replica prefills locally when the pool's least queued + uncached tokens are at
-# least this many times its suffix (the pool's queue would at least quadruple the time to first token)
+# least this many times its suffix (the pool's queue would at least quadruple the time to first token);
+# "local_burst" uses the same margin for a session's first turn on a decode replica with nothing running
+# while every prefill replica has prefill_busy_tokens queued (disagg.router.decider)
 LOCAL_IDLE_MARGIN = 4.0
 
 
@@ -156,7 +158,7 @@ class RouterConfig(_Strict):
     prefill_busy_tokens: float = Field(default=PREFILL_BUSY_TOKENS, gt=0)  # prefill pool busy: min queue >= this
     busy_local_max_tokens: int = Field(default=BUSY_LOCAL_MAX_TOKENS, ge=0)  # ... then weighted suffixes up to this
     local_harm_weight: float = Field(default=LOCAL_HARM_WEIGHT, ge=0)  # weight of a local prefill's stall
-    # "local_idle" (needs the prefill pool's resumable tokens: the router's P/D branch; 0 turns it off)
+    # "local_idle" and "local_burst" (need the prefill pool's resumable tokens; 0 turns them off)
     local_idle_margin: float = Field(default=LOCAL_IDLE_MARGIN, ge=0)
     stats_period_s: float = 1.0  # how often replicas report load and device-tier content to routers
 

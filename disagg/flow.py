@@ -403,8 +403,10 @@ class RequestFlow:
             view = self.pool_view(PoolQuery(params, ticket.hasher, ticket.hashes, self.node_id, plan.node_position))
             loads, uncached = (view.loads, view.uncached) if view is not None and view.loads else ([0.0], None)
         running = self.engine.live_requests()
+        # running: every request streaming on the engine, prefilling ones too (the decider's Q_d is in it)
         decision = self.decider.decide(suffix_tokens, loads, pool_uncached=uncached, decode_batch=running,
-                                       decode_coming=max(running, self.unfinished - 1))  # the asking one aside
+                                       decode_coming=max(running, self.unfinished - 1),  # the asking one aside
+                                       first_turn=params.first_turn)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision
 

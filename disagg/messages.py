@@ -54,6 +54,7 @@ class GenerateParams:
     state_node: str = ""  # a node whose shared tiers hold a resumable prefix of the prompt (disagg.flow NOTE 10)
     state_position: int = 0  # ... that prefix's length in tokens (0: none named)
     decode_node: str = ""  # the node of the decode replica a prefill hands off to (disagg/workers/tiered.py NOTE 3)
+    first_turn: bool = False  # the router knew no earlier turn of its session (the P/D decider's "local_burst")
 
     def __repr__(self) -> str:
         return (

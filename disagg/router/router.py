@@ -49,7 +49,7 @@ prompt's blocks, see ``disagg.router.index``) plus numpy over the candidates
 (``RoutingContext.view``): O(prompt blocks + workers) with small constants.
 
 Decision reasons are "<pd>/<cache>" with pd in {aggregated, disagg,
-local_short_suffix, local_prefill_busy, local_state, local_idle, local_no_prefill_pool, prefill_pool,
+local_short_suffix, local_prefill_busy, local_state, local_idle, local_burst, local_no_prefill_pool, prefill_pool,
 decode_pool} and cache in
 {cache_hit, fallback, cold}: "fallback" means a better-cached eligible
 worker existed but load (guard or scores) sent the request elsewhere.
@@ -228,7 +228,8 @@ class StateAwareRouter:
         dworker = next((w for w in workers if w.worker_id == decode_id), workers[0])
         running = ctx.load(dworker).decode_requests
         coming = max(running, self._to_decode.get(decode_id, 0))  # running, or routed there and not finished
-        pd = self.decider.decide(suffix, pool_q, pool_u, running, coming)
+        pd = self.decider.decide(suffix, pool_q, pool_u, running, coming, first_turn=ctx.session_worker is None,
+                                 decode_queued=ctx.load(dworker).prefill_tokens)
         if not pd.disaggregate:
             return self._decision(request, ctx, workers, decode_id, None, pd.reason, dec, "decode")
         pre = self._run("prefill", ctx, workers)
@@ -302,6 +303,7 @@ class StateAwareRouter:
             state_node=state_node,
             state_position=state_position,
             checkpoint_back=self.divergence.hint() if self.config.checkpoint_hints else None,
+            first_turn=ctx.session_worker is None,
         )
 
     def _state_home(self, request: RouteRequest, ctx: RoutingContext, decode_id: str, target: str,

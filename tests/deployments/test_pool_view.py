@@ -262,7 +262,8 @@ def test_the_routers_named_node_goes_on_the_request_when_it_names_more():
 def test_the_routers_learned_divergences_go_on_the_request():
     """The Serve router learns where a session's follow-ups diverge (router step 5) from the requests
     it routes and names the distances on each request it places (``GenerateParams.checkpoint_back``);
-    before any follow-up it names none and the replica's own placement decides."""
+    before any follow-up it names none and the replica's own placement decides. It also marks a
+    session's first turn (``GenerateParams.first_turn``)."""
     rr = _pool()
     replicas = list(rr._replicas.values())
     rng = random.Random(5)
@@ -276,6 +277,8 @@ def test_the_routers_learned_divergences_go_on_the_request():
         sent.append(params)
     assert sent[0].checkpoint_back is None and sent[1].checkpoint_back is None  # nothing learned yet
     assert sent[2].checkpoint_back is not None and sent[2].checkpoint_back[0] == 3 * BS
+    # and whether the session is new to the router, which the replica's P/D decider reads ("local_burst")
+    assert [p.first_turn for p in sent] == [True, False, True]
 
 
 def test_a_session_end_goes_to_the_replica_it_names_and_the_router_forgets_the_session(monkeypatch):

@@ -76,6 +76,12 @@ CASES = [
     (150, [0.0], 2, 192, [128], "tenant-a", 0),  # 150 x 9 > 0 + 214: disagg
     (150, [0.0, 0.0], 0, 192, [0, 0], "", 1),  # p0 shares the decode node's host tier: resumes 192, disagg
     (150, [0.0], 0, 192, [0], "tenant-a", 1),  # the same under a salt
+    # a session's first turn (every case is one) on a cold, idle decode worker, the pool busy and holding
+    # the prompt's first 192 tokens: 300 x 4 <= 5000 + 108, "local_burst" (the pool resumes more, so not
+    # "local_idle"); not with a decode running there, nor with a pool that is not busy
+    (300, [5000.0], 0, 0, [192], "", 0),
+    (300, [5000.0], 1, 0, [192], "", 0),
+    (300, [500.0], 0, 0, [192], "", 0),
 ]
 
 
@@ -161,7 +167,8 @@ def _serving_decisions(cfg, peer_reads: bool) -> list[str]:
             worker.flow.prefill_pool = pool.pool_view
             before: dict[str, int] = {}
             chunks = asyncio.run(run(GenerateParams(f"r{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
-                                                    session_id=f"s{i}", cache_salt=salt), batch, held))
+                                                    session_id=f"s{i}", cache_salt=salt, first_turn=True),
+                                     batch, held))  # the ingress marks it: new to the router, as in the simulator
             assert chunks[-1].finished and chunks[-1].num_cached_tokens == held  # the resume was real
             (reason,) = [r for r, n in worker.flow.decisions.items() if n != before.get(r, 0)]
             assert (reason == "disagg") == bool(called)  # it asked the prefill pool exactly when it decided to
@@ -204,7 +211,7 @@ EXPECTED = ["local_short_suffix", "disagg", "local_prefill_busy", "disagg", "loc
             "local_short_suffix", "local_idle", "local_prefill_busy", "local_idle",
             "disagg", "local_short_suffix", "disagg", "disagg", "disagg", "local_prefill_busy",
             "local_state", "disagg", "local_state", "disagg", "local_state", "disagg",
-            "disagg", "disagg"]
+            "disagg", "disagg", "local_burst", "disagg", "disagg"]
 
 
 @pytest.mark.timeout(300)
@@ -222,7 +229,8 @@ def test_serving_path_and_simulator_decide_alike(peer_reads):
         torch.set_num_threads(threads)  # the engine factory set one thread for this process
     assert serving == _simulator_decisions(cfg, peer_reads)
     if not peer_reads:  # the sequence exercises every rule of the decider
-        assert set(serving) == {"local_short_suffix", "local_prefill_busy", "local_state", "local_idle", "disagg"}
+        assert set(serving) == {"local_short_suffix", "local_prefill_busy", "local_state", "local_idle",
+                                "local_burst", "disagg"}
         assert serving == EXPECTED
     else:
         assert serving == [r.replace("local_state", "disagg") for r in EXPECTED]

@@ -253,6 +253,31 @@ def test_decider_idle_decode_worker_absorbs_a_queued_pool(suffix, loads, uncache
 
 
 @pytest.mark.parametrize(
+    "first_turn, batch, coming, queued, loads, disagg, reason",
+    [
+        # a first turn, cold here (9000 > the pool's least uncached 1000), the pool busy (min queue 70000):
+        # 9000 x 4 <= 70000 + 1000
+        (True, 0, 0, 0.0, [70000.0, 90000.0], False, "local_burst"),
+        (False, 0, 0, 0.0, [70000.0, 90000.0], True, "disagg"),  # a later turn: its session's state is in the pool
+        (True, 1, 1, 0.0, [70000.0, 90000.0], True, "disagg"),  # a decode runs here
+        (True, 0, 0, 4000.0, [70000.0, 90000.0], True, "disagg"),  # a local prefill is queued here already
+        (True, 0, 0, 0.0, [60000.0, 90000.0], True, "disagg"),  # one prefill replica is not busy
+        # each decode on its way may wait behind it: 9000 x (4 + 3) <= 71000, 9000 x (4 + 4) > 71000
+        (True, 0, 3, 0.0, [70000.0, 90000.0], False, "local_burst"),
+        (True, 0, 4, 0.0, [70000.0, 90000.0], True, "disagg"),
+    ],
+)
+def test_decider_idle_decode_worker_takes_a_burst_of_first_turns(first_turn, batch, coming, queued, loads, disagg,
+                                                                reason):
+    """A saturated pool's new sessions go to a decode worker with nothing running or queued, though it
+    must compute the prompt the pool would resume: a first turn has no state of its own there to lose."""
+    d = PDDecider(local_prefill_max_tokens=256, prefill_busy_tokens=65536, local_idle_margin=4.0).decide(
+        9000, loads, [1000.0, 1000.0], batch, coming, first_turn=first_turn, decode_queued=queued)
+    assert (d.disaggregate, d.reason) == (disagg, reason)
+    assert PDDecider(local_idle_margin=0.0).decide(9000, loads, [1000.0, 1000.0], 0, 0, first_turn=True).disaggregate
+
+
+@pytest.mark.parametrize(
     "batch, coming, disagg, reason",
     [
         (0, 0, False, "local_state"),  # 1000 <= 9000: nothing to stall
