@@ -73,7 +73,10 @@ prompts (a product's agent prompt, a document), the decode workers are cold
 (their suffix is the whole prompt, more than the pool's least uncached) and
 each already has decodes on their way from the pool. A first turn has no
 state of its own in the pool to lose; the decode worker computes the shared
-prompt again, on capacity that would otherwise idle. Each decode on its way
+prompt again, on capacity that would otherwise idle. A request that names no
+session counts as a first turn (the router cannot tell; traces in Mooncake's
+format name none), so a resent conversation may be recomputed there: the
+saturated pool, the idle worker and the margin bound when. Each decode on its way
 there may arrive while it prefills and wait, so each raises the bar by one
 suffix (C_d); a worker already prefilling or decoding is not taken (Q_d, B_d).
 On the Mooncake-format trace of such a burst (four 24K system prompts, four

@@ -114,7 +114,8 @@ class RouteDecision:
     state_position: int = 0  # ... resumable tokens there (0: none named; disagg.router.router step 4)
     checkpoint_back: tuple[int, ...] | None = None  # tokens back from the prompt's last full block where its
     # prefill keeps checkpoints, learned from every session's follow-ups (disagg.router.divergence); None: the worker's own
-    first_turn: bool = False  # the router knew no earlier turn of the request's session (the decider's "local_burst")
+    first_turn: bool = False  # the router knew no earlier turn of the request's session, or it names none
+    # (the P/D decider's "local_burst")
 
     @property
     def prefill_target(self) -> str:
