@@ -226,10 +226,11 @@ class StateAwareRouter:
         pool_q = pv.prefill.tolist()
         pool_u = (request.prompt_len - pv.resumable).tolist()
         dworker = next((w for w in workers if w.worker_id == decode_id), workers[0])
-        running = ctx.load(dworker).decode_requests
+        dload = ctx.load(dworker)
+        running = dload.decode_requests
         coming = max(running, self._to_decode.get(decode_id, 0))  # running, or routed there and not finished
         pd = self.decider.decide(suffix, pool_q, pool_u, running, coming, first_turn=ctx.session_worker is None,
-                                 decode_queued=ctx.load(dworker).prefill_tokens)
+                                 decode_queued=dload.prefill_tokens)
         if not pd.disaggregate:
             return self._decision(request, ctx, workers, decode_id, None, pd.reason, dec, "decode")
         pre = self._run("prefill", ctx, workers)

@@ -97,13 +97,16 @@ class LoadGuardFilter:
                     nu = np.maximum(ctx.request.prompt_len - v.resumable, 0.0)
                     booked = v.booked_area
                     post = booked + nu * (0.5 * nu + q)  # booked area after placing it there
-                    top = max(float(np.maximum.reduce(booked)), float(np.minimum.reduce(post[ok])))
-                    kept = ok & (post <= top)
+                    most = float(np.maximum.reduce(booked))
+
+                    def under_top(among: np.ndarray) -> np.ndarray:  # the area rule over ``among``
+                        return among & (post <= max(most, float(np.minimum.reduce(post[among]))))
+
+                    kept = under_top(ok)
                     ld = v.loads
                     idle = ok & (q <= 0) & (ld[_B] + ld[_N] + ld[_IN] <= 0)
                     if np.logical_or.reduce(idle) and not np.logical_or.reduce(kept & idle):
-                        top_idle = max(float(np.maximum.reduce(booked)), float(np.minimum.reduce(post[idle])))
-                        kept |= idle & (post <= top_idle)
+                        kept |= under_top(idle)
                     ok = kept
             else:
                 s = v.sessions
