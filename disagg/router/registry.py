@@ -103,13 +103,18 @@ DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     # pool's workers carry a few sessions of 10-60K tokens each, and the load scorer's floor of 256K
     # left differences of a session or two too small to weigh against the state a worker holds; with
     # the router learning outputs rather than told them, 64K raises P/D P90 interactivity in 31 of the
-    # suite's 36 P/D cells over three seeds and 22 of 24 Mooncake-family cells ("Round 24")
+    # suite's 36 P/D cells over three seeds and 22 of 24 Mooncake-family cells ("Round 24").
+    # The decodes running and on their way count as sequences too (requests, weight 2 in the load
+    # scorer), each slowing every step whatever its context: P90 interactivity rises in 20 of 24
+    # Mooncake-family P/D cells (7 -> 17 meet every figure), 21 of 24 on twelve traces not tuned on
+    # (9 -> 15) and 25 of 36 suite P/D cells (15 -> 14: hit/bound at 0.95 in two 16-worker cells);
+    # held-out P/D 3 -> 5 of 13 ("Round 28")
     "decode": {
         "filters": ["healthy", {"role": {"phase": "decode"}}],
         "scorers": {
             "prefix": 1.0,
             "load": {"weight": 8.0, "params": {"prefill_weight": 0.3, "decode_weight": 1.0,
-                                               "decode_floor_tokens": 65536}},
+                                               "requests_weight": 2.0, "decode_floor_tokens": 65536}},
             "affinity": 0.5,
             "decode": 3.0,
         },

@@ -350,6 +350,29 @@ def test_load_scorer_session_tokens_and_queue_avg(params, loads, expect):
     assert LoadScorer(**{**ONLY, **params}).score(ctx, W3) == pytest.approx(expect)
 
 
+@pytest.mark.parametrize(
+    "params, loads, expect",
+    [
+        # running and inbound decodes count alike, as sequences, whatever their context
+        ({"requests_weight": 1.0},
+         [EffectiveLoad(decode_requests=2), EffectiveLoad(decode_requests=1, inbound_decodes=1), EffectiveLoad()],
+         {"a": 0.0, "b": 0.0, "c": 1.0}),
+        # one long context against three short ones: the tokens tie, the requests do not
+        ({"requests_weight": 1.0, "decode_weight": 1.0},
+         [EffectiveLoad(decode_tokens=120000, decode_requests=1),
+          EffectiveLoad(decode_tokens=120000, decode_requests=1, inbound_decodes=2), EffectiveLoad()],
+         {"a": 1 - (120000 / 262144 + 1 / 3) / 2, "b": 1 - (120000 / 262144 + 1) / 2, "c": 1.0}),
+        # below the floor, one decode is not the whole scale
+        ({"requests_weight": 1.0, "requests_floor": 4.0},
+         [EffectiveLoad(inbound_decodes=1), EffectiveLoad(decode_requests=2), EffectiveLoad()],
+         {"a": 0.75, "b": 0.5, "c": 1.0}),
+    ],
+)
+def test_load_scorer_counts_decode_requests(params, loads, expect):
+    ctx = _ctx(loads={w.worker_id: x for w, x in zip(W3, loads, strict=True)})
+    assert LoadScorer(**{**ONLY, **params}).score(ctx, W3) == pytest.approx(expect)
+
+
 def test_load_scorer_rejects_all_zero_weights():
     with pytest.raises(ValueError):
         LoadScorer(**ONLY)

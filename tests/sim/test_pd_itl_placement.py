@@ -20,9 +20,9 @@ def _sim(tmp_path: Path, policy: str, decode: int):
     import pd_itl
 
     trace = tmp_path / "t.jsonl"
-    _trace(trace, sessions=12, turns=4)
+    _trace(trace, sessions=24, turns=4)
     return pd_itl, pd_itl.trace_sim(str(trace), ["--block-size", "64", "--prefill", "1", "--decode", str(decode),
-                                                 "--concurrency", "10"], policy, None)
+                                                 "--concurrency", "6"], policy, None)
 
 
 @pytest.mark.parametrize("policy", ["state_aware", "round_robin"])
@@ -51,7 +51,7 @@ def test_placement_matches_the_workers_at_route_and_at_join(tmp_path: Path, monk
 
     sim.router.route, sim._start_decode = route, start
     res = sim.run()
-    assert sum(r.finish >= 0 for r in res.records) == 48
+    assert sum(r.finish >= 0 for r in res.records) == 96
     assert any(expect_route.values()) and not all(expect_route.values()), "the trace exercises both outcomes"
     for rid, busy in expect_route.items():
         assert info[rid]["busy_at_route"] is busy

@@ -314,7 +314,7 @@ def test_peer_read_credit_sends_a_decode_nodes_sessions_to_the_pool_at_the_same_
                       retention="session")
     runs = {}
     for credit in (False, True):
-        res = Simulator(reqs, "state_aware", c, lanes=8, router_config={"peer_reads": credit}).run()
+        res = Simulator(reqs, "state_aware", c, lanes=2, router_config={"peer_reads": credit}).run()
         runs[credit] = [r for r in res.records if r.finish >= 0]
     assert len(runs[False]) == len(runs[True]) == len(reqs)
     assert any(r.reason.startswith("local_state") for r in runs[False])

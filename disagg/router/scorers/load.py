@@ -1,11 +1,13 @@
 """Load scorer: prefer workers with less queued prefill, decode, cache fill and sessions.
 
     q_n  = q_w / max(max_v q_v, q_floor)          queued prefill tokens (effective)
-    d_n  = d_w / max(max_v d_v, d_floor)          running decode context tokens
+    d_n  = d_w / max(max_v d_v, d_floor)          context tokens of running and inbound decodes
+    r_n  = r_w / max(max_v r_v, r_floor)          decode requests running and inbound
     s_n  = s_w / max(max_v s_v, s_floor)          active sessions placed here
     k_n  = k_w / max(max_v k_v, k_floor)          context tokens of those sessions
     a_n  = a_w / max(max_v a_v, a_floor)          time-averaged queued prefill
-    score_w = 1 - (a * q_n + b * d_n + c * util_w + e * s_n + f * k_n + g * a_n) / (a + ... + g)   in [0, 1]
+    score_w = 1 - (a * q_n + b * d_n + h * r_n + c * util_w + e * s_n + f * k_n + g * a_n)
+                  / (a + b + h + c + e + f + g)                                             in [0, 1]
 
 The floors keep tiny absolute differences (a few hundred tokens) from
 looking like a 100% imbalance when the cluster is idle. The loads are the
@@ -14,12 +16,22 @@ in-flight predictions, so the scorer reacts to a burst before the next
 stats report. The time-averaged queue (g) separates workers that are all
 idle right now by how much prefill they have carried lately.
 
+The decode requests (h; "inbound": prefilling in the pool for w or handing
+off to it, P/D) are the batch a request joins, counted as sequences: each
+one slows every step by its own per-sequence cost whatever its context,
+which the decode tokens (b) do not see. A worker with one long context and
+one with three short ones carry the same d_w; the second's steps are
+slower. Normalized by the busiest worker's count, one decode more is a
+large step where the decode side is lightly loaded, which is where a
+request's co-runners decide its inter-token latency (docs/router.md,
+"Round 28").
+
 Config example (YAML)::
 
-    load: {prefill_weight: 1.0, decode_weight: 0.5, cache_weight: 0.2, session_weight: 0.5,
-           session_tokens_weight: 0.0, queue_avg_weight: 1.0,
-           prefill_floor_tokens: 16384, decode_floor_tokens: 262144, session_floor: 4,
-           session_tokens_floor: 65536, queue_avg_floor_tokens: 1024}
+    load: {prefill_weight: 1.0, decode_weight: 0.5, requests_weight: 0.0, cache_weight: 0.2,
+           session_weight: 0.5, session_tokens_weight: 0.0, queue_avg_weight: 1.0,
+           prefill_floor_tokens: 16384, decode_floor_tokens: 262144, requests_floor: 1,
+           session_floor: 4, session_tokens_floor: 65536, queue_avg_floor_tokens: 1024}
 """
 
 from __future__ import annotations
@@ -36,13 +48,15 @@ from disagg.router.types import WorkerState
 @dataclass(slots=True)
 class LoadScorerConfig:
     prefill_weight: float = 1.0  # a: queued prefill tokens
-    decode_weight: float = 0.5  # b: running decode tokens
+    decode_weight: float = 0.5  # b: context tokens of running and inbound decodes
+    requests_weight: float = 0.0  # h: decode requests running and inbound
     cache_weight: float = 0.2  # c: device cache utilization
     session_weight: float = 0.5  # e: active sessions
     session_tokens_weight: float = 0.0  # f: context tokens of active sessions
     queue_avg_weight: float = 0.0  # g: time-averaged queued prefill tokens
     prefill_floor_tokens: float = 16384.0  # q_floor
     decode_floor_tokens: float = 262144.0  # d_floor
+    requests_floor: float = 1.0  # r_floor
     session_floor: float = 4.0  # s_floor
     session_tokens_floor: float = 65536.0  # k_floor
     queue_avg_floor_tokens: float = 1024.0  # a_floor
@@ -51,14 +65,14 @@ class LoadScorerConfig:
         ws = self.weights()
         if min(ws) < 0 or sum(ws) <= 0:
             raise ValueError("load weights must be >= 0 and not all zero")
-        floors = (self.prefill_floor_tokens, self.decode_floor_tokens, self.session_floor,
+        floors = (self.prefill_floor_tokens, self.decode_floor_tokens, self.requests_floor, self.session_floor,
                   self.session_tokens_floor, self.queue_avg_floor_tokens)
         if min(floors) <= 0:
             raise ValueError("load floors must be positive")
 
     def weights(self) -> tuple[float, ...]:
-        return (self.prefill_weight, self.decode_weight, self.cache_weight, self.session_weight,
-                self.session_tokens_weight, self.queue_avg_weight)
+        return (self.prefill_weight, self.decode_weight, self.requests_weight, self.cache_weight,
+                self.session_weight, self.session_tokens_weight, self.queue_avg_weight)
 
 
 class LoadScorer(ArrayScorer):
@@ -66,23 +80,31 @@ class LoadScorer(ArrayScorer):
 
     def __init__(self, config: LoadScorerConfig | None = None, **params: object):
         self.config = cfg = config or LoadScorerConfig(**params)  # type: ignore[arg-type]
-        terms = [  # (load row, weight, floor) of the max-normalized terms with a weight
-            (LOAD_ROW["prefill_tokens"], cfg.prefill_weight, cfg.prefill_floor_tokens),
-            (LOAD_ROW["decode_tokens"], cfg.decode_weight, cfg.decode_floor_tokens),
-            (LOAD_ROW["active_sessions"], cfg.session_weight, cfg.session_floor),
-            (LOAD_ROW["session_tokens"], cfg.session_tokens_weight, cfg.session_tokens_floor),
-            (LOAD_ROW["queue_avg"], cfg.queue_avg_weight, cfg.queue_avg_floor_tokens),
+        terms = [  # (load rows summed, weight, floor) of the max-normalized terms with a weight
+            (("prefill_tokens",), cfg.prefill_weight, cfg.prefill_floor_tokens),
+            (("decode_tokens",), cfg.decode_weight, cfg.decode_floor_tokens),
+            (("decode_requests", "inbound_decodes"), cfg.requests_weight, cfg.requests_floor),
+            (("active_sessions",), cfg.session_weight, cfg.session_floor),
+            (("session_tokens",), cfg.session_tokens_weight, cfg.session_tokens_floor),
+            (("queue_avg",), cfg.queue_avg_weight, cfg.queue_avg_floor_tokens),
         ]
         terms = [t for t in terms if t[1] > 0]
         total = sum(cfg.weights())
-        self._rows = np.array([t[0] for t in terms], np.intp)  # an index array: no list conversion per call
+        # index arrays (no list conversion per call): each term's first row, then the (term, row) pairs
+        # added to it
+        self._rows = np.array([LOAD_ROW[t[0][0]] for t in terms], np.intp)
+        added = [(i, LOAD_ROW[r]) for i, t in enumerate(terms) for r in t[0][1:]]
+        self._added_terms = np.array([i for i, _ in added], np.intp)
+        self._added_rows = np.array([r for _, r in added], np.intp)
         self._weights = np.array([t[1] for t in terms]) / total
         self._floors = np.array([t[2] for t in terms])
         self._cache_weight = cfg.cache_weight / total
 
     def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
         x = ctx.view(workers).loads
-        terms = x[self._rows]
+        terms = x[self._rows]  # a copy
+        if len(self._added_rows):
+            np.add.at(terms, self._added_terms, x[self._added_rows])
         pressure = (self._weights / np.maximum(np.maximum.reduce(terms, axis=1), self._floors)) @ terms
         if self._cache_weight:
             pressure += self._cache_weight * np.minimum(np.maximum(x[LOAD_ROW["cache_utilization"]], 0.0), 1.0)
