@@ -19,9 +19,9 @@ idle right now by how much prefill they have carried lately.
 The decode requests (h; "inbound": prefilling in the pool for w or handing
 off to it, P/D) are the batch a request joins, counted as sequences: each
 one slows every step by its own per-sequence cost whatever its context,
-which the decode tokens (b) do not see. A worker with one long context and
-one with three short ones carry the same d_w; the second's steps are
-slower. Normalized by the busiest worker's count, one decode more is a
+which the decode tokens (b) do not see. A worker decoding one long context
+and one decoding three short ones can carry the same d_w; the second's
+steps are slower. Normalized by the busiest worker's count, one decode more is a
 large step where the decode side is lightly loaded, which is where a
 request's co-runners decide its inter-token latency (docs/router.md,
 "Round 28").
