@@ -373,6 +373,18 @@ def test_load_scorer_counts_decode_requests(params, loads, expect):
     assert LoadScorer(**{**ONLY, **params}).score(ctx, W3) == pytest.approx(expect)
 
 
+def test_default_decode_profile_spreads_decodes_by_count_where_tokens_tie():
+    """The P/D decode profile's default: two decode workers carry the same decode tokens, one as a
+    single long context, the other as three decodes (one running, two on their way from the pool).
+    The request joins the single decode: every sequence slows each step ("Round 28")."""
+    dec = [WorkerState("a", role="decode", node_id="n1"), WorkerState("b", role="decode", node_id="n1")]
+    loads = {"a": EffectiveLoad(decode_tokens=120000, decode_requests=1, inbound_decodes=2),
+             "b": EffectiveLoad(decode_tokens=120000, decode_requests=1)}
+    res = build_profiles()["decode"].run(_ctx(loads=loads, phase="decode", prompt_len=4096), dec)
+    assert res.picked == "b"
+    assert res.per_scorer["load"][1] > res.per_scorer["load"][0]
+
+
 def test_load_scorer_rejects_all_zero_weights():
     with pytest.raises(ValueError):
         LoadScorer(**ONLY)
