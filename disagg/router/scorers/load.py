@@ -21,10 +21,10 @@ off to it, P/D) are the batch a request joins, counted as sequences: each
 one slows every step by its own per-sequence cost whatever its context,
 which the decode tokens (b) do not see. A worker decoding one long context
 and one decoding three short ones can carry the same d_w; the second's
-steps are slower. Normalized by the busiest worker's count, one decode more is a
-large step where the decode side is lightly loaded, which is where a
-request's co-runners decide its inter-token latency (docs/router.md,
-"Round 28").
+steps are slower. Normalized by the busiest worker's count, one decode
+more is a large step where the decode side is lightly loaded, which is
+where a request's co-runners decide its inter-token latency
+(docs/router.md, "Round 28").
 
 Config example (YAML)::
 
@@ -75,27 +75,27 @@ class LoadScorerConfig:
                 self.session_weight, self.session_tokens_weight, self.queue_avg_weight)
 
 
+_REQUESTS = LOAD_ROW["decode_requests"]
+_INBOUND = LOAD_ROW["inbound_decodes"]
+
+
 class LoadScorer(ArrayScorer):
     name = "load"
 
     def __init__(self, config: LoadScorerConfig | None = None, **params: object):
         self.config = cfg = config or LoadScorerConfig(**params)  # type: ignore[arg-type]
-        terms = [  # (load rows summed, weight, floor) of the max-normalized terms with a weight
-            (("prefill_tokens",), cfg.prefill_weight, cfg.prefill_floor_tokens),
-            (("decode_tokens",), cfg.decode_weight, cfg.decode_floor_tokens),
-            (("decode_requests", "inbound_decodes"), cfg.requests_weight, cfg.requests_floor),
-            (("active_sessions",), cfg.session_weight, cfg.session_floor),
-            (("session_tokens",), cfg.session_tokens_weight, cfg.session_tokens_floor),
-            (("queue_avg",), cfg.queue_avg_weight, cfg.queue_avg_floor_tokens),
+        terms = [  # (load row, weight, floor) of the max-normalized terms with a weight
+            (LOAD_ROW["prefill_tokens"], cfg.prefill_weight, cfg.prefill_floor_tokens),
+            (LOAD_ROW["decode_tokens"], cfg.decode_weight, cfg.decode_floor_tokens),
+            (_REQUESTS, cfg.requests_weight, cfg.requests_floor),  # plus the inbound decodes (score_array)
+            (LOAD_ROW["active_sessions"], cfg.session_weight, cfg.session_floor),
+            (LOAD_ROW["session_tokens"], cfg.session_tokens_weight, cfg.session_tokens_floor),
+            (LOAD_ROW["queue_avg"], cfg.queue_avg_weight, cfg.queue_avg_floor_tokens),
         ]
         terms = [t for t in terms if t[1] > 0]
         total = sum(cfg.weights())
-        # index arrays (no list conversion per call): each term's first row, then the (term, row) pairs
-        # added to it
-        self._rows = np.array([LOAD_ROW[t[0][0]] for t in terms], np.intp)
-        added = [(i, LOAD_ROW[r]) for i, t in enumerate(terms) for r in t[0][1:]]
-        self._added_terms = np.array([i for i, _ in added], np.intp)
-        self._added_rows = np.array([r for _, r in added], np.intp)
+        self._rows = np.array([t[0] for t in terms], np.intp)  # an index array: no list conversion per call
+        self._requests = next((i for i, t in enumerate(terms) if t[0] == _REQUESTS), None)  # its term, if weighed
         self._weights = np.array([t[1] for t in terms]) / total
         self._floors = np.array([t[2] for t in terms])
         self._cache_weight = cfg.cache_weight / total
@@ -103,8 +103,8 @@ class LoadScorer(ArrayScorer):
     def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
         x = ctx.view(workers).loads
         terms = x[self._rows]  # a copy
-        if len(self._added_rows):
-            np.add.at(terms, self._added_terms, x[self._added_rows])
+        if self._requests is not None:
+            terms[self._requests] += x[_INBOUND]
         pressure = (self._weights / np.maximum(np.maximum.reduce(terms, axis=1), self._floors)) @ terms
         if self._cache_weight:
             pressure += self._cache_weight * np.minimum(np.maximum(x[LOAD_ROW["cache_utilization"]], 0.0), 1.0)
