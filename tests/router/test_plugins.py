@@ -373,6 +373,29 @@ def test_load_scorer_counts_decode_requests(params, loads, expect):
     assert LoadScorer(**{**ONLY, **params}).score(ctx, W3) == pytest.approx(expect)
 
 
+@pytest.mark.parametrize("prompt_len, expect", [
+    (8192, {"a": 0.25, "b": 0.5, "c": 1.0}),  # at the bound: both terms, weighed 1:1
+    (8193, {"a": 0.5, "b": 0.0, "c": 1.0}),  # past it: the scorer without the requests term
+])
+def test_load_scorer_requests_term_applies_up_to_its_prompt_length(prompt_len, expect):
+    """Past ``requests_max_prompt_tokens`` the load scorer is the one without the requests term,
+    its other weights as they would be without it: a long context is not moved off its state
+    for a count of co-runners."""
+    loads = {"a": EffectiveLoad(queue_avg=2048, decode_requests=2), "b": EffectiveLoad(queue_avg=4096),
+             "c": EffectiveLoad()}
+    gated = LoadScorer(**{**ONLY, "queue_avg_weight": 1.0, "requests_weight": 1.0,
+                          "requests_max_prompt_tokens": 8192})
+    ctx = _ctx(loads=loads, prompt_len=prompt_len)
+    assert gated.score(ctx, W3) == pytest.approx(expect)
+    if prompt_len > 8192:
+        assert gated.score(ctx, W3) == LoadScorer(**{**ONLY, "queue_avg_weight": 1.0}).score(ctx, W3)
+
+
+def test_load_scorer_rejects_a_negative_prompt_bound():
+    with pytest.raises(ValueError):
+        LoadScorer(requests_weight=1.0, requests_max_prompt_tokens=-1)
+
+
 def test_default_decode_profile_spreads_decodes_by_count_where_tokens_tie():
     """The P/D decode profile's default: two decode workers carry the same decode tokens, one as a
     single long context, the other as three decodes (one running, two on their way from the pool).

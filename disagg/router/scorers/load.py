@@ -24,13 +24,19 @@ and one decoding three short ones can carry the same d_w; the second's
 steps are slower. Normalized by the busiest worker's count, one decode
 more is a large step where the decode side is lightly loaded, which is
 where a request's co-runners decide its inter-token latency
-(docs/router.md, "Round 28").
+(docs/router.md, "Round 28"). ``requests_max_prompt_tokens`` limits the term
+to prompts up to that length: past it the scorer is the one without h (its
+other weights as they are without it). In aggregated placement a long
+context that leaves its worker for a count of co-runners leaves a second
+copy on a device and pushes other sessions' state out (docs/router.md,
+"Round 29"). Neither default profile sets it.
 
 Config example (YAML)::
 
     load: {prefill_weight: 1.0, decode_weight: 0.5, requests_weight: 0.0, cache_weight: 0.2,
            session_weight: 0.5, session_tokens_weight: 0.0, queue_avg_weight: 1.0,
            prefill_floor_tokens: 16384, decode_floor_tokens: 262144, requests_floor: 1,
+           requests_max_prompt_tokens: .inf,
            session_floor: 4, session_tokens_floor: 65536, queue_avg_floor_tokens: 1024}
 """
 
@@ -57,6 +63,7 @@ class LoadScorerConfig:
     prefill_floor_tokens: float = 16384.0  # q_floor
     decode_floor_tokens: float = 262144.0  # d_floor
     requests_floor: float = 1.0  # r_floor
+    requests_max_prompt_tokens: float = float("inf")  # h applies to prompts up to this many tokens
     session_floor: float = 4.0  # s_floor
     session_tokens_floor: float = 65536.0  # k_floor
     queue_avg_floor_tokens: float = 1024.0  # a_floor
@@ -69,6 +76,8 @@ class LoadScorerConfig:
                   self.session_tokens_floor, self.queue_avg_floor_tokens)
         if min(floors) <= 0:
             raise ValueError("load floors must be positive")
+        if self.requests_max_prompt_tokens < 0:
+            raise ValueError("requests_max_prompt_tokens must be >= 0")
 
     def weights(self) -> tuple[float, ...]:
         return (self.prefill_weight, self.decode_weight, self.requests_weight, self.cache_weight,
@@ -99,13 +108,25 @@ class LoadScorer(ArrayScorer):
         self._weights = np.array([t[1] for t in terms]) / total
         self._floors = np.array([t[2] for t in terms])
         self._cache_weight = cfg.cache_weight / total
+        self._max_prompt = cfg.requests_max_prompt_tokens
+        self._without = None  # (rows, weights, floors, cache weight) of the scorer without h: longer prompts
+        if self._requests is not None and self._max_prompt < float("inf"):
+            keep = [i for i in range(len(terms)) if i != self._requests]
+            rest = total - cfg.requests_weight
+            self._without = (self._rows[keep], self._weights[keep] * total / rest, self._floors[keep],
+                             cfg.cache_weight / rest)
 
     def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
         x = ctx.view(workers).loads
-        terms = x[self._rows]  # a copy
-        if self._requests is not None:
-            terms[self._requests] += x[_INBOUND]
-        pressure = (self._weights / np.maximum(np.maximum.reduce(terms, axis=1), self._floors)) @ terms
-        if self._cache_weight:
-            pressure += self._cache_weight * np.minimum(np.maximum(x[LOAD_ROW["cache_utilization"]], 0.0), 1.0)
+        if self._without is not None and ctx.request.prompt_len > self._max_prompt:
+            rows, weights, floors, cache_weight = self._without
+            terms = x[rows]
+        else:
+            rows, weights, floors, cache_weight = self._rows, self._weights, self._floors, self._cache_weight
+            terms = x[rows]  # a copy
+            if self._requests is not None:
+                terms[self._requests] += x[_INBOUND]
+        pressure = (weights / np.maximum(np.maximum.reduce(terms, axis=1), floors)) @ terms
+        if cache_weight:
+            pressure += cache_weight * np.minimum(np.maximum(x[LOAD_ROW["cache_utilization"]], 0.0), 1.0)
         return np.minimum(np.maximum(1.0 - pressure, 0.0), 1.0)  # clip, without its Python wrapper
