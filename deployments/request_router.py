@@ -409,6 +409,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                            inbound_decode_requests=load.get("inbound_decode_requests", 0),
                            inbound_decode_tokens=load.get("inbound_decode_tokens", 0),
                            cache_utilization=min(1.0, max(0.0, load.get("cache_utilization", 0.0))),
+                           device_tokens=max(0, int(load.get("device_tokens", 0))),
                            # the report's age on this policy's clock (replicas stamp wall time)
                            updated_at=_wall_to_clock(self._policy, stats.get("time", time.time())))
 

@@ -41,6 +41,7 @@ class WorkerState:
     #                                   or whose hand-off is still arriving: they join its batch next
     inbound_decode_tokens: int = 0  # their prompt tokens
     cache_utilization: float = 0.0  # device KV cache fill, 0..1
+    device_tokens: int = 0  # device KV capacity in tokens (0: not reported)
     healthy: bool = True  # passes health checks
     updated_at: float = 0.0  # time the stats were taken (router clock)
 

@@ -379,7 +379,8 @@ def test_a_report_taken_before_a_request_ended_stops_counting_it_once_the_ingres
         time.sleep(0.01)
         stats = rr._replicas[picked].routing_stats
         stats["time"] = time.time()  # taken while it decoded
-        stats["load"] = {"running_decode_requests": 1, "running_decode_tokens": len(PROMPT) + 2}
+        stats["load"] = {"running_decode_requests": 1, "running_decode_tokens": len(PROMPT) + 2,
+                         "device_tokens": 4096}
         time.sleep(0.01)
         live = dict(router_metrics.LIVE_POLICIES)
         router_metrics.LIVE_POLICIES.clear()
@@ -390,6 +391,7 @@ def test_a_report_taken_before_a_request_ended_stops_counting_it_once_the_ingres
             router_metrics.LIVE_POLICIES.clear()
             router_metrics.LIVE_POLICIES.update(live)
         workers = [rr._sync(r) for r in rr._replicas.values()]
+        assert {w.worker_id: w.device_tokens for w in workers}[picked] == 4096  # what the replica reported
         load = rr._policy.effective_loads(workers, rr._policy.clock())[picked]
         assert (load.decode_requests, load.decode_tokens) == ((0.0, 2.0) if served else (1.0, len(PROMPT) + 2.0))
 

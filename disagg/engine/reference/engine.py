@@ -653,7 +653,8 @@ class ReferenceEngine:
                 "queued_prefill_requests": len(self._waiting) + len(self._running) - len(decodes),
                 "running_decode_requests": len(decodes),
                 "running_decode_tokens": sum(len(r.token_ids) for r in decodes),
-                "cache_utilization": 1.0 - self.cache.blocks.num_free / self.geometry.num_blocks}
+                "cache_utilization": 1.0 - self.cache.blocks.num_free / self.geometry.num_blocks,
+                "device_tokens": self.geometry.num_blocks * self.block_size}
 
     def stats(self) -> dict:
         return dict(self.counters, free_blocks=self.cache.blocks.num_free, num_blocks=self.geometry.num_blocks,

@@ -55,7 +55,7 @@ class EngineView:
         o = self._owner
         return {"queued_prefill_tokens": o.queued_prefill_tokens, "queued_prefill_requests": o.num_prefilling,
                 "running_decode_requests": o.num_live - o.num_prefilling, "running_decode_tokens": 0,
-                "cache_utilization": 0.0}
+                "cache_utilization": 0.0, "device_tokens": o.device_tokens}
 
     def stats(self) -> dict:
         return dict(self._owner.counters, live=self._owner.num_live, time=time.time())
@@ -86,6 +86,7 @@ class VLLMEngine:
         self.num_live = 0
         self.num_prefilling = 0
         self.queued_prefill_tokens = 0
+        self.device_tokens = 0  # KV capacity in tokens, once vLLM has sized its cache (start)
         self.llm = None
         if start:
             self.start()
@@ -102,6 +103,8 @@ class VLLMEngine:
             raise ValueError(f"vLLM chose block_size {vc.cache_config.block_size}; set engine.block_size to it "
                              "so the router's keys match the connector's")
         self.eos_token_id = getattr(vc.model_config.hf_config, "eos_token_id", None)
+        # the front end's copy of the cache config holds the blocks the engine core allocated
+        self.device_tokens = int(vc.cache_config.num_gpu_blocks or 0) * self.block_size
 
     @staticmethod
     def sampling_params(request: EngineRequest, kv_transfer_params: dict | None = None):

@@ -123,7 +123,7 @@ class SimWorker:
         self.sim = sim
         self.macro_steps = macro_steps
         self.block_size = block_size
-        self.state = WorkerState(worker_id, role, node_id)  # NOTE 4
+        self.state = WorkerState(worker_id, role, node_id, device_tokens=device.capacity * block_size)  # NOTE 4
         self.prefill_q: deque[SimJob] = deque()
         self.decode_wait: deque[SimJob] = deque()
         self._batch: list[tuple[int, int, SimJob]] = []  # heap of (end_step, seq, job)

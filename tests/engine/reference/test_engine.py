@@ -130,6 +130,14 @@ def test_preemption_under_memory_pressure_keeps_outputs(model):
     assert eng.cache.blocks.num_free == eng.geometry.num_blocks
 
 
+def test_load_reports_the_device_capacity_in_tokens(model):
+    """A router bounds per-request terms by a share of the device (``device_tokens``)."""
+    eng = make_engine(model, cache_budget_bytes=8 << 20)
+    load = eng.load()
+    assert load["device_tokens"] == eng.geometry.num_blocks * eng.block_size > 0
+    assert load["cache_utilization"] == 0.0
+
+
 def test_refuses_requests_that_can_never_fit(model):
     eng = make_engine(model, cache_budget_bytes=8 << 20)
     too_long = eng.max_tokens_per_request
