@@ -391,9 +391,31 @@ def test_load_scorer_requests_term_applies_up_to_its_prompt_length(prompt_len, e
         assert gated.score(ctx, W3) == LoadScorer(**{**ONLY, "queue_avg_weight": 1.0}).score(ctx, W3)
 
 
+@pytest.mark.parametrize("devices, prompt_len, gated", [
+    ((65536, 65536, 65536), 8192, False),  # an eighth of the device: the term counts
+    ((65536, 65536, 65536), 8193, True),
+    ((65536, 32768, 0), 4097, True),  # the smallest reported device bounds it; 0 is unreported
+    ((0, 0, 0), 1, True),  # no candidate reports its device: the term stays out
+])
+def test_load_scorer_requests_term_applies_up_to_a_share_of_the_device(devices, prompt_len, gated):
+    """``requests_max_prompt_share`` bounds the term by a share of the smallest device among the
+    candidates: what a moved context's second copy takes of a device, not a token count, decides
+    (docs/router.md, "Round 29")."""
+    workers = [WorkerState(w.worker_id, node_id=w.node_id, device_tokens=d) for w, d in zip(W3, devices, strict=True)]
+    loads = {"a": EffectiveLoad(queue_avg=2048, decode_requests=2), "b": EffectiveLoad(queue_avg=4096),
+             "c": EffectiveLoad()}
+    params = {**ONLY, "queue_avg_weight": 1.0, "requests_weight": 1.0}
+    ctx = _ctx(loads=loads, prompt_len=prompt_len)
+    got = LoadScorer(**params, requests_max_prompt_share=0.125).score(ctx, workers)
+    want = LoadScorer(**{**params, "requests_weight": 0.0} if gated else params).score(ctx, workers)
+    assert got == pytest.approx(want)
+
+
 def test_load_scorer_rejects_a_negative_prompt_bound():
     with pytest.raises(ValueError):
         LoadScorer(requests_weight=1.0, requests_max_prompt_tokens=-1)
+    with pytest.raises(ValueError):
+        LoadScorer(requests_weight=1.0, requests_max_prompt_share=-0.5)
 
 
 def test_default_decode_profile_spreads_decodes_by_count_where_tokens_tie():

@@ -24,19 +24,24 @@ and one decoding three short ones can carry the same d_w; the second's
 steps are slower. Normalized by the busiest worker's count, one decode
 more is a large step where the decode side is lightly loaded, which is
 where a request's co-runners decide its inter-token latency
-(docs/router.md, "Round 28"). ``requests_max_prompt_tokens`` limits the term
-to prompts up to that length: past it the scorer is the one without h (its
-other weights as they are without it). In aggregated placement a long
-context that leaves its worker for a count of co-runners leaves a second
-copy on a device and pushes other sessions' state out (docs/router.md,
-"Round 29"). Neither default profile sets it.
+(docs/router.md, "Round 28").
+
+``requests_max_prompt_share`` limits the term to prompts up to that share of
+the smallest device among the candidates (``WorkerState.device_tokens``;
+where none reports one, the term stays out), ``requests_max_prompt_tokens``
+to a token count: past the bound the scorer is the one without h, its other
+weights as they are without it. In aggregated placement a long context that
+leaves its worker for a count of co-runners leaves a second copy on a
+device and pushes other sessions' state out; what that copy takes of a
+device decides, not its length (profile "both": an eighth; docs/router.md,
+"Round 29").
 
 Config example (YAML)::
 
     load: {prefill_weight: 1.0, decode_weight: 0.5, requests_weight: 0.0, cache_weight: 0.2,
            session_weight: 0.5, session_tokens_weight: 0.0, queue_avg_weight: 1.0,
            prefill_floor_tokens: 16384, decode_floor_tokens: 262144, requests_floor: 1,
-           requests_max_prompt_tokens: .inf,
+           requests_max_prompt_tokens: .inf, requests_max_prompt_share: .inf,
            session_floor: 4, session_tokens_floor: 65536, queue_avg_floor_tokens: 1024}
 """
 
@@ -64,6 +69,7 @@ class LoadScorerConfig:
     decode_floor_tokens: float = 262144.0  # d_floor
     requests_floor: float = 1.0  # r_floor
     requests_max_prompt_tokens: float = float("inf")  # h applies to prompts up to this many tokens
+    requests_max_prompt_share: float = float("inf")  # ... and up to this share of the candidates' devices
     session_floor: float = 4.0  # s_floor
     session_tokens_floor: float = 65536.0  # k_floor
     queue_avg_floor_tokens: float = 1024.0  # a_floor
@@ -76,8 +82,8 @@ class LoadScorerConfig:
                   self.session_tokens_floor, self.queue_avg_floor_tokens)
         if min(floors) <= 0:
             raise ValueError("load floors must be positive")
-        if self.requests_max_prompt_tokens < 0:
-            raise ValueError("requests_max_prompt_tokens must be >= 0")
+        if min(self.requests_max_prompt_tokens, self.requests_max_prompt_share) < 0:
+            raise ValueError("requests_max_prompt_tokens and requests_max_prompt_share must be >= 0")
 
     def weights(self) -> tuple[float, ...]:
         return (self.prefill_weight, self.decode_weight, self.requests_weight, self.cache_weight,
@@ -109,8 +115,9 @@ class LoadScorer(ArrayScorer):
         self._floors = np.array([t[2] for t in terms])
         self._cache_weight = cfg.cache_weight / total
         self._max_prompt = cfg.requests_max_prompt_tokens
+        self._max_share = cfg.requests_max_prompt_share
         self._without = None  # (rows, weights, floors, cache weight) of the scorer without h: longer prompts
-        if self._requests is not None and self._max_prompt < float("inf"):
+        if self._requests is not None and min(self._max_prompt, self._max_share) < float("inf"):
             keep = [i for i in range(len(terms)) if i != self._requests]
             rest = total - cfg.requests_weight
             self._without = (self._rows[keep], self._weights[keep] * total / rest, self._floors[keep],
@@ -118,7 +125,7 @@ class LoadScorer(ArrayScorer):
 
     def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
         x = ctx.view(workers).loads
-        if self._without is not None and ctx.request.prompt_len > self._max_prompt:
+        if self._without is not None and self._past_bound(ctx.request.prompt_len, workers):
             rows, weights, floors, cache_weight = self._without
             terms = x[rows]
         else:
@@ -130,3 +137,14 @@ class LoadScorer(ArrayScorer):
         if cache_weight:
             pressure += cache_weight * np.minimum(np.maximum(x[LOAD_ROW["cache_utilization"]], 0.0), 1.0)
         return np.minimum(np.maximum(1.0 - pressure, 0.0), 1.0)  # clip, without its Python wrapper
+
+    def _past_bound(self, prompt_len: int, workers: list[WorkerState]) -> bool:
+        """Is the prompt longer than the requests term's bound (tokens, or a share of the smallest
+        device among the candidates that report one)? Where none reports its device, a share bound
+        leaves the term out: unbounded, it moves long contexts (docs/router.md, "Round 29")."""
+        if prompt_len > self._max_prompt:
+            return True
+        if self._max_share == float("inf"):
+            return False
+        devices = [w.device_tokens for w in workers if w.device_tokens > 0]
+        return not devices or prompt_len > self._max_share * min(devices)
