@@ -58,6 +58,17 @@ BALANCE_LOAD: dict[str, Any] = {
     "params": {"prefill_weight": 0.0, "decode_weight": 0.25, "cache_weight": 0.0, "session_weight": 0.0,
                "queue_avg_weight": 1.0},
 }
+# Aggregated placement also counts the decodes running on a worker as sequences (the load scorer's
+# requests term, weight 0.5: each slows every step whatever its context), for prompts up to an eighth
+# of the candidates' devices. Past that, moving a context off the worker that holds it for a count of
+# co-runners leaves a second copy on a device and pushes other sessions' state out: unbounded, the
+# term slowed the held-out long documents' TTFT P90 on every seed tried. Bounded, cells that meet every
+# figure: Mooncake family 16 workers 38 -> 41 of 48 (seeds 25-36, never tuned on: 18 -> 19 of 24),
+# 64 workers 13 -> 18 of 24; the held-out sets and the suite keep theirs (docs/router.md, "Round 29").
+AGGREGATED_LOAD: dict[str, Any] = {
+    "weight": 1.0,
+    "params": {**BALANCE_LOAD["params"], "requests_weight": 0.5, "requests_max_prompt_share": 0.125},
+}
 # Aggregated placement also prices the decode time a placement costs (decode, in seconds, see
 # disagg.router.scorers.decode); a node mate reads a session's state from the shared host tier
 # (the prefix scorer already charges the read's time), so its host credit is close to a device
@@ -88,7 +99,7 @@ AGGREGATED_PREFIX: dict[str, Any] = {
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "both": {
         "filters": ["healthy", "role", "load_guard"],
-        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": BALANCE_LOAD,
+        "scorers": {"prefix": AGGREGATED_PREFIX, "wait": 1.5, "load": AGGREGATED_LOAD,
                     "decode": {"weight": 28.0, "params": {"count_joined": True}},
                     "affinity": 0.1},
     },

@@ -411,6 +411,20 @@ def test_load_scorer_requests_term_applies_up_to_a_share_of_the_device(devices, 
     assert got == pytest.approx(want)
 
 
+def test_default_aggregated_profile_counts_decodes_for_prompts_up_to_an_eighth_of_the_device():
+    """Aggregated placement's default: two workers carry the same decode tokens, one as three decodes,
+    the other as one. A short prompt's load score prefers the single decode; a prompt past an eighth
+    of the device (16K of 128K tokens) is scored without the count ("Round 29")."""
+    both = [WorkerState("a", node_id="n1", device_tokens=131072), WorkerState("b", node_id="n1", device_tokens=131072)]
+    loads = {"a": EffectiveLoad(decode_tokens=60000, decode_requests=3),
+             "b": EffectiveLoad(decode_tokens=60000, decode_requests=1)}
+    profile = build_profiles()["both"]
+    short = profile.run(_ctx(loads=loads, prompt_len=4096), both).per_scorer["load"]
+    assert short[1] > short[0]
+    long = profile.run(_ctx(loads=loads, prompt_len=16385), both).per_scorer["load"]
+    assert long[0] == long[1]
+
+
 def test_load_scorer_rejects_a_negative_prompt_bound():
     with pytest.raises(ValueError):
         LoadScorer(requests_weight=1.0, requests_max_prompt_tokens=-1)
