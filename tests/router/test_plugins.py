@@ -425,6 +425,12 @@ def test_default_aggregated_profile_counts_decodes_for_prompts_up_to_an_eighth_o
     assert long[0] == long[1]
 
 
+def test_a_bounded_requests_term_alone_puts_no_pressure_past_its_bound():
+    ctx = _ctx(loads={"a": EffectiveLoad(decode_requests=2)}, prompt_len=9000)
+    only = LoadScorer(**ONLY, requests_weight=1.0, requests_max_prompt_tokens=8192)
+    assert only.score(ctx, W3) == {"a": 1.0, "b": 1.0, "c": 1.0}
+
+
 def test_load_scorer_rejects_a_negative_prompt_bound():
     with pytest.raises(ValueError):
         LoadScorer(requests_weight=1.0, requests_max_prompt_tokens=-1)

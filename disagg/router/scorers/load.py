@@ -119,9 +119,10 @@ class LoadScorer(ArrayScorer):
         self._without = None  # (rows, weights, floors, cache weight) of the scorer without h: longer prompts
         if self._requests is not None and min(self._max_prompt, self._max_share) < float("inf"):
             keep = [i for i in range(len(terms)) if i != self._requests]
-            rest = total - cfg.requests_weight
-            self._without = (self._rows[keep], self._weights[keep] * total / rest, self._floors[keep],
-                             cfg.cache_weight / rest)
+            rest = total - cfg.requests_weight  # 0 when the term is the only one: then no pressure past the bound
+            scale = total / rest if rest > 0 else 0.0
+            self._without = (self._rows[keep], self._weights[keep] * scale, self._floors[keep],
+                             cfg.cache_weight * scale / total)
 
     def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
         x = ctx.view(workers).loads
