@@ -47,7 +47,7 @@ Config example (YAML)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -116,27 +116,21 @@ class LoadScorer(ArrayScorer):
         self._cache_weight = cfg.cache_weight / total
         self._max_prompt = cfg.requests_max_prompt_tokens
         self._max_share = cfg.requests_max_prompt_share
-        self._without = None  # (rows, weights, floors, cache weight) of the scorer without h: longer prompts
-        if self._requests is not None and min(self._max_prompt, self._max_share) < float("inf"):
-            keep = [i for i in range(len(terms)) if i != self._requests]
-            rest = total - cfg.requests_weight  # 0 when the term is the only one: then no pressure past the bound
-            scale = total / rest if rest > 0 else 0.0
-            self._without = (self._rows[keep], self._weights[keep] * scale, self._floors[keep],
-                             cfg.cache_weight * scale / total)
+        # past the bound: the scorer without h (None where h is its only weight: no pressure there)
+        self._bounded = self._requests is not None and min(self._max_prompt, self._max_share) < float("inf")
+        self._without = LoadScorer(replace(cfg, requests_weight=0.0)) \
+            if self._bounded and total > cfg.requests_weight else None
 
     def score_array(self, ctx: RoutingContext, workers: list[WorkerState]) -> np.ndarray:
+        if self._bounded and self._past_bound(ctx.request.prompt_len, workers):
+            return self._without.score_array(ctx, workers) if self._without else np.ones(len(workers))
         x = ctx.view(workers).loads
-        if self._without is not None and self._past_bound(ctx.request.prompt_len, workers):
-            rows, weights, floors, cache_weight = self._without
-            terms = x[rows]
-        else:
-            rows, weights, floors, cache_weight = self._rows, self._weights, self._floors, self._cache_weight
-            terms = x[rows]  # a copy
-            if self._requests is not None:
-                terms[self._requests] += x[_INBOUND]
-        pressure = (weights / np.maximum(np.maximum.reduce(terms, axis=1), floors)) @ terms
-        if cache_weight:
-            pressure += cache_weight * np.minimum(np.maximum(x[LOAD_ROW["cache_utilization"]], 0.0), 1.0)
+        terms = x[self._rows]  # a copy
+        if self._requests is not None:
+            terms[self._requests] += x[_INBOUND]
+        pressure = (self._weights / np.maximum(np.maximum.reduce(terms, axis=1), self._floors)) @ terms
+        if self._cache_weight:
+            pressure += self._cache_weight * np.minimum(np.maximum(x[LOAD_ROW["cache_utilization"]], 0.0), 1.0)
         return np.minimum(np.maximum(1.0 - pressure, 0.0), 1.0)  # clip, without its Python wrapper
 
     def _past_bound(self, prompt_len: int, workers: list[WorkerState]) -> bool:
