@@ -52,6 +52,8 @@ bound). Written: ``OUT/<shape>.jsonl`` (the trace), ``OUT/<shape>_<mode>.json``
     python benchmarks/heldout_shapes.py --out results/heldout --modes agg,pd --workers 16,64
     python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd --jobs 2
     python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd --seed-offset 1000
+    python benchmarks/heldout_shapes.py --out results/variant --shapes all --router-config CFG \
+        --reuse-baselines results/heldout                    # the router alone, against stored baselines
 """
 
 from __future__ import annotations
@@ -191,9 +193,9 @@ def cluster_args(mode: str, workers: int) -> list[str]:
     return ["--prefill", str(prefill), "--decode", str(workers - prefill)]
 
 
-def run(trace: Path, mode: str, extra: list[str], workers: int = 16) -> list[dict]:
+def run(trace: Path, mode: str, extra: list[str], workers: int = 16, policy: str = "all") -> list[dict]:
     cmd = [sys.executable, "-m", "disagg", "sim", "run", "--trace", str(trace), "--block-size", str(BLOCK),
-           "--policy", "all", "--json", *cluster_args(mode, workers), *extra]
+           "--policy", policy, "--json", *cluster_args(mode, workers), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr}")
@@ -238,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to every shape's seed: other traces of the same shapes (files and cells are "
                          "named <shape>+N)")
+    ap.add_argument("--reuse-baselines", metavar="DIR",
+                    help="take the baselines' rows from DIR (an earlier run of the same shapes and flags) and "
+                         "run only the state-aware router")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -266,16 +271,23 @@ def main(argv: list[str] | None = None) -> int:
         if not traces[name].exists():
             write_trace(replace(SHAPES[name], seed=SHAPES[name].seed + args.seed_offset), traces[name])
 
+    def label_of(name: str, workers: int, mode: str) -> str:
+        tag = traces[name].stem
+        return f"{tag}/{mode}" if workers == 16 else f"{tag}/{workers}/{mode}"
+
     def one(cell: tuple[str, int, str]) -> list[dict]:
         name, workers, mode = cell
+        stored = Path(args.reuse_baselines or "") / f"{label_of(*cell).replace('/', '_')}.json"
+        if args.reuse_baselines and stored.exists():  # the baselines as they ran; the router's row is new
+            baselines = [r for r in json.loads(stored.read_text()) if r["policy"] != "state_aware"]
+            return run(traces[name], mode, extra, workers, policy="state_aware") + baselines
         return run(traces[name], mode, extra, workers)
 
     summary: dict[str, dict] = {}
     with ThreadPoolExecutor(args.jobs) as pool:  # each cell is its own ``disagg sim run`` process
         done = tqdm(pool.map(one, cells), total=len(cells), desc="held-out shapes", unit="cell", file=sys.stderr)
-        for (name, workers, mode), rows in zip(cells, done, strict=True):  # printed in the cells' order
-            tag = traces[name].stem
-            label = f"{tag}/{mode}" if workers == 16 else f"{tag}/{workers}/{mode}"
+        for cell, rows in zip(cells, done, strict=True):  # printed in the cells' order
+            label = label_of(*cell)
             (out / f"{label.replace('/', '_')}.json").write_text(json.dumps(rows, indent=1))
             v = summary[label] = verdict(rows)
             print(f"\n{label} ({rows[0]['requests']} requests)")

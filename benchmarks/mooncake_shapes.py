@@ -21,6 +21,8 @@ Each trace's shape is drawn from its seed::
 
     python benchmarks/mooncake_shapes.py --out results/mooncake --seeds 1-12
     python benchmarks/mooncake_shapes.py --seeds 1,11 --clusters pd16 --modes open
+    python benchmarks/mooncake_shapes.py --out results/variant --seeds 1-12 --router-config CFG \
+        --reuse-baselines results/mooncake                   # the router alone, against stored baselines
 
 Writes ``<seed>.jsonl`` (the trace), ``runs.jsonl`` (every run's summary) and
 ``verdicts.json`` under ``--out``.
@@ -33,6 +35,7 @@ import json
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from router_suite import verdict
@@ -86,10 +89,11 @@ def trace(seed: int) -> tuple[dict, list[dict]]:
     return s, records
 
 
-def run_cell(path: Path, cluster: str, mode: str, extra: list[str] | None = None) -> dict[str, dict]:
-    """Every policy on one trace, one cluster, one replay mode: policy -> summary (``extra``: more
-    ``disagg sim run`` flags)."""
-    cmd = [sys.executable, "-m", "disagg", "sim", "run", "--trace", str(path), "--policy", "all", "--json",
+def run_cell(path: Path, cluster: str, mode: str, extra: list[str] | None = None,
+             policy: str = "all") -> dict[str, dict]:
+    """Every policy (or ``policy``) on one trace, one cluster, one replay mode: policy -> summary
+    (``extra``: more ``disagg sim run`` flags)."""
+    cmd = [sys.executable, "-m", "disagg", "sim", "run", "--trace", str(path), "--policy", policy, "--json",
            *CLUSTERS[cluster], *(["--mode", "open"] if mode == "open" else []), *(extra or [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = {}
@@ -108,7 +112,7 @@ def _seeds(text: str) -> list[int]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results/mooncake_shapes")
     ap.add_argument("--seeds", default="1-12", help="trace seeds: a comma list of numbers and ranges a-b")
@@ -119,7 +123,13 @@ def main() -> int:
                     help="passed to disagg sim run: what the router is told of outputs (default: the CLI's, none)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
                                             "(JSON text or a file)")
-    args = ap.parse_args()
+    ap.add_argument("--reuse-baselines", metavar="DIR",
+                    help="take the baselines' rows from DIR/runs.jsonl (an earlier run of the same seeds and "
+                         "flags) and run only the state-aware router")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
+    args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error("--jobs: at least 1")
     clusters, modes = args.clusters.split(","), args.modes.split(",")
     bad = [c for c in clusters if c not in CLUSTERS] + [m for m in modes if m not in MODES]
     if bad:
@@ -133,25 +143,41 @@ def main() -> int:
     cells = [(seed, c, m) for seed in seeds for m in modes for c in clusters]
     extra = (["--router-config", args.router_config] if args.router_config else []) + \
         (["--output-hint", args.output_hint] if args.output_hint else [])
+    reused: dict[str, dict[str, dict]] = {}
+    if args.reuse_baselines:
+        for line in (Path(args.reuse_baselines) / "runs.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r["policy"] != "state_aware":
+                reused.setdefault(r.pop("cell"), {})[r["policy"]] = r
     verdicts, passed = {}, 0
     with open(out / "runs.jsonl", "w") as runs:
-        for seed, cluster, mode in tqdm(cells, unit="cell", desc="mooncake shapes"):
+        for seed in dict.fromkeys(seed for seed, _, _ in cells):  # written first: the runs only read them
             path = out / f"{seed}.jsonl"
             if not path.exists():
                 s, records = trace(seed)
                 path.write_text("".join(json.dumps(x) + "\n" for x in records))
                 tqdm.write(f"trace {seed}: {len(records)} requests, {json.dumps(s)}")
-            rows = run_cell(path, cluster, mode, extra)
-            label = f"{seed}/{cluster}/{mode}"
-            for policy, summary in rows.items():
-                runs.write(json.dumps({"cell": label, "policy": policy, **summary}) + "\n")
-            v = verdict({"state_aware": rows.pop("state_aware"), **rows})
-            verdicts[label] = v
-            passed += v["pass"]
-            tqdm.write(f"{label:18} {'meets every figure' if v['pass'] else 'misses'}: TTFT P90 x{v['ttft_p90']:.3f} "
-                       f"({v['ttft_p90_best']}), P90 interactivity x{v['interactivity_p90']:.4f} "
-                       f"({v['interactivity_p90_best']}), tok/s/GPU x{v['tokens_per_s_per_gpu']:.3f}, "
-                       f"hit/bound {v['hit_vs_bound']:.3f}")
+
+        def one(cell: tuple[int, str, str]) -> dict[str, dict]:
+            seed, cluster, mode = cell
+            path, label = out / f"{seed}.jsonl", f"{seed}/{cluster}/{mode}"
+            if label in reused:  # the baselines as they ran before; the router's own row is new
+                return run_cell(path, cluster, mode, extra, policy="state_aware") | reused[label]
+            return run_cell(path, cluster, mode, extra)
+
+        with ThreadPoolExecutor(args.jobs) as pool:  # each cell is its own ``disagg sim run`` process
+            done = tqdm(pool.map(one, cells), total=len(cells), unit="cell", desc="mooncake shapes")
+            for (seed, cluster, mode), rows in zip(cells, done, strict=True):  # in the cells' order
+                label = f"{seed}/{cluster}/{mode}"
+                for policy, summary in rows.items():
+                    runs.write(json.dumps({"cell": label, "policy": policy, **summary}) + "\n")
+                v = verdict({"state_aware": rows.pop("state_aware"), **rows})
+                verdicts[label] = v
+                passed += v["pass"]
+                tqdm.write(f"{label:18} {'meets every figure' if v['pass'] else 'misses'}: TTFT P90 "
+                           f"x{v['ttft_p90']:.3f} ({v['ttft_p90_best']}), P90 interactivity "
+                           f"x{v['interactivity_p90']:.4f} ({v['interactivity_p90_best']}), tok/s/GPU "
+                           f"x{v['tokens_per_s_per_gpu']:.3f}, hit/bound {v['hit_vs_bound']:.3f}")
     (out / "verdicts.json").write_text(json.dumps(verdicts, indent=1, default=str))
     print(f"{passed}/{len(cells)} cells reach every figure")
     return 0

@@ -1,0 +1,102 @@
+"""A router change measured against stored baselines: ``--reuse-baselines`` and ``ab_verdicts.py``.
+
+The held-out and Mooncake-family scripts can run the state-aware router alone
+and take the baselines' rows from an earlier run. With the router unchanged
+that must give what the full run gave, row for row; with another router
+config only the router's row may change. ``benchmarks/ab_verdicts.py`` then
+reads either script's directory (and the suite's) and names the cells gained
+and lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.sim.test_pd_itl_oracle import BENCH
+
+# a router config the CLI accepts that places differently from the default: the prefix scorer alone
+GREEDY = json.dumps({"profiles": {"both": {"filters": ["healthy", "role"], "scorers": {"prefix": 1.0}}}})
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import ab_verdicts
+    import heldout_shapes
+    import mooncake_shapes
+
+    return heldout_shapes, mooncake_shapes, ab_verdicts
+
+
+def test_heldout_reuse_gives_the_full_runs_rows(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    held, _, ab = bench
+    monkeypatch.setitem(held.SHAPES, "rush", dataclasses.replace(held.SHAPES["rush"], sessions=10, turns=(2, 4)))
+    cli = ["--shapes", "rush", "--modes", "agg,pd"]
+    assert held.main(["--out", str(tmp_path / "full"), *cli]) == 0
+    assert held.main(["--out", str(tmp_path / "same"), *cli, "--reuse-baselines", str(tmp_path / "full")]) == 0
+    for cell in ("rush_agg", "rush_pd"):
+        full = json.loads((tmp_path / "full" / f"{cell}.json").read_text())
+        same = json.loads((tmp_path / "same" / f"{cell}.json").read_text())
+        assert [r["policy"] for r in same] == [r["policy"] for r in full]
+        assert [{k: v for k, v in r.items() if k != "wall_s"} for r in same] == \
+            [{k: v for k, v in r.items() if k != "wall_s"} for r in full]
+    capsys.readouterr()
+    assert ab.main([str(tmp_path / "full"), str(tmp_path / "same")]) == 0
+    text = capsys.readouterr().out
+    assert "gained: none" in text and "lost: none" in text and "rush/agg" not in text  # nothing moved
+
+    assert held.main(["--out", str(tmp_path / "greedy"), *cli, "--router-config", GREEDY,
+                      "--reuse-baselines", str(tmp_path / "full")]) == 0
+    full = json.loads((tmp_path / "full" / "rush_agg.json").read_text())
+    greedy = json.loads((tmp_path / "greedy" / "rush_agg.json").read_text())
+    assert greedy[1:] == full[1:] and greedy[0]["policy"] == "state_aware"
+    assert greedy[0]["hit_rate"] > full[0]["hit_rate"]  # load ignored: sessions pile where prefixes are
+    capsys.readouterr()
+    assert ab.main([str(tmp_path / "full"), str(tmp_path / "greedy")]) == 0
+    assert "rush/agg" in capsys.readouterr().out  # its figures moved, so the cell is printed
+
+
+def test_mooncake_reuse_gives_the_full_runs_rows(bench, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, mc, ab = bench
+    cli = ["--seeds", "32", "--clusters", "agg16", "--modes", "open"]  # 86 requests
+    assert mc.main(["--out", str(tmp_path / "full"), *cli]) == 0
+    assert mc.main(["--out", str(tmp_path / "same"), *cli, "--reuse-baselines", str(tmp_path / "full"),
+                    "--jobs", "2"]) == 0
+
+    def runs(name: str) -> dict[str, dict]:
+        rows = [json.loads(x) for x in (tmp_path / name / "runs.jsonl").read_text().splitlines()]
+        return {r["policy"]: {k: v for k, v in r.items() if k != "wall_s"} for r in rows}
+
+    assert runs("same") == runs("full")
+    assert json.loads((tmp_path / "same" / "verdicts.json").read_text()) == \
+        json.loads((tmp_path / "full" / "verdicts.json").read_text())
+    capsys.readouterr()
+    assert ab.main([str(tmp_path / "full"), str(tmp_path / "same"), "--all"]) == 0
+    assert "32/agg16/open" in capsys.readouterr().out
+
+
+def _cell(tmp: Path, passed: bool, ttft: float, inter: float) -> Path:
+    """A router suite output directory of one cell (what ``ab_verdicts`` reads of it)."""
+    tmp.mkdir()
+    v = {"ttft_p90": 1.2, "interactivity_p90": 1.01 if passed else 0.99, "tokens_per_s_per_gpu": 1.0,
+         "hit_vs_bound": 0.97, "pass": passed}
+    row = {"ttft_p90": ttft, "interactivity_p90": inter, "tokens_per_s_per_gpu": 1000.0, "hit_vs_bound": 0.97}
+    (tmp / "suite.json").write_text(json.dumps({"cells": {"m/16/pd": {"verdict": v, "rows": {"state_aware": row}}}}))
+    return tmp
+
+
+def test_ab_names_cells_gained_and_lost_and_which_way_each_figure_moved(bench, tmp_path: Path) -> None:
+    _, _, ab = bench
+    a = ab.load(_cell(tmp_path / "a", False, 2.0, 100.0))
+    b = ab.load(_cell(tmp_path / "b", True, 2.5, 101.0))
+    text = ab.compare(a, b)
+    assert "missed -> met" in text and "gained: m/16/pd" in text and "lost: none" in text
+    assert "TTFT P90 s 0 / 1" in text and "P90 tok/s/user 1 / 0" in text  # TTFT rose: worse
+    assert "lost: m/16/pd" in ab.compare(b, a)
+    with pytest.raises(SystemExit):
+        ab.load(tmp_path)  # not a benchmark's output
