@@ -26,28 +26,28 @@ FIGURES = (("ttft_p90", "TTFT P90 s", -1), ("interactivity_p90", "P90 tok/s/user
            ("tokens_per_s_per_gpu", "tok/s/GPU", 1), ("hit_vs_bound", "hit/bound", 1))
 
 
-def load(out: Path) -> dict[str, tuple[dict, dict]]:
-    """label -> (verdict, the state-aware router's row) of one benchmark run's directory."""
+def load(out: Path) -> dict[str, tuple[dict, dict[str, dict]]]:
+    """label -> (verdict, policy -> row: every policy's summary) of one benchmark run's directory."""
     if (out / "suite.json").exists():
         cells = json.loads((out / "suite.json").read_text())["cells"]
-        return {label: (c["verdict"], c["rows"]["state_aware"]) for label, c in cells.items() if c["verdict"]}
+        return {label: (c["verdict"], c["rows"]) for label, c in cells.items() if c["verdict"]}
     if (out / "verdicts.json").exists():
-        ours = {}
+        rows: dict[str, dict[str, dict]] = {}
         for line in (out / "runs.jsonl").read_text().splitlines():
             r = json.loads(line)
-            if r["policy"] == "state_aware":
-                ours[r["cell"]] = r
-        return {label: (v, ours[label]) for label, v in json.loads((out / "verdicts.json").read_text()).items()}
+            rows.setdefault(r["cell"], {})[r["policy"]] = r
+        return {label: (v, rows[label]) for label, v in json.loads((out / "verdicts.json").read_text()).items()}
     if (out / "summary.json").exists():
         cells = {}
         for label, v in json.loads((out / "summary.json").read_text()).items():
-            rows = json.loads((out / f"{label.replace('/', '_')}.json").read_text())
-            cells[label] = (v, next(r for r in rows if r["policy"] == "state_aware"))
+            stored = json.loads((out / f"{label.replace('/', '_')}.json").read_text())
+            cells[label] = (v, {r["policy"]: r for r in stored})
         return cells
     raise SystemExit(f"{out}: no suite.json, verdicts.json or summary.json (not a router benchmark's output)")
 
 
-def compare(a: dict[str, tuple[dict, dict]], b: dict[str, tuple[dict, dict]], every: bool = False) -> str:
+def compare(a: dict[str, tuple[dict, dict[str, dict]]], b: dict[str, tuple[dict, dict[str, dict]]],
+            every: bool = False) -> str:
     common = [label for label in a if label in b]
     if not common:
         raise SystemExit("the two runs share no cell")
@@ -55,7 +55,8 @@ def compare(a: dict[str, tuple[dict, dict]], b: dict[str, tuple[dict, dict]], ev
     up = {key: 0 for key, _, _ in FIGURES}
     down = dict(up)
     for label in common:
-        (va, ra), (vb, rb) = a[label], b[label]
+        (va, rows_a), (vb, rows_b) = a[label], b[label]
+        ra, rb = rows_a["state_aware"], rows_b["state_aware"]
         moved = []
         for key, name, sign in FIGURES:
             x, y = ra.get(key, float("nan")), rb.get(key, float("nan"))

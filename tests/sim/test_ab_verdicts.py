@@ -86,7 +86,7 @@ def _cell(tmp: Path, passed: bool, ttft: float, inter: float) -> Path:
     v = {"ttft_p90": 1.2, "interactivity_p90": 1.01 if passed else 0.99, "tokens_per_s_per_gpu": 1.0,
          "hit_vs_bound": 0.97, "pass": passed}
     row = {"ttft_p90": ttft, "interactivity_p90": inter, "tokens_per_s_per_gpu": 1000.0, "hit_vs_bound": 0.97}
-    (tmp / "suite.json").write_text(json.dumps({"cells": {"m/16/pd": {"verdict": v, "rows": {"state_aware": row}}}}))
+    (tmp / "suite.json").write_text(json.dumps({"cells": {"m/16/pd": {"verdict": v, "rows": {"state_aware": row, "round_robin": row}}}}))
     return tmp
 
 
@@ -100,3 +100,35 @@ def test_ab_names_cells_gained_and_lost_and_which_way_each_figure_moved(bench, t
     assert "lost: m/16/pd" in ab.compare(b, a)
     with pytest.raises(SystemExit):
         ab.load(tmp_path)  # not a benchmark's output
+
+
+def _rows(**figures: tuple[float, float, float]) -> dict[str, dict]:
+    """policy -> (TTFT P90, P90 interactivity, tok/s/GPU), hit/bound 0.97."""
+    return {p: {"ttft_p50": t, "ttft_p90": t, "interactivity_p90": i, "tokens_per_s_per_gpu": g, "hit_vs_bound": 0.97}
+            for p, (t, i, g) in figures.items()}
+
+
+def test_standing_sorts_each_miss_by_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import standing
+    from router_suite import verdict
+
+    def kinds(rows: dict[str, dict]) -> list[tuple[str, str]]:
+        return [(key, kind) for key, kind, _ in standing.misses(verdict(rows), rows)]
+
+    # ahead on interactivity only by serving a tenth of our tokens: the closed loop's trade
+    assert kinds(_rows(state_aware=(0.2, 117.0, 6000.0), prefix_affinity=(40.0, 118.0, 600.0),
+                       dynamo_cost=(1.0, 116.0, 5400.0))) == [("interactivity_p90", "served less")]
+    # a baseline that serves as much is ahead too: lost, not explained by the trade
+    assert kinds(_rows(state_aware=(0.2, 117.0, 6000.0), prefix_affinity=(40.0, 118.0, 600.0),
+                       dynamo_cost=(1.0, 117.5, 6000.0))) == [("interactivity_p90", "lost")]
+    assert kinds(_rows(state_aware=(0.2, 117.0, 6000.0), round_robin=(0.3, 117.05, 6000.0))) == \
+        [("interactivity_p90", "tie")]
+    assert kinds(_rows(state_aware=(0.5, 117.0, 6000.0), dynamo_cost=(0.4, 116.0, 6100.0))) == \
+        [("ttft_p90", "lost"), ("tokens_per_s_per_gpu", "lost")]
+    rows = _rows(state_aware=(0.2, 117.0, 6000.0), round_robin=(0.3, 116.0, 5000.0))
+    rows["state_aware"]["hit_vs_bound"] = 0.948
+    assert kinds(rows) == [("hit_vs_bound", "hit line")]
+    rows["state_aware"]["hit_vs_bound"] = 0.94
+    assert kinds(rows) == [("hit_vs_bound", "lost")]
+    assert kinds(_rows(state_aware=(0.2, 117.0, 6000.0), round_robin=(0.3, 116.0, 5000.0))) == []
