@@ -18,6 +18,7 @@ then every missed cell with its figures. A miss of several figures counts once
 per figure; a cell counts as missed once::
 
     python benchmarks/standing.py suite+0=results/suite_agg results/heldout results/mooncake
+    python benchmarks/standing.py held=results/heldout --by-mode     # aggregated and P/D cells apart
 """
 
 from __future__ import annotations
@@ -63,11 +64,25 @@ def misses(v: dict, rows: dict[str, dict], served: float = 0.9, tie: float = 0.0
     return out
 
 
-def standing(runs: list[tuple[str, Path]], served: float = 0.9, tie: float = 0.001) -> str:
+def mode_of(label: str) -> str:
+    """"P/D" for a cell of a P/D cluster (``fanout/16/pd``, ``issue/pd``, ``3/pd16/open``), else "agg"."""
+    return "P/D" if any(part.startswith("pd") for part in label.split("/")) else "agg"
+
+
+def standing(runs: list[tuple[str, Path]], served: float = 0.9, tie: float = 0.001, by_mode: bool = False) -> str:
     head = ["| run | cells meeting every figure | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 2) + "|"]
     detail = []
+    parts = []
     for name, out in runs:
         cells = load(out)
+        if not by_mode:
+            parts.append((name, cells))
+            continue
+        for mode in ("agg", "P/D"):
+            some = {label: c for label, c in cells.items() if mode_of(label) == mode}
+            if some:
+                parts.append((f"{name} {mode}", some))
+    for name, cells in parts:
         counts = dict.fromkeys(KINDS, 0)
         for label, (v, rows) in cells.items():
             found = misses(v, rows, served, tie)
@@ -86,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served", type=float, default=0.9,
                     help="a baseline ahead at no more than this share of our tok/s/GPU served less")
     ap.add_argument("--tie", type=float, default=0.001, help="a miss within this of the cut is a tie")
+    ap.add_argument("--by-mode", action="store_true", help="a row per run and cluster kind (aggregated, P/D)")
     args = ap.parse_args(argv)
     runs = [(s.partition("=")[0], Path(s.partition("=")[2])) if "=" in s else (s, Path(s)) for s in args.runs]
-    print(standing(runs, args.served, args.tie))
+    print(standing(runs, args.served, args.tie, args.by_mode))
     return 0
 
 

@@ -132,3 +132,11 @@ def test_standing_sorts_each_miss_by_kind(monkeypatch: pytest.MonkeyPatch) -> No
     rows["state_aware"]["hit_vs_bound"] = 0.94
     assert kinds(rows) == [("hit_vs_bound", "lost")]
     assert kinds(_rows(state_aware=(0.2, 117.0, 6000.0), round_robin=(0.3, 116.0, 5000.0))) == []
+
+
+def test_standing_tells_pd_cells_from_aggregated_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import standing
+
+    assert [standing.mode_of(x) for x in ("fanout/16/pd", "issue/pd", "issue+1000/64/pd", "3/pd16/open")] == ["P/D"] * 4
+    assert [standing.mode_of(x) for x in ("fanout/16/agg", "issue/agg", "3/agg64/closed")] == ["agg"] * 3
