@@ -10,7 +10,7 @@ each missed figure sorted into one kind:
     served less   every baseline ahead on the figure (TTFT P90 or P90 interactivity) serves at
                   most ``--served`` (0.9) of the router's tokens/s/GPU: in a closed loop a policy
                   that answers later has fewer turns decoding at once (docs/router.md, "Round 12")
-    tie           within ``--tie`` (0.1%) of the best baseline
+    tie           within ``--tie`` (0.1%) of the cut
     hit line      hit/bound in [0.945, 0.95)
     lost          the rest
 
