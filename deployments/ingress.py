@@ -183,7 +183,8 @@ class ServeBackend:
                     generated += len(chunk.token_ids)
                 done = chunk.finished
                 if done:
-                    report_finished(params.request_id, chunk.num_cached_tokens, generated, chunk.served)
+                    report_finished(params.request_id, chunk.num_cached_tokens, generated, chunk.served,
+                                    chunk.replica_id)
                 yield chunk
         finally:
             if not done:

@@ -5,8 +5,9 @@
 under the tenant's salt: digests, never tokens), the candidate replicas'
 ``routing_stats`` into ``WorkerState``s and the prefix index's device tier,
 then asks ``disagg.router.StateAwareRouter`` (the same code the simulator
-runs) and returns Serve's ranked tiers: the pick first, then the rest by
-score, so Serve falls back down the list when the pick is full or gone.
+runs) and returns Serve's ranked tiers: the pick first (a few times where it
+holds the prompt's state), then the rest by score, so Serve falls back down
+the list when the pick is full, late to answer or gone (NOTE 1).
 
 What each replica reports (``record_routing_stats``, every
 ``request_routing_stats_period_s``): role, node, load figures, and a snapshot
@@ -59,10 +60,11 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import RequestRouter
 
 import disagg.router.metrics as router_metrics
 from deployments.node_store import node_store_actor_of
@@ -71,23 +73,42 @@ from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.match import credit_node_state
 from disagg.router.metrics import PoolQuery, PoolView
 from disagg.router.router import RouterConfig, StateAwareRouter
-from disagg.router.types import RouteRequest, TailProbe, WorkerState
+from disagg.router.types import RouteDecision, RouteRequest, TailProbe, WorkerState
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher, KeyExtras
 
 log = logging.getLogger("ray.serve")
 
+# NOTE 1: how Serve uses the ranks. Serve sends a request to the first replica of a rank that
+# answers its queue-length probe in time with room to spare: 0.1 s for a first round
+# (RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S), doubled each round that found none, up to 1 s. A
+# replica whose event loop is busy answers late (a decode replica computing on a loaded 2-core
+# machine did), and one rank is all Serve tried before the next: a session sent away from its
+# device state recomputes its context there. So the pick that holds the prompt's state gets
+# ``STATE_PROBE_ROUNDS`` rounds before the rest: up to 0.1 + 0.2 + 0.4 + 0.8 = 1.5 s with Serve's
+# defaults for a late pick, a few quick probes for a full one. A request Serve ran elsewhere all
+# the same is counted (``report_finished``, ``disagg_route_overridden``).
+# When no rank took the request, Serve asks again, after a backoff (``should_backoff``); the
+# request was booked by the policy once (its predicted loads, its session's worker), so it gets
+# the same ranks while its pick is a candidate, and is placed anew, its booking dropped, once the
+# pick is gone. The router has no FIFOMixin: Serve gives each replica found to the request it was
+# found for, not to the oldest pending one, which would hand one request's pick to another.
+STATE_PROBE_ROUNDS = 4
+_PLACED_MAX = 4096  # placements remembered for Serve's repeated asks (the oldest go first)
+
 
 def report_finished(request_id: str, realized_cached_tokens: int | None, output_tokens: int | None = None,
-                    served: tuple[float, float] | None = None) -> None:
+                    served: tuple[float, float] | None = None, replica: str = "") -> None:
     """Tell this process's policies how many cached tokens a routed request really reused (None: it
     ended without a result; they drop its bookkeeping), how many tokens it generated (what
-    the state-aware router learns to expect of a session's next turn, ``disagg.router.outputs``)
-    and ``served``: the replica's wall times from which it counted as a decode and of its end
+    the state-aware router learns to expect of a session's next turn, ``disagg.router.outputs``),
+    ``served``: the replica's wall times from which it counted as a decode and of its end
     (``StreamChunk.served``), put on each policy's clock as the replica's reports are (``_sync``),
-    so reports taken before its end stop counting it (``disagg.router.loads`` NOTE 6)."""
+    so reports taken before its end stop counting it (``disagg.router.loads`` NOTE 6), and the
+    replica that ran it (counted where Serve overrode the pick; "": not known)."""
     for policy in list(router_metrics.LIVE_POLICIES.values()):
-        policy.on_finished(request_id, realized_cached_tokens, output_tokens, _on_clock(policy, served))
+        policy.on_finished(request_id, realized_cached_tokens, output_tokens, _on_clock(policy, served),
+                           replica or None)
 
 
 def prefill_finished(deployment: str, request_id: str, handle: PrefillHandle | None) -> None:
@@ -117,17 +138,19 @@ def _wall_to_clock(policy, wall: float) -> float:
 
 
 def router_stats() -> dict:
-    """Decisions by reason and predicted vs realized cached tokens, summed over this process's policies."""
+    """Decisions by reason, predicted vs realized cached tokens and the requests Serve ran elsewhere
+    than routed, summed over this process's policies."""
     reasons: dict[str, int] = {}
-    predicted = realized = 0
+    predicted = realized = overridden = 0
     for policy in list(router_metrics.LIVE_POLICIES.values()):
         snap = policy.metrics.snapshot()
         for reason, n in snap["decisions"].items():
             reasons[reason] = reasons.get(reason, 0) + n
         predicted += snap["predicted_cached_tokens"]
         realized += snap["realized_cached_tokens"]
+        overridden += snap["overridden"]
     return {"route_decisions": reasons, "route_predicted_cached_tokens": predicted,
-            "route_realized_cached_tokens": realized}
+            "route_realized_cached_tokens": realized, "route_overridden": overridden}
 
 
 _POOL_ROLES = ("prefill", "decode", "both")
@@ -297,7 +320,7 @@ class DeviceSnapshots:
         return out
 
 
-class StateAwareRequestRouter(FIFOMixin, RequestRouter):
+class StateAwareRequestRouter(RequestRouter):
     def initialize_state(self, policy: dict | None = None, node_events_period_s: float = 1.0, **_):
         self._hasher: BlockHasher | None = None  # built from the first replica's model id and block size
         self._index = PrefixIndex()
@@ -305,6 +328,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         self._versions: dict[str, int] = {}
         self._snapshots = DeviceSnapshots(self._index)
         self._last_digests: tuple[list[int], bytes, list[bytes]] | None = None  # (prompt, root, digests)
+        self._placed: OrderedDict[str, RouteDecision | None] = OrderedDict()  # Serve's request id -> placement
         self._node_events = NodeEventFeed(self._index, node_events_period_s)  # fed by decode routers only
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
@@ -414,6 +438,7 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
                            updated_at=_wall_to_clock(self._policy, stats.get("time", time.time())))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        """Serve's ranks for the pending request (NOTE 1): its pick, then the rest by score."""
         end = _session_end(pending_request)
         if end is not None:
             self._policy.end_session(session_key(end.cache_salt, end.session_id))
@@ -421,13 +446,26 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         params = _params(pending_request)
         if params is None:
             return [candidate_replicas]
+        pending_request.routing_context.should_backoff = True  # no rank took it: back off, then ask again
+        key = pending_request.metadata.internal_request_id
+        asked, decision = key in self._placed, self._placed.get(key)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if decision is not None:
+            if decision.decode_worker in by_id:  # asked again, booked once (NOTE 1)
+                return _ranks(decision, by_id)
+            self._policy.on_finished(params.request_id, None)  # its pick is gone: place it anew
+            asked = False
         if len(candidate_replicas) <= 1:  # counted too: the decisions by reason cover every routed request
-            self._policy.metrics.record_decision("single_candidate", None)
+            if not asked:
+                self._policy.metrics.record_decision("single_candidate", None)
+                self._remember(key, None)
             return [candidate_replicas]
         workers = [self._sync(r) for r in candidate_replicas]
         self._node_events.poll()
         if self._hasher is None:  # no replica has reported yet: spread by load alone
-            self._policy.metrics.record_decision("no_stats", None)
+            if not asked:
+                self._policy.metrics.record_decision("no_stats", None)
+                self._remember(key, None)
             return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
         req = self._route_request(params)
         pool_nodes = {n for r in candidate_replicas for n in (r.routing_stats or {}).get("prefill_nodes", ())}
@@ -438,11 +476,24 @@ class StateAwareRequestRouter(FIFOMixin, RequestRouter):
         if decision.checkpoint_back is not None:  # where follow-ups diverge (router step 5)
             params.checkpoint_back = decision.checkpoint_back
         params.first_turn = decision.first_turn  # the decode replica's P/D decider reads it ("local_burst")
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        pick = by_id[decision.decode_worker]
-        rest = sorted((r for r in candidate_replicas if r is not pick),
-                      key=lambda r: -decision.scores.get(r.replica_id.unique_id, 0.0))
-        return [[pick], rest]
+        self._remember(key, decision)
+        return _ranks(decision, by_id)
+
+    def _remember(self, key: str, decision: RouteDecision | None) -> None:
+        """``key``'s request is placed (and booked, and counted): by ``decision``, None for no pick."""
+        self._placed[key] = decision
+        if len(self._placed) > _PLACED_MAX:
+            self._placed.popitem(last=False)
+
+
+def _ranks(decision: RouteDecision, by_id: dict) -> list[list]:
+    """The pick, ``STATE_PROBE_ROUNDS`` times where it holds the prompt's state on its device
+    (NOTE 1), then the other candidates by score."""
+    pick = by_id[decision.decode_worker]
+    rest = sorted((r for r in by_id.values() if r is not pick),
+                  key=lambda r: -decision.scores.get(r.replica_id.unique_id, 0.0))
+    holds = decision.source_tier == "device" and decision.predicted_cached_tokens > 0
+    return [[pick]] * (STATE_PROBE_ROUNDS if holds else 1) + ([rest] if rest else [])
 
 
 def affinity_key(params: GenerateParams, block_size: int = 64) -> str:
@@ -456,7 +507,7 @@ def _weight(key: str, replica_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{key}|{replica_id}".encode()).digest()[:8], "big")
 
 
-class AffinityRequestRouter(FIFOMixin, RequestRouter):
+class AffinityRequestRouter(RequestRouter):
     def initialize_state(self, **_):
         _register_replicas(self)
 

@@ -58,6 +58,8 @@ class ServingMetrics:
                                      ["role", "state"], registry=r)
         self.route_decisions = Gauge("disagg_route_decisions", "Router decisions by reason (cumulative)",
                                      ["reason"], registry=r)
+        self.route_overridden = Gauge("disagg_route_overridden", "Routed requests Serve ran on another replica "
+                                      "than the router's pick (cumulative)", registry=r)
         self.rejections = Counter("disagg_http_rejections", "Requests refused at the edge by reason "
                                   "(unauthorized, body_too_large, rate_limit_exceeded, concurrency_limit_exceeded, "
                                   "overloaded)", ["reason"], registry=r)
@@ -133,6 +135,8 @@ class ServingMetrics:
                 self.engine_requests.labels(role=role, state=state).set(e.get(state, 0))
         for reason, n in (stats.get("route_decisions") or {}).items():
             self.route_decisions.labels(reason=reason).set(n)
+        if "route_overridden" in stats:
+            self.route_overridden.set(stats["route_overridden"])
         for kind in ("predicted", "realized"):
             if f"route_{kind}_cached_tokens" in stats:
                 self.route_cached.labels(kind=kind).set(stats[f"route_{kind}_cached_tokens"])

@@ -4,7 +4,10 @@
     overpredicted    = requests whose realized hit < predicted hit
 
 A ratio well below 1 means the index lags the caches (events late or lost);
-the router then routes to state that is gone.
+the router then routes to state that is gone. ``overridden`` counts requests
+a serving layer ran elsewhere than routed (Ray Serve goes down the router's
+ranks when its pick does not take a request): each resumes state the router
+did not plan for, or recomputes it.
 """
 
 from __future__ import annotations
@@ -29,14 +32,16 @@ class RouterMetrics:
     realized_cached_tokens: int = 0  # sum over finished requests
     overpredicted: int = 0  # finished requests with realized < predicted
     prompt_tokens: int = 0  # sum of prompt tokens of finished requests
+    overridden: int = 0  # finished requests that ran on another worker than the one routed to
 
     def record_decision(self, reason: str, tier: str | None) -> None:
         self.num_decisions += 1
         self.decisions[reason] += 1
         self.tiers[tier or "none"] += 1
 
-    def record_finished(self, predicted: int, realized: int, prompt_len: int) -> None:
+    def record_finished(self, predicted: int, realized: int, prompt_len: int, overridden: bool = False) -> None:
         self.num_finished += 1
+        self.overridden += overridden
         self.predicted_cached_tokens += predicted
         self.realized_cached_tokens += realized
         self.prompt_tokens += prompt_len
@@ -59,6 +64,7 @@ class RouterMetrics:
             "realized_cached_tokens": self.realized_cached_tokens,
             "prediction_ratio": round(self.prediction_ratio, 4),
             "overpredicted": self.overpredicted,
+            "overridden": self.overridden,
         }
 
 

@@ -353,12 +353,15 @@ class StateAwareRouter:
         self.loads.end_session(session)
 
     def on_finished(self, request_id: str, realized_cached_tokens: int | None,
-                    output_tokens: int | None = None, served: tuple[float, float] | None = None) -> None:
+                    output_tokens: int | None = None, served: tuple[float, float] | None = None,
+                    worker: str | None = None) -> None:
         """The request ended: with the cached tokens it reused, or None without a result (abandoned,
         failed), which drops its bookkeeping and records nothing; ``output_tokens``: what it
         generated, which teaches the output expectation (step 0; None: not counted); ``served``:
         when its decode began and when it ended, on ``clock``, so reports taken before its end stop
-        counting it (``disagg.router.loads`` NOTE 6)."""
+        counting it (``disagg.router.loads`` NOTE 6); ``worker``: the one that ran it, where the
+        caller knows (a serving layer may run a request elsewhere than routed: counted as
+        overridden)."""
         self.outputs.learn(request_id, output_tokens if realized_cached_tokens is not None else None)
         if self.pending is not None:
             self.pending.remove(request_id)
@@ -376,7 +379,8 @@ class StateAwareRouter:
         else:
             del self._to_decode[decode_id]
         if realized_cached_tokens is not None:
-            self.metrics.record_finished(predicted, realized_cached_tokens, prompt_len)
+            self.metrics.record_finished(predicted, realized_cached_tokens, prompt_len,
+                                         overridden=worker is not None and worker != decode_id)
 
 
 def _session_key(request: RouteRequest) -> str:

@@ -9,6 +9,7 @@ records are stand-ins (``SimpleNamespace``: the Serve controller is the system b
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from types import SimpleNamespace
@@ -47,6 +48,15 @@ def _stats(queued: float, sessions: list[list[int]] = (), salt: str = SALT, tail
     if model:
         stats.update(model_id="m", block_size=BS)
     return stats
+
+
+def _pending(arg) -> SimpleNamespace:
+    """What ``choose_replicas`` reads of Serve's pending request: its argument, its own id, its context."""
+    return SimpleNamespace(args=[arg], metadata=SimpleNamespace(internal_request_id=f"serve-{next(_SERVE_IDS)}"),
+                           routing_context=SimpleNamespace(should_backoff=False))
+
+
+_SERVE_IDS = itertools.count()
 
 
 def _router(reports: list[dict], deployment: str | None = None) -> StateAwareRequestRouter:
@@ -90,7 +100,7 @@ def test_the_view_and_the_prefill_placement_read_the_same_walk():
     params = _params(request_id="placed")
     view = rr.pool_view(PoolQuery(params))
     candidates = list(rr._replicas.values())
-    tiers = asyncio.run(rr.choose_replicas(candidates, SimpleNamespace(args=[params])))
+    tiers = asyncio.run(rr.choose_replicas(candidates, _pending(params)))
     pick = tiers[0][0].replica_id.unique_id
     rr._policy.on_finished("placed", 0)  # the prediction of the placed request, now counted
     assert rr._policy.metrics.predicted_cached_tokens == len(PROMPT) - view.uncached[int(pick[1:])]
@@ -118,7 +128,7 @@ def test_the_placement_after_a_view_reads_the_digests_of_that_view():
     def placed(params: GenerateParams, hashes: list[bytes] | None = None) -> int:
         if hashes is not None:
             rr.pool_view(PoolQuery(params, own, hashes))
-        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), _pending(params)))
         before = rr._policy.metrics.predicted_cached_tokens
         rr._policy.on_finished(params.request_id, 0)
         return rr._policy.metrics.predicted_cached_tokens - before
@@ -255,7 +265,7 @@ def test_the_routers_named_node_goes_on_the_request_when_it_names_more():
         rr._policy.route = naming(position)
         params = _params(request_id=f"named-{position}")
         params.state_node, params.state_position = have
-        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), _pending(params)))
         assert (params.state_node, params.state_position) == want
 
 
@@ -273,7 +283,7 @@ def test_the_routers_learned_divergences_go_on_the_request():
     for rid, prompt, session in (("t0", turn0, "s"), ("t1", turn1, "s"), ("o", turn0[:40], "other")):
         params = _params(prompt, request_id=rid)
         params.session_id = session
-        asyncio.run(rr.choose_replicas(replicas, SimpleNamespace(args=[params])))
+        asyncio.run(rr.choose_replicas(replicas, _pending(params)))
         sent.append(params)
     assert sent[0].checkpoint_back is None and sent[1].checkpoint_back is None  # nothing learned yet
     assert sent[2].checkpoint_back is not None and sent[2].checkpoint_back[0] == 3 * BS
@@ -294,13 +304,13 @@ def test_a_session_end_goes_to_the_replica_it_names_and_the_router_forgets_the_s
     rr = _router([_stats(0.0), _stats(0.0), _stats(0.0)], deployment="Decode")
     assert replica_ids("Decode") == ["p0", "p1", "p2"]
     reps = list(rr._replicas.values())
-    asyncio.run(rr.choose_replicas(reps, SimpleNamespace(args=[_params()])))  # a turn of session "s"
+    asyncio.run(rr.choose_replicas(reps, _pending(_params())))  # a turn of session "s"
     key = session_key(SALT, "s")
     assert rr._policy.loads.session(key) is not None
-    ranks = asyncio.run(rr.choose_replicas(reps, SimpleNamespace(args=[SessionEnd("s", SALT, "p1")])))
+    ranks = asyncio.run(rr.choose_replicas(reps, _pending(SessionEnd("s", SALT, "p1"))))
     assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["p1"]]
     assert rr._policy.loads.session(key) is None
-    ranks = asyncio.run(rr.choose_replicas(reps, SimpleNamespace(args=[SessionEnd("s", SALT, "gone")])))
+    ranks = asyncio.run(rr.choose_replicas(reps, _pending(SessionEnd("s", SALT, "gone"))))
     assert [len(rank) for rank in ranks] == [3]
 
 
@@ -329,7 +339,7 @@ def test_decode_replicas_tell_the_decode_router_their_prefill_pools_nodes(monkey
     def pick(told: list[str] | None) -> str:
         rr = _router([decode("n1", told), decode("n0", told)])  # p0 on n1, p1 beside the pool
         rr._node_events = NodeEventFeed(rr._index, lookup=lambda node: None)  # no node stores (no Ray here)
-        tiers = asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[_params()])))
+        tiers = asyncio.run(rr.choose_replicas(list(rr._replicas.values()), _pending(_params())))
         return tiers[0][0].replica_id.unique_id
 
     assert pick(["n0"]) == "p1"
@@ -345,7 +355,7 @@ def test_max_tokens_is_a_cap_and_a_finished_requests_output_teaches_the_router()
 
     rr = _pool()
     params = GenerateParams("t1", PROMPT, SamplingParams(max_tokens=4096), session_id="s", cache_salt=SALT)
-    asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+    asyncio.run(rr.choose_replicas(list(rr._replicas.values()), _pending(params)))
     req = rr._route_request(params)
     assert (req.output_len_hint, req.max_output_tokens) == (0, 4096)
     key = session_key(SALT, "s")
@@ -372,7 +382,7 @@ def test_a_report_taken_before_a_request_ended_stops_counting_it_once_the_ingres
     for served in (True, False):
         rr = _router([_stats(0.0), _stats(0.0)])
         params = GenerateParams("d1", PROMPT, SamplingParams(max_tokens=4), session_id="s", cache_salt=SALT)
-        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), _pending(params)))
         picked = rr._policy._inflight["d1"][2]
         time.sleep(0.01)
         began = time.time()
@@ -409,7 +419,7 @@ def test_a_remote_prefills_end_reaches_the_pool_router_of_the_process_that_sent_
     sent = []
     for rid in ("a", "b"):
         params = GenerateParams(rid, PROMPT, SamplingParams(max_tokens=4), session_id=rid, cache_salt=SALT)
-        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), SimpleNamespace(args=[params])))
+        asyncio.run(rr.choose_replicas(list(rr._replicas.values()), _pending(params)))
         sent.append(rr._policy._inflight[rid][2])
     time.sleep(0.01)
     for rid in set(sent):  # reports taken while both prefills queued

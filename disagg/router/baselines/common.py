@@ -53,5 +53,6 @@ class NoFeedback:
         return None
 
     def on_finished(self, request_id: str, realized_cached_tokens: int | None,
-                    output_tokens: int | None = None, served: tuple[float, float] | None = None) -> None:
+                    output_tokens: int | None = None, served: tuple[float, float] | None = None,
+                    worker: str | None = None) -> None:
         return None
