@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from deployments.request_router import replica_ids, report_finished, router_stats
-from deployments.servers import DECODE_DEPLOYMENT
+from deployments.servers import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT
 from deployments.timings import CURRENT, RecentTimings, TimedASGI, stamp
 from disagg.api.app import create_app
 from disagg.api.errors import APIError
@@ -35,7 +35,7 @@ from disagg.api.metrics import merge_replica_stats
 from disagg.config import AppConfig, load_config
 from disagg.console import RequestLog, RequestRecord, format_request
 from disagg.engine.factory import build_tokenizer, engine_limits
-from disagg.messages import GenerateParams, SessionEnd, StreamChunk
+from disagg.messages import GenerateParams, SessionEnd, StreamChunk, ToReplica
 from disagg.stream_resume import ResumeWait, timeout_message
 from disagg.workers.tiered import continue_params
 
@@ -44,6 +44,7 @@ log = logging.getLogger("ray.serve")
 _REPLICA_LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 
 
+STATS_WAIT_S = 4.0  # how long the merged stats (/metrics, the console) wait for each replica's figures
 END_SESSION_WAIT_S = 10.0  # how long a DELETE /v1/sessions/{id} waits for the decode replicas' answers
 
 
@@ -221,11 +222,21 @@ class ServeBackend:
             log.warning("a decode replica did not take a session's end: %r", call.exception())
 
     async def stats(self) -> dict:
-        calls = [self.decode.stats.remote()]
-        if self.prefill is not None:
-            calls.append(self.prefill.stats.remote())
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        return {**merge_replica_stats([r for r in results if isinstance(r, dict)]), **router_stats(),
+        """Every replica's figures, merged: one call to each replica this process's routers know
+        (none known yet: one call, anywhere); those that answered within ``STATS_WAIT_S`` count,
+        once each (a call for a replica gone since went to another)."""
+        pools = [(self.decode, DECODE_DEPLOYMENT)] + ([(self.prefill, PREFILL_DEPLOYMENT)] if self.prefill else [])
+        calls = [asyncio.ensure_future(_awaited(handle.stats.remote(ToReplica(rid))))
+                 for handle, deployment in pools for rid in replica_ids(deployment) or [""]]
+        done, pending = await asyncio.wait(calls, timeout=STATS_WAIT_S)
+        for call in pending:
+            call.cancel()
+        for call in done:
+            if call.exception() is not None:
+                log.warning("a replica's stats call failed: %r", call.exception())
+        answers = [c.result() for c in done if not c.exception() and isinstance(c.result(), dict)]
+        by_replica = {a.get("replica_id", i): a for i, a in enumerate(answers)}
+        return {**merge_replica_stats(list(by_replica.values())), **router_stats(),
                 "resumed_streams": self.num_resumed_streams, "stream_resume_timeouts": self.num_resume_timeouts}
 
 

@@ -60,15 +60,15 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from ray.serve.request_router import RequestRouter
 
 import disagg.router.metrics as router_metrics
 from deployments.node_store import node_store_actor_of
-from disagg.messages import GenerateParams, PrefillHandle, SessionEnd
+from disagg.messages import GenerateParams, PrefillHandle, SessionEnd, ToReplica
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.match import credit_node_state
 from disagg.router.metrics import PoolQuery, PoolView
@@ -90,11 +90,16 @@ log = logging.getLogger("ray.serve")
 # the same is counted (``report_finished``, ``disagg_route_overridden``).
 # When no rank took the request, Serve asks again, after a backoff (``should_backoff``); the
 # request was booked by the policy once (its predicted loads, its session's worker), so it gets
-# the same ranks while its pick is a candidate, and is placed anew, its booking dropped, once the
-# pick is gone. The router has no FIFOMixin: Serve gives each replica found to the request it was
-# found for, not to the oldest pending one, which would hand one request's pick to another.
+# the same ranks while its pick is a candidate (the placement rides on Serve's pending request),
+# and is placed anew, its booking dropped, once the pick is gone.
+# A replica found goes to the request it was found for (``_OwnReplicas``). Serve's FIFOMixin gave it
+# to the oldest pending request, which handed one request's pick to another whenever a later
+# request's probe answered first. Serve's own matching, by internal request id, does not tell
+# apart calls that share one: the calls a request makes inherit its id, and the ingress's
+# per-replica calls (stats, a session's end) go out together, so all but one waited forever.
 STATE_PROBE_ROUNDS = 4
-_PLACED_MAX = 4096  # placements remembered for Serve's repeated asks (the oldest go first)
+_PLACED = "_disagg_placed"  # the pending request's placement: its RouteDecision, or None (no pick)
+_UNPLACED = object()
 
 
 def report_finished(request_id: str, realized_cached_tokens: int | None, output_tokens: int | None = None,
@@ -178,10 +183,18 @@ def _session_end(pending_request) -> SessionEnd | None:
     return p if isinstance(p, SessionEnd) else None
 
 
-def _to_named(candidate_replicas, end: SessionEnd) -> list:
-    """A session's end goes to the replica the ingress named (each is told once, ``disagg.flow``
-    NOTE 14); one not among the candidates (gone, or none named): any."""
-    named = [r for r in candidate_replicas if r.replica_id.unique_id == end.replica]
+def _named(pending_request) -> str | None:
+    """The replica a call names (a ``ToReplica``'s); None: the call names none."""
+    if pending_request is None or not pending_request.args:
+        return None
+    p = pending_request.args[0]
+    return p.replica if isinstance(p, ToReplica) else None
+
+
+def _to_named(candidate_replicas, replica: str) -> list:
+    """A call for one replica (a session's end: each is told once, ``disagg.flow`` NOTE 14; the
+    ingress's stats) goes to the one named; one not among the candidates (gone, or none named): any."""
+    named = [r for r in candidate_replicas if r.replica_id.unique_id == replica]
     return [named] if named else [candidate_replicas]
 
 
@@ -320,7 +333,24 @@ class DeviceSnapshots:
         return out
 
 
-class StateAwareRequestRouter(RequestRouter):
+class _OwnReplicas:
+    """Serve gives each replica found to the request it was found for (NOTE 1). A router sets
+    ``_asked[asyncio.current_task()]`` to the pending request in ``choose_replicas``: Serve's
+    routing task asks for its request's ranks, probes them, then hands over what it found."""
+
+    _asked: WeakKeyDictionary
+
+    def _fulfill_next_pending_request(self, replica, request_metadata=None) -> None:
+        pending = self._asked.get(asyncio.current_task())
+        if pending is None or pending.future.done():  # not one of this router's asks: Serve's own way
+            super()._fulfill_next_pending_request(replica, request_metadata)
+            return
+        self._record_queue_wait_time(pending)
+        pending.future.set_result(replica)
+        self._remove_pending_request_from_indices(pending)
+
+
+class StateAwareRequestRouter(_OwnReplicas, RequestRouter):
     def initialize_state(self, policy: dict | None = None, node_events_period_s: float = 1.0, **_):
         self._hasher: BlockHasher | None = None  # built from the first replica's model id and block size
         self._index = PrefixIndex()
@@ -328,7 +358,7 @@ class StateAwareRequestRouter(RequestRouter):
         self._versions: dict[str, int] = {}
         self._snapshots = DeviceSnapshots(self._index)
         self._last_digests: tuple[list[int], bytes, list[bytes]] | None = None  # (prompt, root, digests)
-        self._placed: OrderedDict[str, RouteDecision | None] = OrderedDict()  # Serve's request id -> placement
+        self._asked: WeakKeyDictionary = WeakKeyDictionary()  # routing task -> the request it routes (NOTE 1)
         self._node_events = NodeEventFeed(self._index, node_events_period_s)  # fed by decode routers only
         # Serve may ship this class by value: register in a module imported by reference
         router_metrics.LIVE_POLICIES[f"{getattr(self, '_deployment_id', '?')}@{id(self)}"] = self._policy
@@ -439,33 +469,36 @@ class StateAwareRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         """Serve's ranks for the pending request (NOTE 1): its pick, then the rest by score."""
+        self._asked[asyncio.current_task()] = pending_request
         end = _session_end(pending_request)
         if end is not None:
             self._policy.end_session(session_key(end.cache_salt, end.session_id))
-            return _to_named(candidate_replicas, end)
+            return _to_named(candidate_replicas, end.replica)
+        named = _named(pending_request)
+        if named is not None:
+            return _to_named(candidate_replicas, named)
         params = _params(pending_request)
         if params is None:
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True  # no rank took it: back off, then ask again
-        key = pending_request.metadata.internal_request_id
-        asked, decision = key in self._placed, self._placed.get(key)
+        placed = getattr(pending_request, _PLACED, _UNPLACED)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        if decision is not None:
-            if decision.decode_worker in by_id:  # asked again, booked once (NOTE 1)
-                return _ranks(decision, by_id)
+        if isinstance(placed, RouteDecision):
+            if placed.decode_worker in by_id:  # asked again, booked once (NOTE 1)
+                return _ranks(placed, by_id)
             self._policy.on_finished(params.request_id, None)  # its pick is gone: place it anew
-            asked = False
+            placed = _UNPLACED
         if len(candidate_replicas) <= 1:  # counted too: the decisions by reason cover every routed request
-            if not asked:
+            if placed is _UNPLACED:
                 self._policy.metrics.record_decision("single_candidate", None)
-                self._remember(key, None)
+                setattr(pending_request, _PLACED, None)
             return [candidate_replicas]
         workers = [self._sync(r) for r in candidate_replicas]
         self._node_events.poll()
         if self._hasher is None:  # no replica has reported yet: spread by load alone
-            if not asked:
+            if placed is _UNPLACED:
                 self._policy.metrics.record_decision("no_stats", None)
-                self._remember(key, None)
+                setattr(pending_request, _PLACED, None)
             return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
         req = self._route_request(params)
         pool_nodes = {n for r in candidate_replicas for n in (r.routing_stats or {}).get("prefill_nodes", ())}
@@ -476,14 +509,8 @@ class StateAwareRequestRouter(RequestRouter):
         if decision.checkpoint_back is not None:  # where follow-ups diverge (router step 5)
             params.checkpoint_back = decision.checkpoint_back
         params.first_turn = decision.first_turn  # the decode replica's P/D decider reads it ("local_burst")
-        self._remember(key, decision)
+        setattr(pending_request, _PLACED, decision)
         return _ranks(decision, by_id)
-
-    def _remember(self, key: str, decision: RouteDecision | None) -> None:
-        """``key``'s request is placed (and booked, and counted): by ``decision``, None for no pick."""
-        self._placed[key] = decision
-        if len(self._placed) > _PLACED_MAX:
-            self._placed.popitem(last=False)
 
 
 def _ranks(decision: RouteDecision, by_id: dict) -> list[list]:
@@ -507,14 +534,19 @@ def _weight(key: str, replica_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{key}|{replica_id}".encode()).digest()[:8], "big")
 
 
-class AffinityRequestRouter(RequestRouter):
+class AffinityRequestRouter(_OwnReplicas, RequestRouter):
     def initialize_state(self, **_):
+        self._asked = WeakKeyDictionary()
         _register_replicas(self)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        self._asked[asyncio.current_task()] = pending_request
         end = _session_end(pending_request)
         if end is not None:
-            return _to_named(candidate_replicas, end)
+            return _to_named(candidate_replicas, end.replica)
+        named = _named(pending_request)
+        if named is not None:
+            return _to_named(candidate_replicas, named)
         params = _params(pending_request)
         if params is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]

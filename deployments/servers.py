@@ -31,7 +31,7 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.factory import build_reference_engine
 from disagg.faults import FaultInjector, exit_process
 from disagg.flow import FlowOptions
-from disagg.messages import GenerateParams, PrefillHandle, SessionEnd, StreamChunk
+from disagg.messages import GenerateParams, PrefillHandle, SessionEnd, StreamChunk, ToReplica
 from disagg.workers.tiered import StatefulWorker
 from kv_transfer.keys import BlockHasher
 
@@ -134,10 +134,12 @@ class _ServerBase:
                 "device_tails": self._tails, "device_checkpoints": self._checkpoints,
                 "prefill_nodes": self._prefill_nodes()}
 
-    async def stats(self) -> dict:
+    async def stats(self, to: ToReplica | None = None) -> dict:
+        """This replica's figures (``to`` names it: the routers send the call here)."""
         out = self.worker.stats()
         out["replica_id"] = self.replica_id
         out["role"] = self.role
+        out["node_id"] = self.node_id
         t = self.config.transfer
         if t.grpc.enabled and t.spill.enabled:  # the node's spill to the pool (deployments.node_store NOTE 2)
             out["spill"] = await self._node_spill()

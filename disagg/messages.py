@@ -73,6 +73,15 @@ class SessionEnd:
     replica: str = ""  # the decode replica to tell ("": whichever the router picks)
 
 
+@dataclass(frozen=True, slots=True)
+class ToReplica:
+    """A call meant for one replica (the ingress's stats, one call each): the Serve routers send it
+    to ``replica`` (their id of it), or to any replica when it is not among their candidates ("":
+    none named, or gone)."""
+
+    replica: str = ""
+
+
 @dataclass(slots=True)
 class StreamChunk:
     """A piece of a streamed generation (replica -> ingress)."""

@@ -146,11 +146,14 @@ class ServingMetrics:
 
 
 def merge_replica_stats(replica_stats: list[dict]) -> dict:
-    """Fold replica stats into the shape ``ServingMetrics.observe_stats`` reads."""
+    """Fold replica stats (one each, ``deployments.ingress``) into the shape
+    ``ServingMetrics.observe_stats`` reads: per-replica figures summed by role, node-shared tiers
+    once a node (``node_id``) and summed over the nodes."""
     tiers: dict[str, dict] = {}
     engines: dict[str, dict] = {}
     workers: dict[str, dict[str, int]] = {}
     checksum = 0
+    shared: dict[tuple[str, str], dict] = {}  # (node, tier) -> its figures (every replica there reports them)
     spill: dict[str, dict] = {}  # node -> its node store's spill counters (every replica there reports them)
     for s in replica_stats:
         if s.get("spill"):
@@ -160,10 +163,10 @@ def merge_replica_stats(replica_stats: list[dict]) -> dict:
             events[name] = events.get(name, 0) + n
         store = s.get("store") or {}
         for key, t in store.items():
-            if key.startswith("tier:") and isinstance(t, dict):
-                # node-shared tiers: every replica on the node reports the same figures
-                tiers[key[5:]] = dict(t, evictions=t.get("num_evictions", t.get("num_evicted", 0)))
-        checksum = max(checksum, store.get("num_corrupt_pieces", 0))
+            if key.startswith("tier:") and isinstance(t, dict):  # node-shared: counted once a node
+                shared[(s.get("node_id", ""), key[5:])] = dict(t, evictions=t.get("num_evictions",
+                                                                                   t.get("num_evicted", 0)))
+        checksum += store.get("num_corrupt_pieces", 0)  # each replica's own loads
         eng = s.get("engine") or {}
         if eng:
             agg = engines.setdefault(s.get("role", "?"), {"running": 0, "waiting": 0, "held": 0})
@@ -177,6 +180,11 @@ def merge_replica_stats(replica_stats: list[dict]) -> dict:
             block_bytes = eng.get("block_bytes", 0)
             dev["used_bytes"] += (blocks - eng.get("free_blocks", 0)) * block_bytes
             dev["capacity_bytes"] += blocks * block_bytes
+    for (_, tier), t in shared.items():  # summed over the nodes
+        into = tiers.setdefault(tier, {})
+        for k, v in t.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                into[k] = into.get(k, 0) + v
     out = {"tiers": tiers, "engines": engines, "checksum_failures": checksum, "workers": workers}
     if spill:
         keys = [f"num_{o}" for o in SPILL_OUTCOMES] + ["bytes_spilled"]

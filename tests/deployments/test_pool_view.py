@@ -294,9 +294,10 @@ def test_the_routers_learned_divergences_go_on_the_request():
 def test_a_session_end_goes_to_the_replica_it_names_and_the_router_forgets_the_session(monkeypatch):
     """``SessionEnd`` (``disagg.flow`` NOTE 14): the router publishes its replicas' ids under its
     deployment (the ingress tells each), sends a named end to that replica alone (one not among
-    the candidates: any), and stops counting the session on its worker."""
+    the candidates: any), and stops counting the session on its worker. A ``ToReplica`` call (the
+    ingress's stats) goes to its replica the same way."""
     from deployments.request_router import replica_ids
-    from disagg.messages import SessionEnd
+    from disagg.messages import SessionEnd, ToReplica
     from disagg.session import session_key
 
     monkeypatch.setattr(router_metrics, "REPLICA_IDS", {})
@@ -312,6 +313,10 @@ def test_a_session_end_goes_to_the_replica_it_names_and_the_router_forgets_the_s
     assert rr._policy.loads.session(key) is None
     ranks = asyncio.run(rr.choose_replicas(reps, _pending(SessionEnd("s", SALT, "gone"))))
     assert [len(rank) for rank in ranks] == [3]
+    for to, want in ((ToReplica("p2"), [["p2"]]), (ToReplica("gone"), [["p0", "p1", "p2"]]),
+                     (ToReplica(), [["p0", "p1", "p2"]])):  # the ingress's stats, one call a replica
+        ranks = asyncio.run(rr.choose_replicas(reps, _pending(to)))
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == want, to
 
 
 def test_decode_replicas_tell_the_decode_router_their_prefill_pools_nodes(monkeypatch):

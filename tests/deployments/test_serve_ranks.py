@@ -34,7 +34,7 @@ from deployments.request_router import (
     report_finished,
 )
 from disagg.engine.protocol import SamplingParams
-from disagg.messages import GenerateParams
+from disagg.messages import GenerateParams, ToReplica
 from kv_transfer.keys import BlockHasher, KeyExtras
 
 BS = 16
@@ -108,6 +108,21 @@ def test_each_request_gets_the_replica_found_for_it():
     async def run():
         rr = _router([a, b])
         return await _placed(rr, _turn("s1"), _turn("s2"))
+
+    assert asyncio.run(run()) == ["a", "b"]
+
+
+def test_calls_that_share_a_request_id_each_reach_their_replica():
+    """The calls a request makes inherit its internal request id, and the ingress's per-replica
+    calls (its stats, a session's end) go out together: each reaches the replica it names. By
+    internal id alone (Serve's matching without FIFOMixin) one waited forever; with FIFO, a
+    answering late, both went to b."""
+    a, b = _Replica("a", "n0", [], answer_s=0.05), _Replica("b", "n1", [])
+
+    async def run():
+        rr = _router([a, b])
+        calls = [PendingRequest([ToReplica(r)], {}, RequestMetadata("scrape", "internal-scrape")) for r in "ab"]
+        return await _placed(rr, *calls)
 
     assert asyncio.run(run()) == ["a", "b"]
 

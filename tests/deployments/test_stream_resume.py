@@ -78,7 +78,7 @@ class _Handle:
         self.generate, self.stats = self, self._Stats()
 
     class _Stats:
-        def remote(self):
+        def remote(self, to=None):  # ``to``: the replica the ingress asks (one here)
             async def stats():
                 return {}
             return stats()

@@ -154,7 +154,7 @@ def test_faulty_state_transfer_recomputes(cluster, fault):
     if fault == "delay":
         assert elapsed < 60, "the 2 s load deadline cut the 60 s stall short"
     if fault == "corrupt":
-        # the decode replica that caught it reports the count; /metrics asks one decode replica
+        # the replica that caught it reports the count in its stats, which /metrics asks of every replica
         deadline = time.monotonic() + 60
         while _metric(cluster["url"], "disagg_checksum_failures") <= checksum_before:
             assert time.monotonic() < deadline, "no replica reported the checksum failure"
