@@ -52,7 +52,8 @@ each on a fresh cluster running the embedded default
 (``deployments/configs/local-cpu.yaml``) with two decode replicas, and prints
 per policy: cache hit (usage) against the trace's infinite-cache hit, max/mean
 over the decode replicas of the requests they served and of the prompt tokens
-they computed (replica counters read before and after the run), and P90 TTFT:
+they computed (replica counters read before and after the run), P90 TTFT and, for
+state_aware, the requests Serve ran elsewhere than the router's pick:
 
     python benchmarks/router_bench.py --ray-replay --out results/router_ray
 """
@@ -418,7 +419,7 @@ RAY_POLICIES = ["state_aware", "power_of_two", "affinity"]
 RAY_COLUMNS = [("hit/theory", "hit_vs_theory", ".3f"), ("hit", "cache_hit", ".3f"), ("theory", "theoretical", ".3f"),
                ("max/mean req", "max_mean_requests", ".3f"), ("max/mean tok", "max_mean_prefill_tokens", ".3f"),
                ("P90 TTFT ms", "ttft_p90_ms", ".0f"), ("P50 TTFT ms", "ttft_p50_ms", ".0f"), ("ok", "num_ok", "d"),
-               ("load avg", "load_average", ".1f")]
+               ("overridden", "overridden", ".0f"), ("load avg", "load_average", ".1f")]
 
 
 def _decode_counters(num_replicas: int, app_name: str) -> dict[str, dict[str, int]]:
@@ -434,6 +435,16 @@ def _decode_counters(num_replicas: int, app_name: str) -> dict[str, dict[str, in
         if len(seen) == num_replicas:
             return seen
     raise RuntimeError(f"only {len(seen)} of {num_replicas} decode replicas answered")
+
+
+def _route_overridden(url: str) -> float | None:
+    """Requests Serve ran on another replica than the state-aware router's pick (``/metrics``)."""
+    import re
+
+    import httpx
+
+    m = re.search(r"^disagg_route_overridden (\S+)$", httpx.get(url + "/metrics", timeout=30).text, re.M)
+    return float(m.group(1)) if m else None
 
 
 def _max_mean(values: list[float]) -> float:
@@ -504,6 +515,7 @@ def _replay_policy(args: argparse.Namespace, k: int, policy: str, records, trace
             first_token_id=FIRST_TOKEN_ID, default_block_size=64, plots=False, progress=False, quiet=True)
         doc = run_bench_sync(params, records)
         after = _decode_counters(args.replay_decode_replicas, APP_NAME)
+        overridden = _route_overridden(url) if policy == "state_aware" else None  # the others do not count
     s = doc["runs"][0]["summary"]
     served = [after[r]["requests"] - before[r]["requests"] for r in after]
     computed = [after[r]["prefill_tokens"] - before[r]["prefill_tokens"] for r in after]
@@ -514,6 +526,7 @@ def _replay_policy(args: argparse.Namespace, k: int, policy: str, records, trace
         "requests_per_replica": served, "prefill_tokens_per_replica": computed,
         "ttft_p90_ms": s["ttft_ms"]["p90"], "ttft_p50_ms": s["ttft_ms"]["p50"], "num_ok": s["num_ok"],
         "valid": s["valid"], "wall_s": time.monotonic() - t0, "load_average": os.getloadavg()[0],
+        "overridden": overridden,
     }
     print(f"    {policy}: {s['num_ok']} ok in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return result
