@@ -11,6 +11,15 @@ def _node(node: str, spilled: int, dropped: int = 0) -> dict:
             "num_dropped": dropped, "num_no_target": 0, "bytes_spilled": spilled * 1000}
 
 
+def _exported(stats: dict, *lines: str) -> None:
+    """/metrics, fed the merged ``stats``, shows each of ``lines``."""
+    metrics = ServingMetrics()
+    metrics.observe_stats(stats)
+    text = metrics.render()[0].decode()
+    for line in lines:
+        assert line in text, line
+
+
 def test_each_nodes_spill_counts_once():
     replicas = [{"role": "decode", "spill": _node("n1", 5, 2)}, {"role": "decode", "spill": _node("n1", 5, 2)},
                 {"role": "decode", "spill": _node("n2", 3)}, {"role": "prefill", "spill": None},
@@ -18,12 +27,8 @@ def test_each_nodes_spill_counts_once():
     stats = merge_replica_stats(replicas)
     assert stats["spill"] == {"num_spilled": 8, "num_refused": 2, "num_dropped": 2, "num_no_target": 0,
                               "bytes_spilled": 8000}
-    metrics = ServingMetrics()
-    metrics.observe_stats(stats)
-    text = metrics.render()[0].decode()
-    for line in ('disagg_spill_objects{outcome="spilled"} 8.0', 'disagg_spill_objects{outcome="dropped"} 2.0',
-                 "disagg_spill_bytes 8000.0"):
-        assert line in text, line
+    _exported(stats, 'disagg_spill_objects{outcome="spilled"} 8.0', 'disagg_spill_objects{outcome="dropped"} 2.0',
+              "disagg_spill_bytes 8000.0")
     assert "spill" not in merge_replica_stats([{"role": "decode"}]), "no spill reported: none merged"
 
 
@@ -45,9 +50,5 @@ def test_node_tiers_count_once_a_node_and_replica_counters_add_up():
                                       "num_evictions": 2, "evictions": 2}
     assert stats["checksum_failures"] == 3
     assert stats["engines"]["decode"]["running"] == 7
-    metrics = ServingMetrics()
-    metrics.observe_stats(stats)
-    text = metrics.render()[0].decode()
-    for line in ('disagg_tier_used_bytes{tier="host"} 800.0', 'disagg_tier_capacity_bytes{tier="host"} 2000.0',
-                 "disagg_checksum_failures 3.0"):
-        assert line in text, line
+    _exported(stats, 'disagg_tier_used_bytes{tier="host"} 800.0', 'disagg_tier_capacity_bytes{tier="host"} 2000.0',
+              "disagg_checksum_failures 3.0")
