@@ -131,7 +131,7 @@ class RoutingContext:
         return self.match.get(worker_id)
 
     def common_tokens(self) -> int:
-        """Tokens of the leading blocks most candidates hold (hot shared prefix)."""
+        """Tokens of the leading blocks most candidates hold and resume (hot shared prefix; index NOTE 8)."""
         r = self.request
         return min(self.match.common_blocks * r.block_size, r.prompt_len)
 

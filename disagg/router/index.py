@@ -69,6 +69,11 @@ NOTES
    operations in the same order; the reporter's scope mask is resolved again
    whenever a worker has joined since (``_members``), so a node-shared tier
    sees every worker of its node.
+8. ``match``'s common prefix is what at least ``common_min`` candidates can resume, not only read:
+   on a hybrid model, blocks read without a checkpoint at or past them are recomputed (NOTE 1).
+   Counting readable blocks alone, a shared document whose MLA blocks sit in every node's host
+   tier and whose checkpoints sit on one worker's device was "common", and the prefix scorer gave
+   the worker that resumes it no credit over one that recomputes it (docs/router.md, "Round 32").
 """
 
 from __future__ import annotations
@@ -439,13 +444,18 @@ class PrefixIndex:
             request: digests of the prompt's full blocks and tail probes.
             worker_ids: candidates (registered on the fly if new).
             common_min: a leading block is "common" when at least this many
-                candidates can read it (None: no common-prefix count).
+                candidates can read it and, on a hybrid model, resume to it
+                (NOTE 8; None: no common-prefix count).
         """
         c = self._candidates(worker_ids)
         if len(request.block_hashes) <= self.int_walk_blocks:  # the same walk on ints (disagg.router.walk)
             common, resumable, tiers, lengths = walk_ints(self, c, request, common_min)
         else:
             common, resumable, tiers, lengths = self._walk_numpy(c, request, common_min)
+        if common and self.hybrid and len(resumable) >= common_min:
+            # blocks most candidates read but cannot resume to (no checkpoint at or past them) are no
+            # common prefix: a worker that resumes them saves their prefill (NOTE 8)
+            common = min(common, sorted(resumable)[len(resumable) - common_min] // request.block_size)
         return MatchResult(
             None,
             common,

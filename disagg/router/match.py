@@ -47,7 +47,7 @@ class MatchResult:
         mla_blocks: list[int] | None = None,
         arrays: tuple[np.ndarray, np.ndarray] | None = None,
     ):
-        self.common_blocks = common_blocks  # leading blocks readable by >= common_min candidates
+        self.common_blocks = common_blocks  # leading blocks >= common_min candidates read (and resume: index NOTE 8)
         self._matches = matches
         if matches is not None:
             worker_ids = list(matches)

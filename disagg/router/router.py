@@ -6,7 +6,7 @@ Per request:
        session's finished requests generated (a new session's: the cluster's), under its ``max_tokens``
        (``disagg.router.outputs``; docs/router.md, "Round 24")
     1. one index walk for all workers -> resumable (tokens, tier) per worker,
-       and the commonly held leading blocks (held by more than common_fraction
+       and the commonly held leading blocks (read and resumed by more than common_fraction
        of the n healthy workers, and by at least common_min_workers)
     1b. with ``pending_credit`` (off by default): the prefixes that prefills routed earlier
         will store and have not yet, credited as device resumes where waiting for them is

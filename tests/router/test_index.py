@@ -115,10 +115,40 @@ def test_common_blocks_and_mla_lengths():
     idx, h = _index({f"w{i}": f"n{i}" for i in range(4)}), chain(6)
     for w in ("w0", "w1", "w2"):
         _blocks(idx, h, "device", w, upto=2)
+        store(idx, "kda", h[1], "device", w)
     _blocks(idx, h, "device", "w0")
     m = idx.match(req(h, 6 * BS + 1), ["w0", "w1", "w2", "w3"], common_min=3)
     assert m.common_blocks == 2
     assert [m.matches[w].mla_blocks for w in ("w0", "w1", "w2", "w3")] == [6, 2, 2, 0]
+
+
+def test_common_prefix_is_what_most_workers_resume_not_only_read():
+    """A shared document's blocks in every node's host tier, its checkpoint on one device: no
+    common prefix, so the worker that resumes it is told apart from those that would recompute it
+    (index NOTE 8); an attention-only index resumes any block it reads."""
+    nodes = {"p0": "n0", "p1": "n0", "p2": "n1", "p3": "n1"}
+    h = chain(6)
+    for hybrid in (True, False):
+        idx = PrefixIndex(hybrid=hybrid)
+        for w, n in nodes.items():
+            idx.add_worker(w, n)
+        _blocks(idx, h, "host", "p0")
+        _blocks(idx, h, "host", "p2")
+        store(idx, "kda", h[5], "device", "p0")
+        m = idx.match(req(h, 6 * BS + 1), list(nodes), common_min=3)
+        assert [m.matches[w].mla_blocks for w in nodes] == [6, 6, 6, 6]
+        assert m.common_blocks == (0 if hybrid else 6)
+    idx = PrefixIndex()
+    for w, n in nodes.items():
+        idx.add_worker(w, n)
+    _blocks(idx, h, "host", "p0")
+    _blocks(idx, h, "host", "p2")
+    store(idx, "kda", h[5], "device", "p0")
+    store(idx, "kda", h[3], "host", "p2")  # node n1 resumes 4 blocks, p0 6, p1 nothing
+    m = idx.match(req(h, 6 * BS + 1), list(nodes), common_min=3)
+    assert [m.matches[w].resumable_tokens for w in nodes] == [6 * BS, 0, 4 * BS, 4 * BS]
+    assert m.common_blocks == 4  # three resume at least 4 blocks
+    assert idx.match(req(h, 6 * BS + 1), list(nodes), common_min=4).common_blocks == 0
 
 
 def test_block_overlap_counts_by_fastest_tier():
@@ -176,6 +206,9 @@ def _reference(stored, nodes, req_, cands, common_min, hybrid=True):
         if sum(fastest(w, "mla", h) is not None for w in cands) < common_min:
             break
         common += 1
+    if hybrid and common:  # ... and resumed by common_min of them (index NOTE 8)
+        kth = sorted((out[w][0] for w in cands), reverse=True)[common_min - 1]
+        common = min(common, kth // bs)
     return out, common
 
 

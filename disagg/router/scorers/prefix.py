@@ -2,7 +2,7 @@
 
 For worker w with resumable length c_w read from (slowest) tier t_w:
 
-    common     = tokens of the leading blocks most candidates hold (hot prefix)
+    common     = tokens of the leading blocks most candidates hold and resume (hot prefix)
     useful_w   = max(c_w - common, 0)
     saved_s    = c_w / prefill_tokens_per_s                  compute the hit avoids
     xfer_s     = (c_w * bytes_per_token + checkpoint_bytes) / bw[t_w] + latency[t_w]
