@@ -128,22 +128,21 @@ def test_common_prefix_is_what_most_workers_resume_not_only_read():
     (index NOTE 8); an attention-only index resumes any block it reads."""
     nodes = {"p0": "n0", "p1": "n0", "p2": "n1", "p3": "n1"}
     h = chain(6)
-    for hybrid in (True, False):
+
+    def document(hybrid: bool = True) -> PrefixIndex:
         idx = PrefixIndex(hybrid=hybrid)
         for w, n in nodes.items():
             idx.add_worker(w, n)
         _blocks(idx, h, "host", "p0")
         _blocks(idx, h, "host", "p2")
         store(idx, "kda", h[5], "device", "p0")
-        m = idx.match(req(h, 6 * BS + 1), list(nodes), common_min=3)
+        return idx
+
+    for hybrid in (True, False):
+        m = document(hybrid).match(req(h, 6 * BS + 1), list(nodes), common_min=3)
         assert [m.matches[w].mla_blocks for w in nodes] == [6, 6, 6, 6]
         assert m.common_blocks == (0 if hybrid else 6)
-    idx = PrefixIndex()
-    for w, n in nodes.items():
-        idx.add_worker(w, n)
-    _blocks(idx, h, "host", "p0")
-    _blocks(idx, h, "host", "p2")
-    store(idx, "kda", h[5], "device", "p0")
+    idx = document()
     store(idx, "kda", h[3], "host", "p2")  # node n1 resumes 4 blocks, p0 6, p1 nothing
     m = idx.match(req(h, 6 * BS + 1), list(nodes), common_min=3)
     assert [m.matches[w].resumable_tokens for w in nodes] == [6 * BS, 0, 4 * BS, 4 * BS]

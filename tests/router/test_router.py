@@ -47,6 +47,27 @@ def test_fallback_prefers_next_best_cached_worker():
     assert d.predicted_cached_tokens == 16
 
 
+def test_a_document_every_node_reads_goes_where_it_resumes():
+    """A shared document's blocks in both nodes' host tiers, its checkpoint on w2's device only: the
+    document is no common prefix (index NOTE 8), so the one worker that resumes it wins over idle
+    workers that would recompute it, though a short prefill is queued there."""
+    idx, h = PrefixIndex(), chain(40)
+    ws = workers(4, per_node=2)
+    for w in ws:
+        idx.add_worker(w.worker_id, w.node_id)
+    for w in ("w0", "w2"):  # one reporter per node: each node's host tier holds every block
+        for x in h[:32]:
+            store(idx, "mla", x, "host", w)
+    for x in h[:32]:
+        store(idx, "mla", x, "device", "w2")
+    store(idx, "kda", h[31], "device", "w2")
+    ws[2].queued_prefill_tokens = 64
+    m = idx.match(req(h, 40 * 4 + 1), [w.worker_id for w in ws], common_min=3)
+    assert [m.matches[w.worker_id].mla_blocks for w in ws] == [32] * 4 and m.common_blocks == 0
+    d = StateAwareRouter(idx).route(req(h, 40 * 4 + 1), ws)
+    assert (d.decode_worker, d.predicted_cached_tokens, d.reason) == ("w2", 128, "aggregated/cache_hit")
+
+
 def test_in_flight_predictions_spread_a_burst_then_decay_on_stats():
     t, clock = _clock()
     r = StateAwareRouter(PrefixIndex(), clock=clock)
