@@ -166,3 +166,32 @@ def test_aggregated_default_profile_counts_joined_decodes():
     assert decode.config.count_joined
     pd = build_profile("decode", DEFAULT_PROFILES["decode"]).scorers
     assert not next(s for s, _ in pd if s.name == "decode").config.count_joined
+
+
+def test_a_measured_batch_curve_prices_steps_as_the_engine_runs_them():
+    """batch_curve: r's step on w is g(B_w + 1) plus its context, and what r adds to each decode it
+    joins is g(B_w + 1) - g(B_w), the curve's own slope there; past its ends the curve extrapolates
+    linearly, as the simulator's engine does. Where one more sequence costs 10 ms, joining a batch of
+    two costs 5.5 times more, over decoding alone, than the 1 ms slope of CFG makes it."""
+    from disagg.tools.sim.cost_model import CostModel
+
+    curve = [[1, 0.05], [16, 0.2], [64, 0.6]]
+    engine = CostModel(decode_batch_curve=[tuple(p) for p in curve], decode_per_ctx_token_s=1e-6)
+    for b in (0, 1, 2, 15, 40, 63, 100):
+        loads = [EffectiveLoad(decode_requests=b), EffectiveLoad(), EffectiveLoad()]
+        cfg = dict(CFG, batch_curve=curve, count_joined=True, count_queued=False)
+        cost, _ = DecodeScorer(**cfg).costs(_ctx(loads), W3)
+        step = engine.decode_step_time(b + 1, 1000)  # r's step: b others and r, r's 1000 context tokens
+        added = 0.0 if b == 0 else engine.decode_step_time(b + 1, 1000) - engine.decode_step_time(b, 1000)
+        harm = b * 1000 / 1000  # r's 1000 uncached tokens stall the b decodes (phase "both")
+        assert cost[0] == pytest.approx(100 * step + b * 100 * (added + 1e-6 * 1000) + harm), b
+    busy = [EffectiveLoad(decode_requests=2, decode_tokens=2000), EffectiveLoad(), EffectiveLoad()]
+    ctx = _ctx(busy, {"a": PrefixMatch(1000, "device", 250)})
+    flat, _ = DecodeScorer(**dict(CFG, count_joined=True)).costs(ctx, W3)
+    steep, _ = DecodeScorer(**dict(CFG, count_joined=True, batch_curve=[[1, 0.01], [2, 0.02], [64, 0.64]])).costs(ctx, W3)
+    # a: r's step at 3 sequences and 3000 context tokens, and 2 decodes it slows; b: r alone
+    assert flat.tolist() == pytest.approx([100 * 0.016 + 2 * 100 * 0.002, 100 * 0.012, 100 * 0.012])
+    assert steep.tolist() == pytest.approx([100 * 0.033 + 2 * 100 * 0.011, 100 * 0.011, 100 * 0.011])
+    for bad in ([], [[0, 0.1]], [[1, 0.1], [1, 0.2]], [[1, -0.1]]):
+        with pytest.raises(ValueError):
+            DecodeScorer(batch_curve=bad)

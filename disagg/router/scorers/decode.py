@@ -10,6 +10,8 @@ session's finished turns generated), else its hint, else
 ``default_output_tokens``)::
 
     step_w  = base + per_seq * (B_w + 1) + per_ctx * (D_w + prompt)     r's decode step on w
+              (with a measured ``batch_curve`` g: g(B_w + 1) + per_ctx * (...),
+              and per_seq below is g(B_w + 1) - g(B_w))
     own_w   = o * step_w                                                r's decode time
     joined_w = B_w * o * (per_seq + per_ctx * prompt)                   what r's decode adds to the
                                                                         B_w decodes it joins, while
@@ -77,7 +79,7 @@ Config example (YAML)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -110,6 +112,9 @@ class DecodeScorerConfig:
     count_queued: bool = True  # B_w counts the requests queued for prefill on w (they join its batch)
     count_inbound: bool = False  # ... and those prefilling in the pool for w or handing off to it (P/D)
     count_joined: bool = False  # cost_w counts the decode time r's decode adds to the B_w it joins
+    # [[batch, seconds at zero context], ...]: a measured step curve, used in place of base + per_seq * batch
+    batch_curve: list[list[float]] | None = None
+    _curve: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if min(self.decode_base_s, self.decode_per_seq_s, self.decode_per_ctx_token_s) < 0:
@@ -122,6 +127,25 @@ class DecodeScorerConfig:
             raise ValueError("host_gbps and remote_gbps must be positive")
         if min(self.bytes_per_token, self.checkpoint_bytes, self.host_latency_s, self.remote_latency_s) < 0:
             raise ValueError("state sizes and latencies must be >= 0")
+        if self.batch_curve is not None:
+            self._curve = _extended(self.batch_curve)
+
+
+def _extended(curve: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """The step curve's points, sorted, with one more point at each end on its end segments, so
+    ``np.interp`` (which holds the end values) extrapolates linearly as the simulator's engine does
+    (``disagg.tools.sim.cost_model``); one point: a flat step."""
+    pts = sorted((float(b), float(g)) for b, g in curve)
+    if not pts or any(b < 1 or g < 0 for b, g in pts) or len({b for b, _ in pts}) != len(pts):
+        raise ValueError("batch_curve needs distinct batches >= 1 and step times >= 0")
+    if len(pts) == 1:
+        return np.array([pts[0][0]]), np.array([pts[0][1]])
+    (b0, g0), (b1, g1) = pts[0], pts[1]
+    (c0, h0), (c1, h1) = pts[-2], pts[-1]
+    lo, hi = 0.0, c1 + 1e6
+    xs = [lo] + [b for b, _ in pts] + [hi]
+    ys = [g0 - (g1 - g0) * (b0 - lo) / (b1 - b0)] + [g for _, g in pts] + [h1 + (h1 - h0) * (hi - c1) / (c1 - c0)]
+    return np.array(xs), np.maximum(np.array(ys), 0.0)
 
 
 class DecodeScorer(ArrayScorer):
@@ -139,11 +163,18 @@ class DecodeScorer(ArrayScorer):
         if cfg.count_inbound:
             b = b + v.loads[_IN]
         out = float(ctx.expected_output or req.output_len_hint or cfg.default_output_tokens)
-        step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + cfg.decode_per_ctx_token_s * (
-            v.loads[_D] + req.prompt_len)
+        ctx_s = cfg.decode_per_ctx_token_s * (v.loads[_D] + req.prompt_len)
+        if cfg._curve is None:
+            step = cfg.decode_base_s + cfg.decode_per_seq_s * (b + 1.0) + ctx_s
+            per_seq = cfg.decode_per_seq_s
+        else:  # a measured curve: r's step at B_w + 1 sequences; what r adds, g(B_w + 1) - g(B_w)
+            xs, ys = cfg._curve
+            with_r = np.interp(b + 1.0, xs, ys)
+            step = with_r + ctx_s
+            per_seq = with_r - np.interp(b, xs, ys)
         cost = out * step
         if cfg.count_joined:  # each of the B_w decodes r joins steps slower while r decodes beside it
-            cost = cost + b * out * (cfg.decode_per_seq_s + cfg.decode_per_ctx_token_s * req.prompt_len)
+            cost = cost + b * out * (per_seq + cfg.decode_per_ctx_token_s * req.prompt_len)
         if ctx.phase != "prefill":  # it prefills there ("both"), or may (a P/D decider's local rules)
             uncached = np.maximum(req.prompt_len - v.resumable, 0.0)
             cost = cost + b * uncached / cfg.prefill_tokens_per_s
