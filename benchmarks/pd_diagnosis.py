@@ -28,6 +28,7 @@ from collections import Counter
 
 from router_suite import Cell, Scale, _trace, cluster_of
 
+from disagg.router.calibration import with_engine_costs
 from disagg.router.router import StateAwareRouter
 from disagg.tools.sim.bound import belady_hits
 from disagg.tools.sim.cost_model import CostModel
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     lanes = round(sc.lanes_per_worker * cell.workers)
     sim = Simulator(reqs, "state_aware", cluster, CostModel(checkpoint_bytes=CostModel().checkpoint_bytes * sc.tokens),
                     replay=ReplayConfig(mode="closed", concurrency=lanes, think_scale=sc.tokens))
-    sim.router = _Recording(sim.index, json.loads(args.router_config) if args.router_config else None,
-                            clock=lambda: sim.now)
+    rc = json.loads(args.router_config) if args.router_config else None
+    sim.router = _Recording(sim.index, with_engine_costs(rc, sim.cost.to_dict()), clock=lambda: sim.now)  # as Simulator's
     sim.router.rows = []
     res = sim.run()
     done = sorted((r for r in res.records if r.finish >= 0), key=lambda r: r.arrival)

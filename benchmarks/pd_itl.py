@@ -141,7 +141,8 @@ def trace_sim(trace: str, sim_args: list[str], policy: str, router_config: dict 
     reqs = load_workload(args)
     cluster, cost = build_cluster(args, args.workers, args.prefill, args.decode)
     return Simulator(reqs, policy, cluster, cost, replay=build_replay(args, int(args.concurrency)), seed=args.seed,
-                     router_config=router_config if policy == "state_aware" else None)
+                     router_config=router_config if policy == "state_aware" else None,
+                     router_costs=args.router_costs)
 
 
 def spread_decodes(sim: Simulator, by: str = "unfinished") -> None:

@@ -57,3 +57,24 @@ def test_what_the_caller_sets_wins_and_nothing_is_modified():
     assert cfg["plugins"]["affinity"] == {}
     StateAwareRouter(None, cfg)  # every key is one the router takes
 
+
+def test_the_simulator_prices_with_the_engine_it_simulates():
+    """``Simulator`` / ``build_router``: the state-aware router takes the simulated engine's figures
+    (what the run's router config sets wins); "builtin" keeps the scorers' constants; the baselines
+    take no config at all."""
+    from disagg.router.index import PrefixIndex
+    from disagg.tools.sim.simulator import build_router
+
+    h200 = cost_profile("h200-small")
+
+    def decode_cfg(**kw):
+        router = build_router("state_aware", PrefixIndex(), lambda: 0.0, cost=h200, **kw)
+        return next(s for s, _ in router.profiles["decode"].scorers if s.name == "decode").config
+
+    assert decode_cfg().batch_curve == [[b, g] for b, g in h200.decode_batch_curve]
+    assert decode_cfg(router_costs="builtin").batch_curve is None
+    mine = decode_cfg(router_config={"plugins": {"decode": {"batch_curve": [[1, 0.5]]}}})
+    assert mine.batch_curve == [[1, 0.5]] and mine.prefill_tokens_per_s == pytest.approx(1 / h200.prefill_per_token_s)
+    with pytest.raises(ValueError, match="router_costs"):
+        decode_cfg(router_costs="nope")
+    assert build_router("round_robin", PrefixIndex(), lambda: 0.0, cost=h200).name == "round_robin"

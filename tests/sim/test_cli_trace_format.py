@@ -185,3 +185,20 @@ def test_stale_stats_tell_the_router_when_each_request_decoded_and_ended(tmp_pat
     assert _run(trace, "--block-size", "64", "--stats-period", "0.5") == 0
     assert len(served_seen) == len(MOONCAKE)
     assert all(s is not None and 0 < s[0] <= s[1] for s in served_seen)
+
+
+def test_router_costs_say_what_the_router_prices_time_with(tmp_path, capsys):
+    """``--router-costs``: on the default engine profile, whose figures are the router's built-in
+    constants, both choices place alike; on another engine both run, and a bad choice fails."""
+    trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
+
+    def row(*extra: str) -> dict:
+        assert _run(trace, "--block-size", "64", *extra) == 0
+        r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        r.pop("wall_s")
+        return r
+
+    assert row() == row("--router-costs", "builtin")
+    assert row("--profile", "h200-small")["requests"] == row("--profile", "h200-small", "--router-costs", "builtin")["requests"] == 4
+    with pytest.raises(SystemExit):
+        _run(trace, "--router-costs", "nope")

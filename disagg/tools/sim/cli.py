@@ -35,7 +35,13 @@ from disagg.tools.sim.cost_model import PROFILES
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.profile import cost_profile, profile_names
 from disagg.tools.sim.retention import RETENTION_POLICIES
-from disagg.tools.sim.simulator import HOST_POLICIES, HOST_WRITES, OUTPUT_HINTS, ClusterConfig
+from disagg.tools.sim.simulator import (
+    HOST_POLICIES,
+    HOST_WRITES,
+    OUTPUT_HINTS,
+    ROUTER_COSTS,
+    ClusterConfig,
+)
 from disagg.tools.sim.workload import (
     SimRequest,
     SynthConfig,
@@ -305,7 +311,8 @@ def _run(args: argparse.Namespace) -> int:
     for i, policy in enumerate(policies):
         t1 = time.perf_counter()
         res = simulate(requests, policy, cluster, cost, replay, domains=args.domains, jobs=args.jobs, seed=args.seed,
-                       router_config=rc if policy == "state_aware" else None, shared_ids=shared)
+                       router_config=rc if policy == "state_aware" else None, shared_ids=shared,
+                       router_costs=args.router_costs)
         wall = time.perf_counter() - t1
         print(f"[{i + 1}/{len(policies)}] {policy}: {sum(r.finish >= 0 for r in res.records)} requests in "
               f"{wall:.1f} s wall ({res.sim_events} events)", file=sys.stderr, flush=True)
@@ -399,6 +406,10 @@ def add_sim_parsers(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--router-config", default="", metavar="JSON|FILE",
                      help="state_aware's RouterConfig (docs/router.md, Configuration): JSON text or a JSON/YAML "
                           "file, e.g. '{\"pending_credit\": true}'")
+    run.add_argument("--router-costs", choices=ROUTER_COSTS, default="engine",
+                     help="what state_aware prices time with: engine, the cost model of --profile (its prefill "
+                          "rate, decode steps, state sizes and links; --router-config's plugin parameters win), "
+                          "or builtin, its scorers' constants (the small profile's; disagg.router.calibration)")
     run.set_defaults(func=_run)
 
     sw = sim_sub.add_parser("sweep", help="P:D ratios x replicas x host tiers x policies; best at a target")

@@ -70,7 +70,8 @@ def split_replay(replay: ReplayConfig, domains: int, i: int) -> ReplayConfig:
 def _run_domain(i: int) -> SimResult:
     j = _JOB
     sim = Simulator(j["parts"][i], j["policy"], j["cluster"], j["cost"], replay=split_replay(j["replay"], j["domains"], i),
-                    seed=j["seed"] + i, router_config=j["router_config"], shared_ids=j["shared_ids"])
+                    seed=j["seed"] + i, router_config=j["router_config"], shared_ids=j["shared_ids"],
+                    router_costs=j["router_costs"])
     return sim.run()
 
 
@@ -122,18 +123,20 @@ def simulate(
     seed: int = 0,
     router_config: dict | None = None,
     shared_ids: frozenset[int] | set[int] = frozenset(),
+    router_costs: str = "engine",
 ) -> SimResult:
-    """Run ``requests`` on ``cluster`` split into ``domains`` router slices, ``jobs`` processes at once."""
+    """Run ``requests`` on ``cluster`` split into ``domains`` router slices, ``jobs`` processes at once
+    (``router_costs``: what the state-aware router prices time with, ``Simulator``'s)."""
     if domains == 1:
         return Simulator(requests, policy, cluster, cost, replay=replay, seed=seed, router_config=router_config,
-                         shared_ids=shared_ids).run()
+                         shared_ids=shared_ids, router_costs=router_costs).run()
     part = split_cluster(cluster, domains)
     parts = split_requests(requests, domains)
     empty = [i for i, p in enumerate(parts) if not p]
     if empty:
         raise ValueError(f"domains {empty} got no sessions: use fewer domains")
     _JOB.update(parts=parts, policy=policy, cluster=part, cost=cost, replay=replay, domains=domains, seed=seed,
-                router_config=router_config, shared_ids=shared_ids)
+                router_config=router_config, shared_ids=shared_ids, router_costs=router_costs)
     try:
         if jobs > 1:
             with mp.get_context("fork").Pool(min(jobs, domains)) as pool:

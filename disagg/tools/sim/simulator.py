@@ -124,6 +124,7 @@ from typing import Any
 
 from disagg.reuse.placement import CheckpointPlacement
 from disagg.router.baselines import BASELINES
+from disagg.router.calibration import with_engine_costs
 from disagg.router.index import PrefixIndex
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
@@ -212,10 +213,20 @@ class ClusterConfig:
                                 self.checkpoint_prompt_end, self.learned_checkpoints)
 
 
+ROUTER_COSTS = ("engine", "builtin")
+
+
 def build_router(policy: str, index: PrefixIndex, clock: Callable[[], float], seed: int = 0,
-                 router_config: dict | None = None) -> Any:
-    """Our router ("state_aware") or a baseline from ``BASELINES``."""
+                 router_config: dict | None = None, cost: CostModel | None = None,
+                 router_costs: str = "engine") -> Any:
+    """Our router ("state_aware") or a baseline from ``BASELINES``. ``router_costs`` "engine": the
+    state-aware router prices time with ``cost``, the engine simulated (``router_config`` over it;
+    ``disagg.router.calibration``); "builtin": with its scorers' built-in constants."""
+    if router_costs not in ROUTER_COSTS:
+        raise ValueError(f"router_costs must be one of {ROUTER_COSTS}, got {router_costs!r}")
     if policy == "state_aware":
+        if router_costs == "engine" and cost is not None:
+            router_config = with_engine_costs(router_config, cost.to_dict())
         return StateAwareRouter(index, router_config, clock=clock)
     if policy not in BASELINES:
         raise ValueError(f"unknown policy {policy!r}; known: state_aware, {', '.join(BASELINES)}")
@@ -253,6 +264,7 @@ class Simulator:
         router_config: dict | None = None,
         replay: ReplayConfig | None = None,
         shared_ids: frozenset[int] | set[int] = frozenset(),
+        router_costs: str = "engine",
     ):
         if mode not in ("closed", "open"):
             raise ValueError("mode must be 'closed' or 'open'")
@@ -268,7 +280,7 @@ class Simulator:
         self._seq = 0
         self.num_sim_events = 0
         self.index = PrefixIndex()
-        self.router = build_router(policy, self.index, lambda: self.now, seed, router_config)
+        self.router = build_router(policy, self.index, lambda: self.now, seed, router_config, self.cost, router_costs)
         self.records: list[RequestRecord] = []
         self.block_size = bs = requests[0].block_size
         if any(r.block_size != bs for r in requests):
