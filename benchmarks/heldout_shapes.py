@@ -226,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
                          "(session_end; the flag alone) or after its answer (DELETE)")
     ap.add_argument("--output-hint", choices=OUTPUT_HINTS,
                     help="passed to disagg sim run: what the router is told of outputs (default: the CLI's, none)")
+    ap.add_argument("--profile", help="passed to disagg sim run: the engine's cost profile (default: the CLI's, "
+                                      "small), e.g. h200-small or mi355x-k3")
+    ap.add_argument("--router-costs", choices=("engine", "builtin"),
+                    help="passed to disagg sim run: what the state-aware router prices time with (default: the "
+                         "CLI's, engine)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
                                             "(JSON text or a file)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
@@ -243,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         (["--host-policy", args.host_policy] if args.host_policy else []) + \
         (["--session-ends", args.session_ends] if args.session_ends else []) + \
         (["--router-config", args.router_config] if args.router_config else []) + \
-        (["--output-hint", args.output_hint] if args.output_hint else [])
+        (["--output-hint", args.output_hint] if args.output_hint else []) + \
+        (["--profile", args.profile] if args.profile else []) + \
+        (["--router-costs", args.router_costs] if args.router_costs else [])
     try:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:

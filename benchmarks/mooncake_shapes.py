@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                                                         "(the trace's timestamps)")
     ap.add_argument("--output-hint", choices=OUTPUT_HINTS,
                     help="passed to disagg sim run: what the router is told of outputs (default: the CLI's, none)")
+    ap.add_argument("--profile", help="passed to disagg sim run: the engine's cost profile (default: the CLI's, "
+                                      "small), e.g. h200-small or mi355x-k3")
+    ap.add_argument("--router-costs", choices=("engine", "builtin"),
+                    help="passed to disagg sim run: what the state-aware router prices time with (default: the "
+                         "CLI's, engine)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
                                             "(JSON text or a file)")
     ap.add_argument("--reuse-baselines", metavar="DIR",
@@ -142,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--seeds takes numbers and ranges a-b, got {args.seeds!r}")
     cells = [(seed, c, m) for seed in seeds for m in modes for c in clusters]
     extra = (["--router-config", args.router_config] if args.router_config else []) + \
-        (["--output-hint", args.output_hint] if args.output_hint else [])
+        (["--output-hint", args.output_hint] if args.output_hint else []) + \
+        (["--profile", args.profile] if args.profile else []) + \
+        (["--router-costs", args.router_costs] if args.router_costs else [])
     reused: dict[str, dict[str, dict]] = {}
     if args.reuse_baselines:
         for line in (Path(args.reuse_baselines) / "runs.jsonl").read_text().splitlines():

@@ -33,6 +33,10 @@ at which a clairvoyant placement's own max/mean averages <= 1.10 over seeds
 prefill, the rest decode: the decode profile, the P/D decision and the
 prefill profile per call).
 
+``--latency-engine PROFILE`` measures a router priced with that engine's
+figures (``disagg.router.calibration``; ``h200-small``'s decode batch curve is
+interpolated per candidate) instead of the built-in constants.
+
 ``--latency-reps N`` repeats the decision-latency measurement N times over the
 same index (the shared machine's load moves each repetition's p99; the median
 over repetitions is printed with every repetition).
@@ -71,9 +75,11 @@ from pathlib import Path
 
 import numpy as np
 
+from disagg.router.calibration import with_engine_costs
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
+from disagg.tools.sim.profile import cost_profile
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
 from disagg.tools.sim.workload import SynthConfig, chain_digests, synth_sessions
 
@@ -145,13 +151,15 @@ def build_latency_index(num_workers: int = 64, num_blocks: int = 1_000_000, seed
 
 
 def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
-                     reps: int = 1, pd: bool = False) -> dict:
+                     reps: int = 1, pd: bool = False, engine: str | None = None) -> dict:
+    """``engine``: a cost profile's name; the router prices time with its figures (a measured decode
+    batch curve included, ``disagg.router.calibration``), else with its built-in constants."""
     t0 = time.perf_counter()
     idx, ws, sessions, rng = build_latency_index(num_workers, num_blocks, seed, pd=pd)
     build_s = time.perf_counter() - t0
-    router = StateAwareRouter(idx)
+    router = StateAwareRouter(idx, with_engine_costs(None, cost_profile(engine).to_dict()) if engine else None)
     keys = sorted(sessions)
-    out = {"workers": num_workers, "pd": pd, "indexed_blocks": idx.num_objects()["mla"], "calls": n,
+    out = {"workers": num_workers, "pd": pd, "engine": engine, "indexed_blocks": idx.num_objects()["mla"], "calls": n,
            "checkpoints": idx.num_objects()["kda"], "build_s": round(build_s, 1), "reps": []}
     _time_routes(router, sessions, keys, ws, min(n, 200), rng)  # warm-up: the first walk flushes the build
     gc.collect()
@@ -346,7 +354,8 @@ def _time_routes(router, sessions, keys, ws, n, rng) -> dict[str, np.ndarray]:
 
 
 def latency_text(lat: dict) -> str:
-    lines = [f"decision latency, {lat['workers']} workers{' (P/D)' if lat.get('pd') else ''}, "
+    lines = [f"decision latency, {lat['workers']} workers{' (P/D)' if lat.get('pd') else ''}"
+             f"{', priced as ' + lat['engine'] if lat.get('engine') else ''}, "
              f"{lat['indexed_blocks']:,} indexed blocks, "
              f"{lat['checkpoints']:,} checkpoints, median of {len(lat['reps'])} repetition(s) of "
              f"{lat['calls']} calls (ms): wall p50 {lat['p50_ms']:.3f} p90 {lat['p90_ms']:.3f} "
@@ -558,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-only", action="store_true", help="skip the simulations")
     ap.add_argument("--latency-pd", action="store_true",
                     help="decision latency with P/D pools (a quarter prefill, the rest decode)")
+    ap.add_argument("--latency-engine", metavar="PROFILE",
+                    help="decision latency of a router priced with this engine profile's figures (e.g. h200-small, "
+                         "whose decode batch curve the decode scorer interpolates)")
     ap.add_argument("--compare-ref", default=None, metavar="GITREF",
                     help="decision latency only: same-process A/B of route() against the router at GITREF")
     ap.add_argument("--balance-seeds", type=int, nargs="*", default=[],
@@ -596,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     print("decision latency: building the index ...", file=sys.stderr, flush=True)
     lat = decision_latency(num_blocks=args.latency_blocks, n=args.latency_decisions, seed=args.seed,
-                           reps=args.latency_reps, pd=args.latency_pd)
+                           reps=args.latency_reps, pd=args.latency_pd, engine=args.latency_engine)
     lat_line = latency_text(lat)
     print(lat_line)
     with open(os.path.join(args.out, "router_bench.txt"), "w") as f:
