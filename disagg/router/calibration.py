@@ -17,18 +17,25 @@ An engine that is not that one needs its own:
 
 With the built-in constants on ``h200-small`` the decode scorer prices one
 more sequence in a batch at 0.1 ms where it costs 10.6 ms, and the router
-packed decodes the engine cannot afford to pack (P90 interactivity 0.75 of
+packed decodes the engine cannot afford to pack (P90 interactivity 0.74 of
 the best baseline's on two Mooncake-format traces, docs/router.md
-"Round 33"). ``engine_router_config`` maps an engine's cost model to the
+"Round 33"). The decider's token thresholds and the load scorer's token
+scales are not time constants and stay as configured. ``engine_router_config`` maps an engine's cost model to the
 router's shared plugin parameters::
 
     prefix.prefill_tokens_per_s   0.8 * engine rate       the ratio the built-in 20K was tuned at
     prefix.bytes_per_token, checkpoint_bytes, bandwidth_gbps, latency_s     the engine's state and links
-    wait.prefill_tokens_per_s     engine rate
-    wait.floor_s                  max(0.02, prefill step base)   "own" is at least one prefill step
     decode.*                      the engine's decode step (its batch curve when measured), prefill
                                   rate, state sizes and host / remote links
     pending_step_tokens           the engine's prefill budget a step
+
+The wait scorer keeps its own figures. Its score is the request's own
+compute over that plus the queue ahead, in which the rate cancels; what an
+engine's rate changes is only where the floor (one short prefill step)
+binds. Calibrated, on the MI355X roofline (343K tokens/s, 26 ms steps)
+every prompt under ~9K tokens counted as that long and a queue weighed
+less: with the wait scorer's built-in figures, cells that meet every figure
+rose on all three engine families measured (docs/router.md, "Round 33").
 
 Rates are rounded to 6 significant figures (no profile knows them better), so
 the built-in engine maps to exactly the built-in constants and a run on it
@@ -47,7 +54,6 @@ from collections.abc import Mapping
 from typing import Any
 
 PREFIX_RATE_SHARE = 0.8  # the prefix scorer's rate over the engine's (20K against 25K when tuned)
-WAIT_FLOOR_S = 0.02  # the wait scorer's smallest "own" time, at least the engine's prefill step
 
 
 def _sig(x: float, digits: int = 6) -> float:
@@ -86,8 +92,6 @@ def engine_router_config(cost: Mapping[str, Any]) -> dict[str, Any]:
                        "checkpoint_bytes": float(cost["checkpoint_bytes"]),
                        "bandwidth_gbps": bw, "latency_s": lat,
                        "prefill_tokens_per_s": _sig(PREFIX_RATE_SHARE * rate)},
-            "wait": {"prefill_tokens_per_s": rate,
-                     "floor_s": max(WAIT_FLOOR_S, float(cost.get("prefill_base_s", 0.0)))},
             "decode": decode,
         },
         "pending_step_tokens": int(cost["max_prefill_tokens_per_step"]),

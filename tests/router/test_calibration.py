@@ -26,13 +26,14 @@ def test_the_builtin_engine_maps_to_the_builtin_constants():
 
 
 def test_an_engine_of_another_speed_gets_its_own_figures():
-    """A measured H200 profile: its prefill rate, its prefill step as the wait scorer's floor, its
-    decode curve in the decode scorer; the MI355X roofline: 13.8 KB a token, 150 MB checkpoints."""
+    """A measured H200 profile: its prefill rate, its decode curve in the decode scorer; the MI355X
+    roofline: 13.8 KB a token, 150 MB checkpoints. The wait scorer keeps its own figures (a ratio in
+    which the rate cancels; see disagg.router.calibration)."""
     h200 = cost_profile("h200-small")
     cfg = engine_router_config(h200.to_dict())
     rate = round(1 / h200.prefill_per_token_s)
-    assert cfg["plugins"]["wait"]["prefill_tokens_per_s"] == pytest.approx(rate, rel=1e-5)
-    assert cfg["plugins"]["wait"]["floor_s"] == pytest.approx(h200.prefill_base_s)
+    assert cfg["plugins"]["decode"]["prefill_tokens_per_s"] == pytest.approx(rate, rel=1e-5)
+    assert "wait" not in cfg["plugins"]
     assert cfg["plugins"]["prefix"]["prefill_tokens_per_s"] == pytest.approx(0.8 * rate, rel=1e-5)
     assert cfg["plugins"]["decode"]["batch_curve"] == [[b, g] for b, g in h200.decode_batch_curve]
     router = StateAwareRouter(None, cfg)
@@ -47,12 +48,12 @@ def test_an_engine_of_another_speed_gets_its_own_figures():
 
 
 def test_what_the_caller_sets_wins_and_nothing_is_modified():
-    mine = {"plugins": {"wait": {"floor_s": 0.5}, "affinity": {}}, "pending_step_tokens": 4096}
+    mine = {"plugins": {"decode": {"prefill_tokens_per_s": 1000.0}, "affinity": {}}, "pending_step_tokens": 4096}
     before = repr(mine)
     cfg = with_engine_costs(mine, cost_profile("mi355x-k3").to_dict())
     assert repr(mine) == before
-    assert cfg["plugins"]["wait"]["floor_s"] == 0.5
-    assert cfg["plugins"]["wait"]["prefill_tokens_per_s"] > 300_000  # the engine's, where the caller is silent
+    assert cfg["plugins"]["decode"]["prefill_tokens_per_s"] == 1000.0
+    assert cfg["plugins"]["decode"]["checkpoint_bytes"] > 1e8  # the engine's, where the caller is silent
     assert cfg["pending_step_tokens"] == 4096
     assert cfg["plugins"]["affinity"] == {}
     StateAwareRouter(None, cfg)  # every key is one the router takes
