@@ -3,10 +3,13 @@ or by ``router.weights`` in every profile when it is set (``deployments.app.requ
 
 from __future__ import annotations
 
+import pytest
+
 from deployments.app import request_router_config
 from disagg.config import load_config
 from disagg.router.registry import DEFAULT_PROFILES
 from disagg.router.router import StateAwareRouter
+from disagg.tools.sim.profile import cost_profile
 
 
 def _scorers(policy: dict) -> dict[str, list[str]]:
@@ -32,10 +35,6 @@ def test_router_engine_profile_prices_time_as_the_replicas_engine_runs():
     """``router.engine_profile`` gives the Serve routers the engine's figures, as the simulator's
     router gets them from its cost model (disagg.router.calibration); an unknown name fails when
     the config loads, not when the first request is routed."""
-    import pytest
-
-    from disagg.tools.sim.profile import cost_profile
-
     policy = request_router_config(load_config({"router": {"engine_profile": "mi355x-k3"}})).request_router_kwargs["policy"]
     router = StateAwareRouter(None, policy)
     prefix = next(s for s, _ in router.profiles["prefill"].scorers if s.name == "prefix")
