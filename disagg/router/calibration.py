@@ -19,8 +19,7 @@ With the built-in constants on ``h200-small`` the decode scorer prices one
 more sequence in a batch at 0.1 ms where it costs 10.6 ms, and the router
 packed decodes the engine cannot afford to pack (P90 interactivity 0.74 of
 the best baseline's on two Mooncake-format traces, docs/router.md
-"Round 33"). The decider's token thresholds and the load scorer's token
-scales are not time constants and stay as configured. ``engine_router_config`` maps an engine's cost model to the
+"Round 33"). ``engine_router_config`` maps an engine's cost model to the
 router's shared plugin parameters::
 
     prefix.prefill_tokens_per_s   0.8 * engine rate       the ratio the built-in 20K was tuned at
@@ -29,7 +28,8 @@ router's shared plugin parameters::
                                   rate, state sizes and host / remote links
     pending_step_tokens           the engine's prefill budget a step
 
-The wait scorer keeps its own figures. Its score is the request's own
+The decider's token thresholds and the load scorer's token scales are not
+time constants and stay as configured. The wait scorer keeps its own figures. Its score is the request's own
 compute over that plus the queue ahead, in which the rate cancels; what an
 engine's rate changes is only where the floor (one short prefill step)
 binds. Calibrated, on the MI355X roofline (343K tokens/s, 26 ms steps)
