@@ -161,20 +161,6 @@ class RouterConfig(_Strict):
     # "local_idle" and "local_burst" (need the prefill pool's resumable tokens; 0 turns them off)
     local_idle_margin: float = Field(default=LOCAL_IDLE_MARGIN, ge=0)
     stats_period_s: float = 1.0  # how often replicas report load and device-tier content to routers
-    # the replicas' engine: a cost profile's name (disagg/tools/sim/profiles: h200-small, mi355x-k3, ...; or
-    # small, large) or a JSON file (`disagg sim calibrate` writes one). The state-aware router then prices
-    # time with its prefill rate, decode steps, state sizes and links (disagg.router.calibration); unset:
-    # the router's built-in constants, the small profile's
-    engine_profile: str | None = None
-
-    @field_validator("engine_profile")
-    @classmethod
-    def _known_profile(cls, v: str | None) -> str | None:
-        if v is not None:
-            from disagg.tools.sim.profile import cost_profile
-
-            cost_profile(v)  # ValueError: no such profile, or not one
-        return v
 
     def decider_params(self) -> dict[str, float]:
         """The ``DeciderConfig`` fields (``disagg.router.decider``) of this config."""
