@@ -42,8 +42,9 @@ the built-in engine maps to exactly the built-in constants and a run on it
 places as before. What a caller sets in its own router config wins over the
 engine's figures (``with_engine_costs``). In the simulator the state-aware
 router is calibrated to the run's cost model (``disagg sim run --profile``;
-``--router-costs builtin`` turns it off); in serving, ``router.engine_profile``
-names the profile of the replicas' engine.
+``--router-costs builtin`` turns it off). Serving's routers keep the built-in
+constants: the profiles live in ``disagg.tools.sim``, which serving may not
+import (docs/router.md, "Round 33").
 """
 
 from __future__ import annotations
