@@ -28,10 +28,10 @@ from collections import Counter
 
 from router_suite import Cell, Scale, _trace, cluster_of
 
+from disagg.costs.model import CostModel
 from disagg.router.calibration import with_engine_costs
 from disagg.router.router import StateAwareRouter
 from disagg.tools.sim.bound import belady_hits
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.simulator import Simulator
 

@@ -56,7 +56,7 @@ from collections import Counter
 import numpy as np
 from router_suite import Cell, Scale, _trace, cluster_of
 
-from disagg.tools.sim.cost_model import CostModel
+from disagg.costs.model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import Simulator

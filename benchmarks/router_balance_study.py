@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from router_bench import POLICIES, sim_workload  # noqa: E402
 
+from disagg.costs.model import CostModel  # noqa: E402
 from disagg.router.baselines.common import NoFeedback, decision  # noqa: E402
-from disagg.tools.sim.cost_model import CostModel  # noqa: E402
 from disagg.tools.sim.simulator import Simulator  # noqa: E402
 
 SYSTEM_TOKENS = 8192  # router_bench.sim_workload's shared prefix

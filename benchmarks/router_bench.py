@@ -75,11 +75,11 @@ from pathlib import Path
 
 import numpy as np
 
+from disagg.costs.profile import cost_profile
 from disagg.router.calibration import with_engine_costs
 from disagg.router.index import IndexUpdate, PrefixIndex
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
-from disagg.tools.sim.profile import cost_profile
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
 from disagg.tools.sim.workload import SynthConfig, chain_digests, synth_sessions
 

@@ -56,11 +56,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from disagg.costs.model import CostModel
 from disagg.router.baselines import BASELINES
 from disagg.tools.bench.family import SUITE, member_trace
 from disagg.tools.sim.bound import capacity_bound
 from disagg.tools.sim.cli import router_config
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import OUTPUT_HINTS, ClusterConfig, Simulator

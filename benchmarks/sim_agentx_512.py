@@ -30,11 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from disagg.costs.profile import load_profile
 from disagg.tools.bench.pareto import front_at
 from disagg.tools.bench.plots import plot_pareto
 from disagg.tools.bench.synth import synthesize
 from disagg.tools.sim.driver import ReplayConfig
-from disagg.tools.sim.profile import load_profile
 from disagg.tools.sim.shard import simulate
 from disagg.tools.sim.simulator import ClusterConfig
 from disagg.tools.sim.sweep import parse_pd

@@ -28,9 +28,9 @@ import resource
 import sys
 import time
 
+from disagg.costs.profile import load_profile
 from disagg.tools.bench.synth import synthesize
 from disagg.tools.sim.driver import ReplayConfig
-from disagg.tools.sim.profile import load_profile
 from disagg.tools.sim.shard import simulate
 from disagg.tools.sim.simulator import ClusterConfig
 from disagg.tools.sim.workload import from_trace_records

@@ -61,6 +61,7 @@ import numpy as np
 from e2e_pareto import CONFIG, FIRST_TOKEN_ID, VOCAB_SIZE, cpu_trace, engine_replicas, warm_up
 
 from disagg.config import load_config
+from disagg.costs.profile import EngineProfile, load_profile
 from disagg.launch.local import free_port, local_app, wait_healthy
 from disagg.tools.bench.report import load_requests, load_sweep
 from disagg.tools.bench.sweep import BenchParams, run_bench_sync
@@ -68,7 +69,6 @@ from disagg.tools.bench.tokens import shared_hash_ids
 from disagg.tools.bench.trace import save_trace
 from disagg.tools.sim.calibrate import from_bench_runs, time_engine
 from disagg.tools.sim.driver import ReplayConfig
-from disagg.tools.sim.profile import EngineProfile, load_profile
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
 from disagg.tools.sim.workload import from_trace_records
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="engine profile to start from (default: time the engine now)")
     ap.add_argument("--engine-timing", choices=["ray", "here"], default="ray",
                     help="time the engine in a Ray worker of the serving cluster, or in this process")
-    ap.add_argument("--save-profile", help="also write the engine timing here (e.g. disagg/tools/sim/profiles/cpu-tiny.json)")
+    ap.add_argument("--save-profile", help="also write the engine timing here (e.g. disagg/costs/profiles/cpu-tiny.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bootstrap", type=int, default=4000, help="resamples for the 90%% intervals (0: none)")
     ap.add_argument("--quiet", action="store_true")

@@ -9,7 +9,7 @@ cost model: one H200 serving a small hybrid model (25K prefill tokens/s,
 8 ms decode steps, 4.6 KB of MLA state a token, 16 MB KDA checkpoints).
 An engine that is not that one needs its own:
 
-| engine (``disagg/tools/sim/profiles``) | prefill tokens/s | prefill step | decode step, batch 1 -> 16 | state a token | checkpoint |
+| engine (``disagg/costs/profiles``) | prefill tokens/s | prefill step | decode step, batch 1 -> 16 | state a token | checkpoint |
 |---|---|---|---|---|---|
 | built in (``small``) | 25,000 | 4 ms | 8.1 -> 9.6 ms | 4.6 KB | 16 MB |
 | ``h200-small`` (measured) | 26,282 | 222 ms | 56 -> 214 ms | 4.6 KB | 16 MB |
@@ -67,7 +67,7 @@ def _sig(x: float, digits: int = 6) -> float:
 def engine_router_config(cost: Mapping[str, Any]) -> dict[str, Any]:
     """The router config (``RouterConfig`` keys: ``plugins``, ``pending_step_tokens``) that prices
     time as the engine of ``cost`` runs; ``cost``: a cost model's fields
-    (``disagg.tools.sim.cost_model.CostModel.to_dict()``)."""
+    (``disagg.costs.model.CostModel.to_dict()``)."""
     per_token = float(cost["prefill_per_token_s"])
     if per_token <= 0:
         raise ValueError("the engine's prefill_per_token_s must be positive")

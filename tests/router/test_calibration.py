@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
+from disagg.costs.model import CostModel
+from disagg.costs.profile import cost_profile
 from disagg.router.calibration import engine_router_config, with_engine_costs
 from disagg.router.router import RouterConfig, StateAwareRouter
-from disagg.tools.sim.cost_model import CostModel
-from disagg.tools.sim.profile import cost_profile
 
 
 def _scorer_configs(router: StateAwareRouter) -> dict:

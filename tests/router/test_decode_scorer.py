@@ -173,7 +173,7 @@ def test_a_measured_batch_curve_prices_steps_as_the_engine_runs_them():
     joins is g(B_w + 1) - g(B_w), the curve's own slope there; past its ends the curve extrapolates
     linearly, as the simulator's engine does. Where one more sequence costs 10 ms, joining a batch of
     two costs 5.5 times more, over decoding alone, than the 1 ms slope of CFG makes it."""
-    from disagg.tools.sim.cost_model import CostModel
+    from disagg.costs.model import CostModel
 
     curve = [[1, 0.05], [16, 0.2], [64, 0.6]]
     engine = CostModel(decode_batch_curve=[tuple(p) for p in curve], decode_per_ctx_token_s=1e-6)

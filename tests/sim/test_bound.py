@@ -51,8 +51,8 @@ def test_zero_capacity_and_bad_input():
 
 def test_capacity_bound_of_a_run_pools_the_tiers_and_reserves_a_checkpoint_per_lane():
     """The run's own arrival order against devices + host tiers, less one checkpoint per live session."""
+    from disagg.costs.model import CostModel
     from disagg.tools.sim.bound import capacity_bound
-    from disagg.tools.sim.cost_model import CostModel
     from disagg.tools.sim.metrics import RequestRecord
     from disagg.tools.sim.simulator import ClusterConfig
 
@@ -72,8 +72,8 @@ def test_capacity_bound_of_a_run_pools_the_tiers_and_reserves_a_checkpoint_per_l
 
 def test_learned_placement_makes_every_block_boundary_a_resume_point_of_the_bound():
     """A learned placement may keep a checkpoint anywhere: the bound resumes at any boundary."""
+    from disagg.costs.model import CostModel
     from disagg.tools.sim.bound import capacity_bound
-    from disagg.tools.sim.cost_model import CostModel
     from disagg.tools.sim.metrics import RequestRecord
     from disagg.tools.sim.simulator import ClusterConfig
 

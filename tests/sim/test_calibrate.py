@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from disagg.costs.model import CostModel
+from disagg.costs.profile import DecodePoint, EngineProfile, PrefillPoint
 from disagg.tools.sim.calibrate import from_bench_runs, from_engine_bench, time_engine
-from disagg.tools.sim.cost_model import CostModel
-from disagg.tools.sim.profile import DecodePoint, EngineProfile, PrefillPoint
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "docs" / "perf" / "h200-2026-11-29"

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from disagg.costs.model import CostModel
 from disagg.tools.bench.runner import RunConfig
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
 from disagg.tools.sim.workload import SimRequest, shared_ids

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from disagg.tools.sim.cost_model import CostModel
-from disagg.tools.sim.profile import (
+from disagg.costs.model import CostModel
+from disagg.costs.profile import (
     DecodePoint,
     EngineProfile,
     PrefillPoint,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.costs.model import CostModel
 from disagg.tools.bench.synth import synthesize
 from disagg.tools.sim.cli import main as sim_main
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.shard import simulate, split_cluster, split_requests
 from disagg.tools.sim.simulator import ClusterConfig

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
+from disagg.costs.model import CostModel
+from disagg.costs.profile import cost_profile
 from disagg.router.types import RouteRequest
 from disagg.tools.sim.bound import capacity_bound_per_request
 from disagg.tools.sim.cache import LRUTier
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
-from disagg.tools.sim.profile import cost_profile
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
 from disagg.tools.sim.state import PromptState
 from disagg.tools.sim.workload import (
@@ -125,8 +125,8 @@ def test_cli_run_with_a_profile_and_the_bench_summary(capsys):
 def test_cli_calibrate_from_saved_engine_figures(tmp_path, capsys):
     from pathlib import Path
 
+    from disagg.costs.profile import load_profile
     from disagg.tools.sim.cli import main as sim_main
-    from disagg.tools.sim.profile import load_profile
 
     h200 = Path(__file__).resolve().parents[2] / "docs" / "perf" / "h200-2026-11-29"
     out = tmp_path / "h200.json"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.costs.model import CostModel
 from disagg.router.index import PrefixIndex
 from disagg.tools.sim.cache import LRUTier
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.state import CheckpointPolicy, PromptState, StateModel
 from disagg.tools.sim.workload import extend_digests, tail_digest
 

@@ -134,7 +134,7 @@ class DecodeScorerConfig:
 def _extended(curve: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
     """The step curve's points, sorted, with one more point at each end on its end segments, so
     ``np.interp`` (which holds the end values) extrapolates linearly as the simulator's engine does
-    (``disagg.tools.sim.cost_model``); one point: a flat step."""
+    (``disagg.costs.model``); one point: a flat step."""
     pts = sorted((float(b), float(g)) for b, g in curve)
     if not pts or any(b < 1 or g < 0 for b, g in pts) or len({b for b, _ in pts}) != len(pts):
         raise ValueError("batch_curve needs distinct batches >= 1 and step times >= 0")

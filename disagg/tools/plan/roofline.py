@@ -25,10 +25,10 @@ import datetime as dt
 import math
 from dataclasses import dataclass
 
+from disagg.costs.profile import DecodePoint, EngineProfile, PrefillPoint
 from disagg.tools.plan.hardware import HardwareSpec
 from disagg.tools.plan.memory import PlanConfig, dtype_bytes, plan
 from disagg.tools.plan.models import ModelSpec
-from disagg.tools.sim.profile import DecodePoint, EngineProfile, PrefillPoint
 
 
 @dataclass(slots=True)

@@ -1,13 +1,13 @@
 """Discrete-event simulator of a disaggregated cluster, running the real router code.
 
 Modules, imports pointing down: ``cli`` -> ``sweep``, ``shard``, ``calibrate`` ->
-``simulator`` -> ``driver``, ``worker``, ``state`` -> ``cache``, ``cost_model``,
-``profile``, ``workload``, ``metrics``. See docs/sim.md.
+``simulator`` -> ``driver``, ``worker``, ``state`` -> ``cache``, ``workload``,
+``metrics``; the engines' cost model and profiles are the core's ``disagg.costs``. See docs/sim.md.
 """
 
-from disagg.tools.sim.cost_model import CostModel
+from disagg.costs.model import CostModel
+from disagg.costs.profile import EngineProfile, cost_profile, load_profile, profile_names
 from disagg.tools.sim.driver import ReplayConfig
-from disagg.tools.sim.profile import EngineProfile, cost_profile, load_profile, profile_names
 from disagg.tools.sim.shard import simulate
 from disagg.tools.sim.simulator import ClusterConfig, SimResult, Simulator
 from disagg.tools.sim.workload import (

@@ -45,7 +45,7 @@ from disagg.tools.sim.state import checkpoint_units
 from disagg.tools.sim.workload import DigestCache, SimRequest
 
 if TYPE_CHECKING:
-    from disagg.tools.sim.cost_model import CostModel
+    from disagg.costs.model import CostModel
     from disagg.tools.sim.metrics import RequestRecord
     from disagg.tools.sim.simulator import ClusterConfig
 

@@ -1,6 +1,6 @@
 """Calibration: engine profiles from timing the reference engine, from saved figures, from bench runs.
 
-Three sources, one output (an ``EngineProfile``, see ``disagg.tools.sim.profile``):
+Three sources, one output (an ``EngineProfile``, see ``disagg.costs.profile``):
 
 - ``time_engine``: the reference engine timed in this process. A prefill
   point is one request of n new tokens after ctx resumed tokens (the state
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from disagg.tools.sim.profile import DecodePoint, EngineProfile, PrefillPoint, nnls_relative
+from disagg.costs.profile import DecodePoint, EngineProfile, PrefillPoint, nnls_relative
 
 DEFAULT_PREFILL_GRID = ((64, 0), (256, 0), (1024, 0), (64, 1024), (256, 1024), (1024, 1024))
 DEFAULT_DECODE_GRID = ((1, 256), (1, 1024), (4, 256), (4, 1024), (16, 256), (16, 1024))

@@ -29,11 +29,11 @@ import json
 import sys
 import time
 
+from disagg.costs.model import PROFILES
+from disagg.costs.profile import cost_profile, profile_names
 from disagg.router.baselines import BASELINES
 from disagg.tools.sim.bound import capacity_bound
-from disagg.tools.sim.cost_model import PROFILES
 from disagg.tools.sim.driver import ReplayConfig
-from disagg.tools.sim.profile import cost_profile, profile_names
 from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import (
     HOST_POLICIES,
@@ -203,7 +203,7 @@ def load_workload(args: argparse.Namespace) -> list[SimRequest]:
 def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, decode: int = 0,
                   host_blocks: int | None = None):
     """(ClusterConfig, CostModel) from the flags and the profile's defaults."""
-    from disagg.tools.sim.profile import load_profile
+    from disagg.costs.profile import load_profile
 
     if args.session_ends and args.retention == "lru":
         raise SystemExit("disagg sim: --session-ends needs --retention checkpoints or session "
@@ -355,8 +355,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from disagg.costs.profile import load_profile
     from disagg.tools.sim import calibrate
-    from disagg.tools.sim.profile import load_profile
 
     try:
         if args.engine:

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from disagg.tools.sim.cost_model import CostModel
+from disagg.costs.model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.metrics import RequestRecord, summarize
 from disagg.tools.sim.simulator import ClusterConfig, SimResult, Simulator

@@ -122,6 +122,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.costs.model import CostModel
 from disagg.reuse.placement import CheckpointPlacement
 from disagg.router.baselines import BASELINES
 from disagg.router.calibration import with_engine_costs
@@ -129,7 +130,6 @@ from disagg.router.index import PrefixIndex
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
 from disagg.tools.sim.cache import LRUTier, PolicyTier
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import Driver, ReplayConfig
 from disagg.tools.sim.metrics import RequestRecord, bench_summary, summarize
 from disagg.tools.sim.retention import RETENTION_POLICIES, SessionRetention

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from operator import gt, or_
 from typing import TYPE_CHECKING
 
+from disagg.costs.model import CostModel
 from disagg.router.types import TailProbe
 from disagg.tools.sim.cache import LRUTier
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.workload import tail_digest
 
 if TYPE_CHECKING:

@@ -29,9 +29,9 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from disagg.costs.model import CostModel
 from disagg.tools.bench.cost import tokens_per_dollar
 from disagg.tools.bench.pareto import front_at
-from disagg.tools.sim.cost_model import CostModel
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.shard import simulate
 from disagg.tools.sim.simulator import ClusterConfig

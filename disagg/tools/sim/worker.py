@@ -61,9 +61,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from disagg.costs.model import CostModel
 from disagg.router.types import WorkerState
 from disagg.tools.sim.cache import LRUTier
-from disagg.tools.sim.cost_model import CostModel
 
 if TYPE_CHECKING:
     from disagg.tools.sim.state import PromptState

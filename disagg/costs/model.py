@@ -1,4 +1,4 @@
-"""Engine cost model of the simulator.
+"""Engine cost model: what a prefill step, a decode step and a state transfer cost in time.
 
     prefill step  = a + sum_j [ b * n_j + c * n_j * (ctx_j + n_j / 2) ]
                     n_j new tokens of job j in the step, ctx_j tokens before them
@@ -20,8 +20,8 @@ A plain JSON cost model holds any subset of the fields, e.g.::
      "bandwidth_gbps": {"host": 50, "disk": 5, "remote": 20}}
 
 Measured engine profiles (points, provenance, fitted coefficients) are the
-richer format of ``disagg.tools.sim.profile``; ``cost_profile`` loads either, and
-the named profiles in ``disagg/tools/sim/profiles/``.
+richer format of ``disagg.costs.profile``; ``cost_profile`` loads either, and
+the named profiles in ``disagg/costs/profiles/``.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from disagg.tools.sim.cost_model import PROFILES, CostModel
+from disagg.costs.model import PROFILES, CostModel
 
 FORMAT = "disagg-sim-profile/1"
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -338,7 +338,7 @@ def relative_error(model: float, measured: float) -> float:
 
 
 def cost_profile(name_or_path: str) -> CostModel:
-    """A named cost model ("small", "large"), a named engine profile (``disagg/tools/sim/profiles``),
+    """A named cost model ("small", "large"), a named engine profile (``disagg/costs/profiles``),
     or a JSON file: an engine profile or a plain cost model."""
     if name_or_path in PROFILES:
         return CostModel.from_dict(PROFILES[name_or_path])
