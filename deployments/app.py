@@ -19,6 +19,8 @@ from deployments.env import SERVE_ENV
 from deployments.ingress import Ingress
 from deployments.servers import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, DecodeServer, PrefillServer
 from disagg.config import AppConfig, ReplicaConfig, load_config
+from disagg.router.calibration import with_engine_costs
+from disagg.costs import cost_profile
 
 # router.policy -> the Serve request router class
 ROUTERS = {
@@ -46,6 +48,9 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
         if cfg.router.weights:
             placement = {"filters": ["healthy", "role", "load_guard"], "scorers": dict(cfg.router.weights)}
             kwargs["policy"]["profiles"] = {phase: placement for phase in ("both", "prefill", "decode")}
+        if cfg.router.engine_profile:  # price time as the replicas' engine runs (disagg.router.calibration)
+            engine = cost_profile(cfg.router.engine_profile).to_dict()
+            kwargs["policy"] = with_engine_costs(kwargs["policy"], engine)
     return RequestRouterConfig(request_router_class=ROUTERS[cfg.router.policy], request_router_kwargs=kwargs,
                                request_routing_stats_period_s=cfg.router.stats_period_s)
 

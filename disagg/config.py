@@ -22,6 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from disagg.costs import cost_profile
+
 # Session retention (disagg.reuse.retention): a session's newest private KDA checkpoints kept in
 # the tiers' eviction order; older ones are evicted first. The serving path and the simulator's
 # retention (disagg.tools.sim.retention) both default to it.
@@ -161,6 +163,18 @@ class RouterConfig(_Strict):
     # "local_idle" and "local_burst" (need the prefill pool's resumable tokens; 0 turns them off)
     local_idle_margin: float = Field(default=LOCAL_IDLE_MARGIN, ge=0)
     stats_period_s: float = 1.0  # how often replicas report load and device-tier content to routers
+    # the replicas' engine: a cost profile's name (disagg/costs/profiles: h200-small, mi355x-k3, ...; or small,
+    # large) or a JSON file (`disagg sim calibrate` writes one; read where the application is built). The
+    # state-aware router then prices time with its prefill rate, decode steps, state sizes and links
+    # (disagg.router.calibration); unset: the router's built-in constants, the small profile's
+    engine_profile: str | None = None
+
+    @field_validator("engine_profile")
+    @classmethod
+    def _known_profile(cls, v: str | None) -> str | None:
+        if v is not None:
+            cost_profile(v)  # ValueError: no such profile, or not one
+        return v
 
     def decider_params(self) -> dict[str, float]:
         """The ``DeciderConfig`` fields (``disagg.router.decider``) of this config."""

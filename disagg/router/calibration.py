@@ -42,9 +42,10 @@ the built-in engine maps to exactly the built-in constants and a run on it
 places as before. What a caller sets in its own router config wins over the
 engine's figures (``with_engine_costs``). In the simulator the state-aware
 router is calibrated to the run's cost model (``disagg sim run --profile``;
-``--router-costs builtin`` turns it off). Serving's routers keep the built-in
-constants: the profiles live in ``disagg.tools.sim``, which serving may not
-import (docs/router.md, "Round 33").
+``--router-costs builtin`` turns it off). Serving's routers are calibrated to
+the profile ``router.engine_profile`` names (``disagg.costs``; the Serve
+adapter calls ``with_engine_costs`` as the simulator does) and keep the
+built-in constants when it is unset.
 """
 
 from __future__ import annotations
