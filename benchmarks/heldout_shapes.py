@@ -69,7 +69,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from disagg.tools.sim.simulator import HOST_POLICIES, OUTPUT_HINTS
+from disagg.tools.sim.simulator import HOST_POLICIES, OUTPUT_HINTS, ROUTER_COSTS
 
 BLOCK = 64
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="passed to disagg sim run: what the router is told of outputs (default: the CLI's, none)")
     ap.add_argument("--profile", help="passed to disagg sim run: the engine's cost profile (default: the CLI's, "
                                       "small), e.g. h200-small or mi355x-k3")
-    ap.add_argument("--router-costs", choices=("engine", "builtin"),
+    ap.add_argument("--router-costs", choices=ROUTER_COSTS,
                     help="passed to disagg sim run: what the state-aware router prices time with (default: the "
                          "CLI's, engine)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
