@@ -19,7 +19,9 @@ runs our router and every baseline on the same workload, one row each.
 Hit is reported three ways: ``hit`` (resumed / prompt tokens), ``hit/theory``
 (against an infinite cache) and ``hit/bound`` (against Belady's optimum with
 the cluster's own capacities, on the run's arrival order:
-``disagg.tools.sim.bound``; ``--no-bound`` skips it).
+``disagg.tools.sim.bound``; ``--no-bound`` skips it). ``--explain-misses`` adds
+where the rest went: a placement another worker could have resumed further,
+blocks held with no resume point, blocks evicted, or blocks not computed yet.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from disagg.costs.profile import cost_profile, profile_names
 from disagg.router.baselines import BASELINES
 from disagg.tools.sim.bound import capacity_bound
 from disagg.tools.sim.driver import ReplayConfig
+from disagg.tools.sim.metrics import LOST
 from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import (
     HOST_POLICIES,
@@ -71,6 +74,17 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
     for name, s in rows.items():
         lines.append(f"{name:<16}" + "".join(f"{fmt.format(s[key]) if key in s else '-':>15}"
                                              for key, _, fmt in COLUMNS))
+    return "\n".join(lines)
+
+
+def format_lost(rows: dict[str, dict[str, float]]) -> str:
+    """``--explain-misses``: the reuse each policy lost, by where (``disagg.tools.sim.metrics.reuse_lost``)."""
+    labels = [(k, k.removeprefix("lost_").replace("_", " ")) for k in LOST]
+    head = f"{'reuse lost':<16}" + "".join(f"{label:>15}" for _, label in labels) + f"{'total':>15}"
+    lines = ["", "share of the tokens an infinite cache would have resumed, lost to:", head, "-" * len(head)]
+    for name, s in rows.items():
+        if all(k in s for k in LOST):
+            lines.append(f"{name:<16}" + "".join(f"{s[k]:>15.3f}" for k in LOST) + f"{sum(s[k] for k in LOST):>15.3f}")
     return "\n".join(lines)
 
 
@@ -142,6 +156,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="P/D: what a node without prefill workers evicts (demoted objects aside) goes to a "
                         "prefill node's host tier (serving: transfer.spill)")
     g.add_argument("--stats-period", type=float, default=0.0, help="seconds between worker stats (0 = live)")
+    g.add_argument("--explain-misses", action="store_true",
+                   help="also say where the reuse an infinite cache would have had was lost: placement, "
+                        "checkpoint, evicted, in flight (shares of its tokens; reads every tier per request)")
     g.add_argument("--node-compute-slots", type=float,
                    help="engines a node runs at full speed at once (default: the profile's; 0 = no sharing)")
     g.add_argument("--profile", "--cost-profile", dest="profile", default="small",
@@ -233,7 +250,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             retention=args.retention, session_ends=bool(args.session_ends),
                             session_end_after=args.session_ends == "after", output_hint=args.output_hint,
                             peer_reads=not args.no_peer_reads,
-                            spill_to_pool=args.spill_to_pool,
+                            spill_to_pool=args.spill_to_pool, explain_misses=args.explain_misses,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None
                             else float((prof.limits if prof else {}).get("node_compute_slots", 0.0)))
     return cluster, cost
@@ -328,6 +345,8 @@ def _run(args: argparse.Namespace) -> int:
             print(json.dumps({"policy": policy, "wall_s": round(wall, 2), **res.summary, "router": res.router_metrics}))
     if not args.json:
         print(format_table(rows))
+        if args.explain_misses:
+            print(format_lost(rows))
     return 0
 
 

@@ -50,6 +50,10 @@ class RequestRecord:
     salt: int = 0  # cache-busting salt of the replay
     warmup: bool = False  # excluded from the benchmark metrics
     last_turn: bool = False  # its session's last turn (closed loop): what a client marks session_end
+    # where its reuse was lost (ClusterConfig.explain_misses, Simulator NOTE 10; -1: not measured)
+    reach_tokens: int = -1  # the furthest any worker could have resumed it when it was placed
+    stored_tokens: int = -1  # its leading full blocks that some tier of the cluster held then, in tokens
+    gap_stored_before: bool = False  # the first block no tier held had been stored before (evicted)
 
     @property
     def ttft(self) -> float:
@@ -88,6 +92,38 @@ def bench_summary(records: list[RequestRecord], num_gpus: int, theoretical_hit: 
                            usd_per_gpu_hour=usd_per_gpu_hour)
 
 
+LOST = ("lost_placement", "lost_checkpoint", "lost_evicted", "lost_in_flight")
+
+
+def reuse_lost(records: list[RequestRecord]) -> dict[str, float]:
+    """Where the reuse an infinite cache would have had went, as shares of its reusable tokens
+    (the finished records measured with ``explain_misses``; empty when there are none)::
+
+        placement    another worker could have resumed further when the request was placed
+        checkpoint   the cluster held the blocks, but no worker a resume point as far
+        evicted      no tier held the next block, and one had held it (capacity, eviction order)
+        in flight    no tier held the next block yet (its first prefill had not stored it)
+
+    Per request, with t its infinite-cache tokens and c what it resumed (both capped at t):
+    placement = reach - c, checkpoint = stored - reach, the rest t - stored goes to evicted or
+    in flight by the first block missing, each floored at what came before; the four and c sum
+    to t."""
+    rs = [r for r in records if r.finish >= 0 and r.reach_tokens >= 0]
+    theo = sum(r.theoretical_tokens for r in rs)
+    if not theo:
+        return {}
+    lost = dict.fromkeys(LOST, 0)
+    for r in rs:
+        t = r.theoretical_tokens
+        x0 = min(r.cached_tokens, t)
+        x1 = max(x0, min(r.reach_tokens, t))
+        x2 = max(x1, min(r.stored_tokens, t))
+        lost["lost_placement"] += x1 - x0
+        lost["lost_checkpoint"] += x2 - x1
+        lost["lost_evicted" if r.gap_stored_before else "lost_in_flight"] += t - x2
+    return {k: v / theo for k, v in lost.items()}
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -110,7 +146,7 @@ def summarize(
     t1 = max((r.finish for r in done), default=0.0)
     span = max(t1 - t0, 1e-9)
     p90_itl = _pct(itl, 90)
-    return {
+    return reuse_lost(done) | {
         "requests": len(done),
         "hit_rate": cached / prompt if prompt else 0.0,
         "theoretical_hit_rate": theo / prompt if prompt else 0.0,

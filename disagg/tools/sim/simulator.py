@@ -102,6 +102,14 @@ NOTES
    finish (``disagg.router.outputs``). "exact" hands it each request's true output length, an
    oracle no serving router has (rounds 1-23 ran with it; docs/router.md, "Round 24").
    The baselines read no output length either way.
+10. Where reuse is lost (``ClusterConfig.explain_misses``): when a request is placed, the
+   simulator also measures the furthest any worker could have resumed it then (each worker's
+   device and its node's tiers, a dry resume: ``RequestRecord.reach_tokens``), how many of its
+   leading full blocks some tier of the cluster held (``stored_tokens``), and whether the first
+   block none held had been stored before (``gap_stored_before``: evicted, else still being
+   computed). ``metrics.reuse_lost`` splits the tokens an infinite cache would have resumed and
+   the run did not into placement, checkpoint, evicted and in flight. It reads every tier of the
+   cluster per request, so it is off unless asked for (``disagg sim run --explain-misses``).
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -170,6 +178,7 @@ class ClusterConfig:
     session_ends: bool = False  # clients mark each session's last turn (the API's session_end; retention)
     session_end_after: bool = False  # ... after its answer instead (DELETE /v1/sessions/{id}): written (NOTE 7)
     output_hint: str = "none"  # what clients tell the router of a request's output: OUTPUT_HINTS (NOTE 9)
+    explain_misses: bool = False  # measure where each request's reuse is lost (NOTE 10; costs time)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -294,6 +303,7 @@ class Simulator:
         self._rid = 0
         self._snapshot: list[WorkerState] | None = None
         self.retention = SessionRetention(c.retention, client_ends=c.session_ends)
+        self._ever_stored: set[bytes] = set()  # NOTE 10: every full block a prefill stored
         self._build_cluster()
         self.driver = Driver(self, requests, self.replay)
 
@@ -443,6 +453,8 @@ class Simulator:
         target = self.workers[decision.prefill_target]
         dec = self.workers[decision.decode_worker]
         res = self._resume(ps, target, dec, decision.state_node)
+        if c.explain_misses:
+            self._explain(ps, rec)
         rec.predicted_tokens, rec.cached_tokens, rec.cached_tier = decision.predicted_cached_tokens, res.tokens, res.tier
         rec.prefill_worker, rec.decode_worker, rec.reason = target.worker_id, dec.worker_id, decision.reason
         job = SimJob(rec.request_id, plen, req.output_length, ps, rec, req, res.tokens, res.tokens,
@@ -492,6 +504,20 @@ class Simulator:
                     return self.state.resume(ps, target.device, *peer_tiers, remote=True)
         return self.state.resume(ps, target.device, *tiers)
 
+    def _explain(self, ps: PromptState, rec: RequestRecord) -> None:
+        """NOTE 10: where ``rec``'s prompt could have resumed when it was placed."""
+        state, host, disk = self.state, self.host, self.disk
+        rec.reach_tokens = max(state.resume(ps, w.device, host[w.node_id], disk[w.node_id], dry=True).tokens
+                               for w in self.workers.values())
+        tiers, held = self._tiers, 0
+        full = ps.full()
+        for d in full:
+            if not any(d in t for t in tiers):
+                break
+            held += 1
+        rec.stored_tokens = held * self.block_size
+        rec.gap_stored_before = held < len(full) and full[held] in self._ever_stored
+
     def admit(self, job: SimJob, w: SimWorker, now: float) -> int:
         """NOTE 8: ``job`` gets its first step on ``w``: the tokens its device resumes now, past
         what the job planned (0 when it planned a resume: the engine imports that state)."""
@@ -508,6 +534,8 @@ class Simulator:
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
         job.record.stored = now
+        if self.cluster.explain_misses:
+            self._ever_stored.update(ps.full())
         job.ckpts = self.state.store(ps, job.cached, w.device,
                                      self._write_host(w, job.record, job.decode_worker is not None), extra=job.extra)
         skey = (job.record.session_id, job.record.salt)
