@@ -19,8 +19,8 @@ from deployments.env import SERVE_ENV
 from deployments.ingress import Ingress
 from deployments.servers import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, DecodeServer, PrefillServer
 from disagg.config import AppConfig, ReplicaConfig, load_config
-from disagg.router.calibration import with_engine_costs
 from disagg.costs import cost_profile
+from disagg.router.calibration import with_engine_costs
 
 # router.policy -> the Serve request router class
 ROUTERS = {

@@ -146,7 +146,7 @@ def summarize(
     t1 = max((r.finish for r in done), default=0.0)
     span = max(t1 - t0, 1e-9)
     p90_itl = _pct(itl, 90)
-    return reuse_lost(done) | {
+    return {
         "requests": len(done),
         "hit_rate": cached / prompt if prompt else 0.0,
         "theoretical_hit_rate": theo / prompt if prompt else 0.0,
@@ -162,4 +162,4 @@ def summarize(
         "e2e_p90": _pct([r.finish - r.arrival for r in done], 90),
         "tokens_per_s_per_gpu": sum(r.prompt_len + r.output_len for r in done) / span / max(num_gpus, 1),
         "makespan_s": span,
-    }
+    } | reuse_lost(done)  # explain_misses: where the rest of the infinite cache's reuse went
