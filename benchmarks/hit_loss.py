@@ -1,10 +1,12 @@
 """Where a run's reuse falls short of the capacity bound: placement or eviction.
 
 Replays a trace as ``disagg sim run --trace`` does (its cluster flags in
-``--sim-args``) with one policy. At each request's arrival it also asks every
-worker how far it could resume the prompt from its device and its node's
-tiers (a dry resume, nothing moved), and compares, summed over the finished
-requests, against ``disagg.tools.sim.bound`` per request::
+``--sim-args``) with one policy. As it places each request the simulator also
+measures how far every worker could resume the prompt from its device and its
+node's tiers (a dry resume, nothing moved: Simulator NOTE 10, the measurement
+``disagg sim run --explain-misses`` splits against the infinite cache), and
+this compares it, summed over the finished requests, against
+``disagg.tools.sim.bound`` per request::
 
     realized    the prompt tokens the run resumed
     anywhere    the furthest any worker could have resumed, at arrival (at least what
@@ -65,32 +67,19 @@ def know(sim: Simulator, parts: set[str]) -> None:
         setattr(ret, KNOWLEDGE[part], full)
 
 
-def watch(sim: Simulator) -> dict[str, int]:
-    """request id -> the furthest any worker could resume its prompt at arrival (a dry resume)."""
-    anywhere: dict[str, int] = {}
-    arrive, resume = sim.arrive, sim._resume
-    current: list = [None]
-
-    def arriving(now, req, rec=None):
-        current[0] = rec
-        arrive(now, req, rec)
-
-    def measured(ps, target, dec, named=""):
-        anywhere[current[0].request_id] = max(
-            sim.state.resume(ps, w.device, sim.host[w.node_id], sim.disk[w.node_id], dry=True).tokens
-            for w in sim.workers.values())
-        return resume(ps, target, dec, named)
-
-    sim.arrive, sim._resume = arriving, measured
-    return anywhere
+def watch(sim: Simulator) -> None:
+    """Have ``sim`` measure, as it places each request, the furthest any worker could resume its
+    prompt (a dry resume on every worker's device and node tiers: ``RequestRecord.reach_tokens``,
+    Simulator NOTE 10, what ``disagg sim run --explain-misses`` reports)."""
+    sim.cluster.explain_misses = True
 
 
-def split(sim: Simulator, anywhere: dict[str, int], lanes: int) -> dict:
+def split(sim: Simulator, lanes: int) -> dict:
     done = sorted((r for r in sim.records if r.finish >= 0), key=attrgetter("arrival"))
     bound = capacity_bound_per_request(sim.requests, sim.records, sim.cluster, sim.cost, lanes)
     total = sum(bound) or 1
     realized = sum(r.cached_tokens for r in done)
-    reach = {r.request_id: max(anywhere[r.request_id], r.cached_tokens) for r in done}  # Simulator NOTE 8: admissions
+    reach = {r.request_id: max(r.reach_tokens, r.cached_tokens) for r in done}  # Simulator NOTE 8: admissions
     held = sum(reach.values())
     by_turn: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     for r, b in zip(done, bound, strict=True):
@@ -130,10 +119,10 @@ def main(argv: list[str] | None = None) -> dict:
         member, workers, mode = args.cell.split("/")
         sim = suite_sim(Cell(member, int(workers), mode), args.policy, rc, args.seed_offset, args.retention)
     know(sim, parts)
-    anywhere = watch(sim)
+    watch(sim)
     sim.run()
     lanes = sim.replay.concurrency if sim.replay.mode == "closed" else 0
-    out = {"policy": args.policy, "know": sorted(parts), **split(sim, anywhere, lanes)}
+    out = {"policy": args.policy, "know": sorted(parts), **split(sim, lanes)}
     if args.json:
         print(json.dumps(out))
     else:

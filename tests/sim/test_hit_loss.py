@@ -52,14 +52,14 @@ def test_the_split_adds_up_to_the_bound(tmp_path: Path, hit_loss) -> None:
     assert roomy["requests"] == 80
     assert roomy["eviction_loss"] == pytest.approx(0.0, abs=1e-9)  # default tiers hold the whole trace
     sim = pd_itl.trace_sim(str(trace), TIGHT.split(), "state_aware", None)
-    anywhere = hit_loss.watch(sim)
+    hit_loss.watch(sim)
     res = sim.run()
     done = sorted((r for r in res.records if r.finish >= 0), key=lambda r: r.arrival)
     assert capacity_bound(sim.requests, res.records, sim.cluster, sim.cost, 4) > 0
-    out = hit_loss.split(sim, anywhere, 4)
+    out = hit_loss.split(sim, 4)
     assert out["eviction_loss"] > 0.05  # the tiers are too small for the trace
     assert out["hit_vs_bound"] + out["placement_loss"] + out["eviction_loss"] == pytest.approx(1.0)
-    assert all(anywhere[r.request_id] >= r.cached_tokens for r in done)  # one node's tiers, no peer reads
+    assert all(r.reach_tokens >= r.cached_tokens for r in done)  # one node's tiers, no peer reads
 
 
 def test_knowing_session_ends_is_worth_hit_under_pressure(tmp_path: Path, hit_loss) -> None:
