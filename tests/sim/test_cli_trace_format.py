@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from disagg.costs import cost_profile
 from disagg.tools.bench.mooncake import trace_format
 from disagg.tools.bench.trace import TraceError
+from disagg.tools.sim import simulator
 from disagg.tools.sim.cli import main as sim_main
 
 # two sessions sharing a 2-block prefix; the second turn of each extends its first (64-token blocks)
@@ -187,18 +189,27 @@ def test_stale_stats_tell_the_router_when_each_request_decoded_and_ended(tmp_pat
     assert all(s is not None and 0 < s[0] <= s[1] for s in served_seen)
 
 
-def test_router_costs_say_what_the_router_prices_time_with(tmp_path, capsys):
+def test_router_costs_say_what_the_router_prices_time_with(tmp_path, capsys, monkeypatch):
     """``--router-costs``: on the default engine profile, whose figures are the router's built-in
-    constants, both choices place alike; on another engine both run, and a bad choice fails."""
+    constants, both choices place alike; on another engine ``engine`` (the default) lays that
+    engine's cost model under the state-aware router's config and ``builtin`` lays none; a bad
+    choice fails."""
     trace = _write(tmp_path / "mc.jsonl", MOONCAKE)
+    priced: list[dict] = []
+    real = simulator.with_engine_costs
+    monkeypatch.setattr(simulator, "with_engine_costs", lambda config, cost: priced.append(cost) or real(config, cost))
 
     def row(*extra: str) -> dict:
+        priced.clear()
         assert _run(trace, "--block-size", "64", *extra) == 0
         r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         r.pop("wall_s")
         return r
 
     assert row() == row("--router-costs", "builtin")
-    assert row("--profile", "h200-small")["requests"] == row("--profile", "h200-small", "--router-costs", "builtin")["requests"] == 4
+    assert row("--profile", "h200-small")["requests"] == 4
+    assert priced == [cost_profile("h200-small").to_dict()], "the router got the simulated engine's figures"
+    assert row("--profile", "h200-small", "--router-costs", "builtin")["requests"] == 4
+    assert priced == [], "builtin: the router keeps its own constants"
     with pytest.raises(SystemExit):
         _run(trace, "--router-costs", "nope")
