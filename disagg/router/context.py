@@ -163,6 +163,8 @@ class RoutingContext:
         key = tuple(ids)
         v = self._views.get(key)
         if v is None:
+            if self._base is None:
+                self._base = self._full_view()
             v = self._views[key] = self._subset_view(ids) or CandidateView(
                 ids, self._load_matrix(workers, ids), *self._match_columns(ids))
             if self._base is None:
@@ -194,11 +196,23 @@ class RoutingContext:
             self._last = (kept, kept[-1], v)
         return kept
 
+    def _full_view(self) -> CandidateView | None:
+        """The view of every worker the load columns hold, in their order (None: loads as a dict).
+        Candidate lists are subsets of it: their views are its rows (``_subset_view``)."""
+        cols = self.loads
+        if not isinstance(cols, LoadColumns):
+            return None
+        ids = cols.worker_ids
+        return CandidateView(ids, cols.data, *self._match_columns(ids))
+
     def _subset_view(self, ids: list[str]) -> CandidateView | None:
-        """Rows of the first view built, when it holds every id (filters only remove)."""
+        """Rows of the base view (every worker of the load columns, else the first view built),
+        when it holds every id (filters only remove)."""
         base = self._base
         if base is None:
             return None
+        if ids == base.worker_ids:
+            return base
         if self._base_rows is None:
             self._base_rows = {wid: i for i, wid in enumerate(base.worker_ids)}
         pos = self._base_rows
