@@ -38,6 +38,19 @@ set had (``--shapes third``):
               (median 150); requests start 33 a second
     stampede  128, 10K, 4-20K, 0.5-4K, 8-20, 1-8 s; every session starts in the first 0.3 s
 
+A fourth set, written in round 35 before any change of that round and first run
+with round 33's defaults (``--shapes fourth``; not in ``all``, whose cells the
+earlier rounds' commands name):
+
+    chat        400, 1K, 0.1-0.8K, 50-400, 3-10, 5-60 s; outputs 20-1500 (median ~250); sessions
+                start 10 a second (plain chat: little to reuse, load decides)
+    compact     64, 8K, 4-12K, 2-6K, 30-50, 1-10 s; past 64K of context the agent compacts it:
+                the context restarts as the shared prompt and a 2-6K summary (a new prefix)
+    fanwide     48, 24K, 1-4K, 0.5-2K, 6-14, 2-12 s; 60% of turns fan out a subagent
+    tinyctx     300, 0.5K, 0.1-0.5K, 50-200, 10-30, 0.1-1 s; outputs 10-300; sessions start 50 a
+                second (many tiny turns)
+    hugeshared  96, 60K, 0.5-2K, 0.2-1K, 4-12, 2-10 s (a shared prompt dominates every prompt)
+
 Printed per shape: every policy's row, then the state-aware router's verdict
 against the best baseline per figure (TTFT P90 and P90 interactivity as
 ratios where > 1 is better; tok/s/GPU as a ratio; hit against the capacity
@@ -92,6 +105,8 @@ class Shape:
     max_context: int = 128000
     arrival_ms: float = 400.0  # mean gap between session starts (open-loop timestamps)
     fanout: float = 0.0  # share of turns that start a 3-turn subagent on the shared prompt
+    compact: tuple[int, int] = (0, 0)  # past max_context, the agent compacts: its context restarts as the
+    #                                    shared prompt and a summary of this many tokens (0: the session ends)
 
 
 SHAPES: dict[str, Shape] = {
@@ -120,13 +135,24 @@ SHAPES: dict[str, Shape] = {
                  output=(20, 600), output_mu=5.0, output_sigma=0.6, arrival_ms=30),
     "stampede": Shape(seed=204, sessions=128, shared=10000, first=(4000, 20000), growth=(500, 4000), turns=(8, 20),
                       think_ms=(1000, 8000), arrival_ms=2),
+    "chat": Shape(seed=301, sessions=400, shared=1000, first=(100, 800), growth=(50, 400), turns=(3, 10),
+                  think_ms=(5000, 60000), output=(20, 1500), output_mu=5.5, arrival_ms=100),
+    "compact": Shape(seed=302, sessions=64, shared=8000, first=(4000, 12000), growth=(2000, 6000), turns=(30, 50),
+                     think_ms=(1000, 10000), max_context=64000, compact=(2000, 6000)),
+    "fanwide": Shape(seed=303, sessions=48, shared=24000, first=(1000, 4000), growth=(500, 2000), turns=(6, 14),
+                     think_ms=(2000, 12000), fanout=0.6),
+    "tinyctx": Shape(seed=304, sessions=300, shared=512, first=(100, 500), growth=(50, 200), turns=(10, 30),
+                     think_ms=(100, 1000), output=(10, 300), output_mu=4.0, arrival_ms=20),
+    "hugeshared": Shape(seed=305, sessions=96, shared=60000, first=(500, 2000), growth=(200, 1000), turns=(4, 12),
+                        think_ms=(2000, 10000), max_context=200000),
 }
 SETS: dict[str, tuple[str, ...]] = {
     "first": ("issue", "docqa", "groups", "longdoc"),
     "second": ("toolloop", "mega", "swarm", "slowthink", "rush"),
     "third": ("reason", "nest", "rag", "stampede"),
+    "fourth": ("chat", "compact", "fanwide", "tinyctx", "hugeshared"),
 }
-SETS["all"] = SETS["first"] + SETS["second"] + SETS["third"]
+SETS["all"] = SETS["first"] + SETS["second"] + SETS["third"]  # the sets of rounds 9-33 (``fourth`` is apart)
 
 
 def shape_names(spec: str) -> list[str]:
@@ -176,7 +202,9 @@ def write_trace(shape: Shape, path: Path) -> int:
                     sub = sub + fresh(rng.randint(500, 2000))
             ctx = ctx + fresh(out + rng.randint(*shape.growth))
             if len(ctx) * BLOCK > shape.max_context:
-                break
+                if not shape.compact[1]:
+                    break
+                ctx = shared + fresh(rng.randint(*shape.compact))  # a new prefix past the shared prompt
     with path.open("w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return len(rows)

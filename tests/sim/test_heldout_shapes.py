@@ -29,9 +29,10 @@ def held(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_sets_name_every_shape_once(held) -> None:
-    assert set(held.SETS["all"]) == set(held.SHAPES)
-    sets = [set(held.SETS[k]) for k in ("first", "second", "third")]
+    sets = [set(held.SETS[k]) for k in ("first", "second", "third", "fourth")]
+    assert set.union(*sets) == set(held.SHAPES)
     assert sum(map(len, sets)) == len(set.union(*sets))  # disjoint
+    assert set(held.SETS["all"]) == set.union(*sets[:3])  # the earlier rounds' cells: the fourth is apart
     assert held.shape_names("third") == ["reason", "nest", "rag", "stampede"]
     assert held.shape_names("first") == ["issue", "docqa", "groups", "longdoc"]
     assert held.shape_names("rush,second, issue") == ["rush", "toolloop", "mega", "swarm", "slowthink", "issue"]
@@ -39,7 +40,7 @@ def test_sets_name_every_shape_once(held) -> None:
 
 
 @pytest.mark.parametrize("name", ["issue", "groups", "toolloop", "mega", "swarm", "slowthink", "rush", "reason", "nest",
-                                  "rag", "stampede"])
+                                  "rag", "stampede", "chat", "fanwide", "tinyctx", "hugeshared"])
 def test_trace_has_the_shapes_structure(held, tmp_path: Path, name: str) -> None:
     shape = dataclasses.replace(held.SHAPES[name], sessions=6)
     path = tmp_path / f"{name}.jsonl"
@@ -77,6 +78,34 @@ def test_trace_has_the_shapes_structure(held, tmp_path: Path, name: str) -> None
         assert not subs
     elif shape.fanout >= 0.3:  # 6 sessions of 8+ turns: some turn fans out
         assert subs
+
+
+def test_compact_restarts_a_context_past_its_limit(held, tmp_path: Path) -> None:
+    """``compact``: a turn that would pass 64K of context starts over as the shared prompt and a
+    2-6K summary no earlier turn had; the turns after it extend the new context, and the session
+    goes on to its drawn number of turns."""
+    shape = dataclasses.replace(held.SHAPES["compact"], sessions=8)
+    path = tmp_path / "compact.jsonl"
+    held.write_trace(shape, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    by_session: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_session[r["session_id"]].append(r)
+    shared = shape.shared // held.BLOCK
+    restarts = 0
+    for turns in by_session.values():
+        assert shape.turns[0] <= len(turns) <= shape.turns[1]  # compaction does not end a session
+        seen: set[int] = set()
+        for a, b in zip(turns, turns[1:], strict=False):
+            seen.update(a["hash_ids"])
+            if b["hash_ids"][:len(a["hash_ids"])] != a["hash_ids"]:  # compacted
+                restarts += 1
+                assert b["hash_ids"][:shared] == turns[0]["hash_ids"][:shared]
+                summary = b["hash_ids"][shared:]
+                assert not seen & set(summary)
+                assert shape.compact[0] // held.BLOCK <= len(summary) <= shape.compact[1] // held.BLOCK
+        assert all(len(t["hash_ids"]) * held.BLOCK <= shape.max_context for t in turns)
+    assert restarts >= len(by_session)  # 30-50 turns growing 2-6K each: every session compacts
 
 
 def test_third_sets_outputs_and_arrivals(held, tmp_path: Path) -> None:
