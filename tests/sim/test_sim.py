@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -547,3 +548,30 @@ def test_a_prefill_left_no_room_in_a_step_is_looked_up_when_it_starts():
     _, a, b = sorted(res.records, key=lambda r: r.arrival)
     assert a.admitted < b.admitted == pytest.approx(a.stored)
     assert (b.cached_tokens, b.cached_tier) == (4096, "device")
+
+
+def test_chunk_cache_lets_a_prefill_admitted_later_resume_a_running_one():
+    """Simulator NOTE 11: with a 2048-token chunk budget A's 5120-token prompt takes three steps;
+    B, queued behind it, gets its first chunk in A's last step. With chunks cached as they
+    complete (vLLM's prefix caching) the device then holds A's first 4096 tokens and the
+    checkpoint at their end, which B shares: it resumes them. Without, nothing of A is stored
+    when B starts, and B computes the prefix too. The capacity bound sees the chunk from its end
+    on, so the run does not beat it."""
+    cost = dataclasses.replace(HAND, max_prefill_tokens_per_step=2048)
+    reqs = _sharing_pair(10.0)
+    out = {}
+    for cached in (False, True):
+        sim = Simulator(reqs, "round_robin", ClusterConfig(num_workers=1, chunk_cache=cached), cost, mode="open")
+        res = sim.run()
+        a, b = sorted(res.records, key=lambda r: r.arrival)
+        bound = capacity_bound_per_request(reqs, res.records, sim.cluster, sim.cost, 0)
+        out[cached] = (a, b, bound)
+        assert b.admitted > a.admitted and b.admitted < a.stored  # B starts beside A's last chunk
+        assert a.cached_tokens == 0
+    a, b, bound = out[False]
+    assert b.cached_tokens == 0 and bound == [0, 0] and a.chunks is None
+    a, b, bound = out[True]
+    assert [n for _, n in a.chunks] == [8, 16]  # two chunks of 2048 tokens before its end
+    assert (b.cached_tokens, b.cached_tier) == (4096, "device")
+    assert bound == [0, 4096]
+    assert b.first_token < out[False][1].first_token  # B computed 4096 tokens fewer

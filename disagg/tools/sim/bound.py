@@ -11,7 +11,9 @@ Belady's rule: on a miss, keep the block whose next use is furthest away out
     access     every full block of every prompt: looked up when the run admitted
                its prefill (its arrival, or its first step where the engine looks
                its device up again: Simulator NOTE 8), stored from its prefill's
-               end on (capacity_bound; belady_hits: at once without times)
+               end on (capacity_bound; belady_hits: at once without times); where
+               engines cache chunks (Simulator NOTE 11), a chunk's leading blocks
+               from the chunk's end on, with a resume point there
     hit(r)     = q * block_size capped at prompt - 1 (or, past it, an earlier
                  prompt's end inside the block after the leading run), q = the furthest resume
                  point <= the prompt's leading run of cached blocks, where a
@@ -53,7 +55,8 @@ _NEVER = 1 << 62
 
 
 def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_blocks: int,
-                checkpoint_every: int, times: Sequence[tuple[float, float]] | None = None) -> list[int]:
+                checkpoint_every: int, times: Sequence[tuple[float, float]] | None = None,
+                chunks: Sequence[Sequence[tuple[float, int]] | None] | None = None) -> list[int]:
     """Bound of the resumed tokens of each prompt.
 
     Args:
@@ -65,23 +68,31 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
             admission) and they exist from ``ready`` on (its prefill's end), in time order, an
             insert before a lookup at the same time; None: each prompt is looked up and inserted
             at once, in the given order.
+        chunks: per prompt, with ``times``, (time, blocks) of its prefill's chunks cached before
+            ``ready`` (Simulator NOTE 11): its first ``blocks`` blocks exist from ``time`` on, with
+            a resume point at their end; None or an entry None: none.
     """
     if capacity_blocks < 0 or checkpoint_every < 0:
         raise ValueError("capacity_blocks and checkpoint_every must be >= 0")
     if times is not None and len(times) != len(prompts):
         raise ValueError("one (arrival, ready) pair per prompt")
+    if chunks is not None and (times is None or len(chunks) != len(prompts)):
+        raise ValueError("chunks need times, and one entry per prompt")
     cache = DigestCache()
     alls = [cache.digests(r.session_id, s, r.hash_ids, min(-(-r.input_length // r.block_size), len(r.hash_ids)))
             for r, s in zip(prompts, salts, strict=True)]
     chains = [d[: r.num_full_blocks] for d, r in zip(alls, prompts, strict=True)]
+    # events (time, kind, prompt, blocks inserted): kind 0 a lookup, 1 an insert
     if times is None:
-        events = [(i, 0, i) for i in range(len(prompts))] + [(i, 1, i) for i in range(len(prompts))]
+        events = [(i, 0, i, -1) for i in range(len(prompts))] + [(i, 1, i, -1) for i in range(len(prompts))]
         events.sort()
     else:  # at a tie: others' inserts, then lookups, then the inserts of prompts ready on arrival
-        events = sorted([(a, 1, i) for i, (a, _) in enumerate(times)]
-                        + [(r, 0, i) if r > a else (a, 2, i) for i, (a, r) in enumerate(times)])
-        events = [(t, 0 if kind == 1 else 1, i) for t, kind, i in events]  # 0: lookup, 1: insert
-    lookups = [i for _, kind, i in events if kind == 0]
+        order = [(a, 1, i, -1) for i, (a, _) in enumerate(times)] \
+            + [(r, 0, i, -1) if r > a else (a, 2, i, -1) for i, (a, r) in enumerate(times)]
+        for i, parts in enumerate(chunks or ()):  # a running prefill's chunks: inserts of a leading part
+            order.extend((t, 0, i, n) for t, n in parts or () if t < times[i][1])
+        events = [(t, 0 if kind == 1 else 1, i, n) for t, kind, i, n in sorted(order)]
+    lookups = [i for _, kind, i, _ in events if kind == 0]
     keys = [d for i in lookups for d in chains[i]]  # every lookup access, in event order
     n = len(keys)
     nxt = [_NEVER] * n  # the key's next lookup access after access t
@@ -96,7 +107,7 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
     ends: dict[bytes, int] = {}  # an earlier prompt's partial last block -> its tokens (a prompt end)
     out = [0] * len(prompts)
     t = 0
-    for _, kind, i in events:
+    for _, kind, i, part in events:
         chain, r = chains[i], prompts[i]
         if kind == 0:  # lookup: the leading run held now, back to a resume point
             lead = -1
@@ -118,6 +129,8 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
                 hit = max(hit, held_run * r.block_size + ends[alls[i][held_run]])
             out[i] = min(hit, r.input_length - 1)
             continue
+        if part >= 0:  # a chunk's end: its leading blocks, with a resume point there
+            chain = chain[:part]
         for k in chain:  # insert: Belady's rule, bypassing a newcomer used last or never
             nu = upcoming.get(k, _NEVER)
             if k in held:
@@ -140,6 +153,8 @@ def belady_hits(prompts: Sequence[SimRequest], salts: Sequence[int], capacity_bl
             heapq.heappush(heap, (-nu, k))
         if chain:
             lfb.add(chain[-1])
+        if part >= 0:
+            continue
         off = r.input_length % r.block_size
         if off and len(alls[i]) > len(chain):
             tail = alls[i][len(chain)]
@@ -177,4 +192,5 @@ def capacity_bound_per_request(requests: Sequence[SimRequest], records: Sequence
     times = [(look, max(r.stored if r.stored >= 0 else r.first_token, look))
              for r in done for look in (max(r.arrival, r.admitted),)]
     every = 1 if cluster.learned_checkpoints else cluster.checkpoint_every_blocks  # learned: any boundary
-    return belady_hits(prompts, [r.salt for r in done], capacity, every, times)
+    chunks = [r.chunks for r in done] if any(r.chunks for r in done) else None  # Simulator NOTE 11
+    return belady_hits(prompts, [r.salt for r in done], capacity, every, times, chunks)

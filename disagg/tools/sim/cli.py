@@ -159,6 +159,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--explain-misses", action="store_true",
                    help="also say where the reuse an infinite cache would have had was lost: placement, "
                         "checkpoint, evicted, in flight (shares of its tokens; reads every tier per request)")
+    g.add_argument("--chunk-cache", action="store_true",
+                   help="engines cache each prefill chunk as it completes, as vLLM's prefix caching does "
+                        "(requests admitted later resume a prefill still running; Simulator NOTE 11); "
+                        "default: a prefill is cached when it ends, as the reference engine does")
     g.add_argument("--node-compute-slots", type=float,
                    help="engines a node runs at full speed at once (default: the profile's; 0 = no sharing)")
     g.add_argument("--profile", "--cost-profile", dest="profile", default="small",
@@ -251,6 +255,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             session_end_after=args.session_ends == "after", output_hint=args.output_hint,
                             peer_reads=not args.no_peer_reads,
                             spill_to_pool=args.spill_to_pool, explain_misses=args.explain_misses,
+                            chunk_cache=args.chunk_cache,
                             node_compute_slots=args.node_compute_slots if args.node_compute_slots is not None
                             else float((prof.limits if prof else {}).get("node_compute_slots", 0.0)))
     return cluster, cost

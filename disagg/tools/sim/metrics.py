@@ -45,6 +45,8 @@ class RequestRecord:
     first_token: float = -1.0  # seconds
     admitted: float = -1.0  # seconds: its prefill's first step, where the engine looks its device up again
     stored: float = -1.0  # seconds: its prefill's end, when its state is stored (P/D: before its first token)
+    # (seconds, full blocks computed) at each chunk of its prefill cached before its end (Simulator NOTE 11)
+    chunks: list[tuple[float, int]] | None = None
     finish: float = -1.0  # seconds
     lane: int = -1  # closed-loop lane (-1: open loop)
     salt: int = 0  # cache-busting salt of the replay

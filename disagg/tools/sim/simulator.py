@@ -110,6 +110,15 @@ NOTES
    computed). ``metrics.reuse_lost`` splits the tokens an infinite cache would have resumed and
    the run did not into placement, checkpoint, evicted and in flight. It reads every tier of the
    cluster per request, so it is off unless asked for (``disagg sim run --explain-misses``).
+11. A prefill's chunks cached as they complete (``ClusterConfig.chunk_cache``, off by default):
+   when a step computes a chunk of a prefill that is not done, the worker's device keeps the
+   blocks computed so far and the KDA checkpoint at the chunk's end (a block boundary), as
+   vLLM's prefix caching for hybrid models does ("align" mode: chunks end on block boundaries
+   and the state at each is cached). A request admitted in a later step (NOTE 8), or routed
+   there meanwhile, resumes that part; the rest is stored when the prefill ends, as without
+   it. Only the device: the host tier is written when the prefill ends. The reference engine
+   caches a prefill when it ends, so serving on it is the default; the engine profiles of
+   vLLM engines (``h200-small``, ``mi355x-k3``) are closer with it.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -179,6 +188,7 @@ class ClusterConfig:
     session_end_after: bool = False  # ... after its answer instead (DELETE /v1/sessions/{id}): written (NOTE 7)
     output_hint: str = "none"  # what clients tell the router of a request's output: OUTPUT_HINTS (NOTE 9)
     explain_misses: bool = False  # measure where each request's reuse is lost (NOTE 10; costs time)
+    chunk_cache: bool = False  # engines cache each prefill chunk as it completes (NOTE 11; vLLM's)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_workers <= 0:
@@ -530,6 +540,19 @@ class Simulator:
             return 0
         rec.cached_tokens, rec.cached_tier = res.tokens, res.tier
         return res.tokens
+
+    def chunk_done(self, job: SimJob, w: SimWorker, now: float) -> None:
+        """NOTE 11: a chunk of ``job``'s prefill on ``w`` completed; the prompt is computed up to
+        ``job.computed`` (a block boundary)."""
+        if not self.cluster.chunk_cache:
+            return
+        self.state.store_chunk(job.prompt, job.computed, w.device)
+        rec = job.record
+        if rec.chunks is None:
+            rec.chunks = []
+        rec.chunks.append((now, job.computed // self.block_size))
+        if self.cluster.explain_misses:
+            self._ever_stored.update(job.prompt.full()[:job.computed // self.block_size])
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt

@@ -82,6 +82,8 @@ class Simulator(Protocol):
 
     def admit(self, job: SimJob, w: SimWorker, now: float) -> int: ...
 
+    def chunk_done(self, job: SimJob, w: SimWorker, now: float) -> None: ...
+
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None: ...
 
     def finish(self, job: SimJob, w: SimWorker, now: float) -> None: ...
@@ -357,5 +359,7 @@ class SimWorker:
                 if job.computed >= job.prompt_len:
                     self.prefill_q.remove(job)
                     self.sim.prefill_done(job, self, now)
+                else:  # a chunk of a prefill still running (Simulator NOTE 11)
+                    self.sim.chunk_done(job, self, now)
         self._publish()
         self._start_step(now)  # busy until it finds no work (NOTE 5)
