@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                          "CLI's, engine)")
     ap.add_argument("--router-config", help="passed to disagg sim run: the state-aware router's config "
                                             "(JSON text or a file)")
+    ap.add_argument("--chunk-cache", action="store_true",
+                    help="passed to disagg sim run: engines cache each prefill chunk as it completes (vLLM's)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to every shape's seed: other traces of the same shapes (files and cells are "
@@ -278,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         (["--router-config", args.router_config] if args.router_config else []) + \
         (["--output-hint", args.output_hint] if args.output_hint else []) + \
         (["--profile", args.profile] if args.profile else []) + \
-        (["--router-costs", args.router_costs] if args.router_costs else [])
+        (["--router-costs", args.router_costs] if args.router_costs else []) + \
+        (["--chunk-cache"] if args.chunk_cache else [])
     try:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:

@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse-baselines", metavar="DIR",
                     help="take the baselines' rows from DIR/runs.jsonl (an earlier run of the same seeds and "
                          "flags) and run only the state-aware router")
+    ap.add_argument("--chunk-cache", action="store_true",
+                    help="passed to disagg sim run: engines cache each prefill chunk as it completes (vLLM's)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
     args = ap.parse_args(argv)
     if args.jobs < 1:
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = (["--router-config", args.router_config] if args.router_config else []) + \
         (["--output-hint", args.output_hint] if args.output_hint else []) + \
         (["--profile", args.profile] if args.profile else []) + \
-        (["--router-costs", args.router_costs] if args.router_costs else [])
+        (["--router-costs", args.router_costs] if args.router_costs else []) + \
+        (["--chunk-cache"] if args.chunk_cache else [])
     reused: dict[str, dict[str, dict]] = {}
     if args.reuse_baselines:
         for line in (Path(args.reuse_baselines) / "runs.jsonl").read_text().splitlines():

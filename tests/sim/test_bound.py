@@ -100,6 +100,19 @@ def test_a_prefix_in_flight_is_no_resume_point_of_the_bound():
         belady_hits([a, b], [0, 0], 100, 1, times=[(0.0, 1.0)])
 
 
+def test_a_cached_chunk_of_a_prefill_in_flight_is_a_resume_point_of_the_bound():
+    """Simulator NOTE 11: a prefill's chunk cached before its end is there from the chunk's end on,
+    with a resume point at it (no periodic checkpoints here); what a later chunk computes is not."""
+    a, b = _p("a", [1, 2, 3, 4]), _p("b", [1, 2, 3, 9])
+    times = [(0.0, 1.0), (0.5, 1.5)]
+    assert belady_hits([a, b], [0, 0], 100, 0, times=times) == [0, 0]
+    assert belady_hits([a, b], [0, 0], 100, 0, times=times, chunks=[[(0.4, 2)], None]) == [0, 2 * BS]
+    assert belady_hits([a, b], [0, 0], 100, 0, times=times, chunks=[[(0.4, 2), (0.5, 3)], None]) == [0, 3 * BS]
+    assert belady_hits([a, b], [0, 0], 100, 0, times=times, chunks=[[(0.6, 3)], None]) == [0, 0]  # after b looked
+    with pytest.raises(ValueError):
+        belady_hits([a, b], [0, 0], 100, 0, chunks=[None, None])  # chunks need times
+
+
 def test_an_earlier_prompt_end_inside_the_next_block_is_a_resume_point():
     """A follow-up that extends its predecessor exactly resumes at the predecessor's end (its
     unaligned tail), as the engine's prompt-end checkpoint lets it."""
