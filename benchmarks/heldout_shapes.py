@@ -56,8 +56,9 @@ against the best baseline per figure (TTFT P90 and P90 interactivity as
 ratios where > 1 is better; tok/s/GPU as a ratio; hit against the capacity
 bound). Written: ``OUT/<shape>.jsonl`` (the trace), ``OUT/<shape>_<mode>.json``
 (the rows; ``<shape>_<workers>_<mode>.json`` for sizes other than 16),
-``OUT/summary.json`` (keys ``shape/mode``, or ``shape/workers/mode``) and
-``OUT/summary.png`` (the verdicts as bars, as the router suite draws them).
+``OUT/summary.json`` (keys ``shape/mode``, or ``shape/workers/mode``; a run adds its cells to
+those earlier runs into OUT left there, replacing the ones it ran again) and ``OUT/summary.png``
+(this run's verdicts as bars, as the router suite draws them).
 
     python benchmarks/heldout_shapes.py --out results/heldout
     python benchmarks/heldout_shapes.py --out results/heldout --shapes issue,longdoc --modes agg,pd
@@ -330,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
                   f" P90 interactivity x{v['interactivity_p90']:.4f} ({v['interactivity_p90_best']}),"
                   f" tok/s/GPU x{v['tokens_per_s_per_gpu']:.3f} ({v['tokens_per_s_per_gpu_best']}),"
                   f" hit/bound {v['hit_vs_bound']:.3f} -> {'PASS' if v['pass'] else 'miss'}", flush=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    path = out / "summary.json"  # other sizes, seeds and sets run into OUT before stay in it
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(kept | summary, indent=1))
     # the suite's chart of verdicts (this script's directory is on sys.path)
     from router_suite import plot
 

@@ -171,7 +171,9 @@ def test_seed_offset_writes_other_traces_of_the_shape(held, tmp_path: Path, monk
     assert base != other
     held.write_trace(dataclasses.replace(small, seed=small.seed + 7), tmp_path / "again.jsonl")
     assert (tmp_path / "again.jsonl").read_text() == other
-    assert list(json.loads((tmp_path / "summary.json").read_text())) == ["rush+7/agg"]
+    summary = json.loads((tmp_path / "summary.json").read_text())  # the second run adds its cell
+    assert list(summary) == ["rush/agg", "rush+7/agg"]
+    assert summary["rush/agg"] == held.verdict(json.loads((tmp_path / "rush_agg.json").read_text()))
     assert (tmp_path / "rush+7_agg.json").exists() and (tmp_path / "rush_agg.json").exists()
 
 
