@@ -546,13 +546,13 @@ class Simulator:
         ``job.computed`` (a block boundary)."""
         if not self.cluster.chunk_cache:
             return
-        self.state.store_chunk(job.prompt, job.computed, w.device)
+        blocks = self.state.store_chunk(job.prompt, job.computed, w.device)
         rec = job.record
         if rec.chunks is None:
             rec.chunks = []
-        rec.chunks.append((now, job.computed // self.block_size))
+        rec.chunks.append((now, len(blocks)))
         if self.cluster.explain_misses:
-            self._ever_stored.update(job.prompt.full()[:job.computed // self.block_size])
+            self._ever_stored.update(blocks)
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt

@@ -246,15 +246,17 @@ class StateModel:
         return Resume(best_p, names[slowest], load_s, sum(nbytes_tier))
 
     # ---- store -------------------------------------------------------------------------
-    def store_chunk(self, ps: PromptState, upto: int, device: LRUTier) -> None:
+    def store_chunk(self, ps: PromptState, upto: int, device: LRUTier) -> list[bytes]:
         """A running prefill's computed part, up to ``upto`` (a block boundary): its blocks and the
-        checkpoint at ``upto``, on ``device`` only (an engine's prefix cache: Simulator NOTE 11)."""
+        checkpoint at ``upto``, on ``device`` only (an engine's prefix cache: Simulator NOTE 11).
+        Returns the blocks' keys."""
         nb = upto // self.block_size
         assert nb * self.block_size == upto, "a chunk ends on a block boundary"
-        if nb:
-            full = ps.full()
-            device.put_many(full[:nb])
-            device.put(_K + full[nb - 1], self.ckpt_units)
+        blocks = ps.full()[:nb]
+        if blocks:
+            device.put_many(blocks)
+            device.put(_K + blocks[-1], self.ckpt_units)
+        return blocks
 
     def store(self, ps: PromptState, from_pos: int, device: LRUTier, host: LRUTier | None,
               ckpts: list[bytes] | None = None, extra: Sequence[int] = ()) -> list[bytes]:
