@@ -37,7 +37,10 @@ placement's to close (docs/router.md, "Round 12"). ``--oracle-by tokens``
 counts decode tokens instead, running and inbound as the workers report them
 (``dynamo_cost``'s decode pick, for the disaggregated requests only): the
 held-out shapes gain from it, the router suite's cells lose (docs/router.md,
-"Round 21").
+"Round 21"). ``--oracle-by overlap`` knows the future: it counts, on each
+decode worker, the decode steps the request would share with the requests
+routed there and not finished, min(its output, each one's tokens still to
+generate), from the trace's output lengths (the policy is not told them).
 
     python benchmarks/pd_itl.py long_agentic/64/pd
     python benchmarks/pd_itl.py chat_burst/64/pd --policies state_aware,round_robin,prefix_affinity
@@ -61,7 +64,7 @@ from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import Simulator
 
-SPREADS = ("unfinished", "tokens")  # --oracle-by: what --oracle-spread's "least busy" counts
+SPREADS = ("unfinished", "tokens", "overlap")  # --oracle-by: what --oracle-spread's "least busy" counts
 
 
 def _decodes(w) -> int:
@@ -149,7 +152,9 @@ def spread_decodes(sim: Simulator, by: str = "unfinished") -> None:
     """``--oracle-spread``: a disaggregated request decodes on the decode worker with the fewest
     requests routed to it and not finished (``by``, ``--oracle-by``: "unfinished"), or with the
     fewest decode tokens, running and inbound, as the workers report them when it is routed
-    ("tokens": ``dynamo_cost``'s decode pick); ties: the policy's pick, else the first."""
+    ("tokens": ``dynamo_cost``'s decode pick), or with the fewest decode steps the request would
+    share there ("overlap": the trace's output lengths, hidden from the policy); ties: the
+    policy's pick, else the first."""
     decoders = [w for w, x in sim.workers.items() if x.role == "decode"]
     if not decoders:
         raise SystemExit("--oracle-spread needs a P/D cluster (decode workers)")
@@ -157,11 +162,34 @@ def spread_decodes(sim: Simulator, by: str = "unfinished") -> None:
         raise ValueError(f"spread by one of {SPREADS}, got {by!r}")
     live = dict.fromkeys(decoders, 0)
     owner: dict[str, str] = {}
-    route, finish = sim.router.route, sim.finish
+    outputs: dict[str, int] = {}  # "overlap": each unfinished request's output length
+    route, finish, note = sim.router.route, sim.finish, sim.router.on_routed
+    if by == "overlap":  # the trace's output lengths reach the oracle, not the policy
+        sim.cluster.output_hint = "exact"
+
+        def noted(req, d):
+            note(dataclasses.replace(req, output_len_hint=0), d)
+
+        sim.router.on_routed = noted
+
+    def left(wid: str, rid: str) -> int:
+        """Tokens the request routed to ``wid`` has still to generate (all of them before it joins)."""
+        w = sim.workers[wid]
+        for end, _, job in w._batch:
+            if job.rid == rid:
+                return end - w.steps
+        return outputs[rid]
 
     def routed(req, states):
+        own = req.output_len_hint
+        if by == "overlap":
+            outputs[req.request_id] = own
+            req = dataclasses.replace(req, output_len_hint=0)
         d = route(req, states)
         load = live
+        if by == "overlap":  # decode steps r would share: min(its output, each co-runner's rest)
+            load = {wid: sum(min(own, left(wid, rid)) for rid, o in owner.items() if o == wid)
+                    for wid in live}
         if by == "tokens":
             load = {s.worker_id: s.running_decode_tokens + s.inbound_decode_tokens for s in states
                     if s.worker_id in live}
@@ -174,6 +202,7 @@ def spread_decodes(sim: Simulator, by: str = "unfinished") -> None:
 
     def finished(job, w, now):
         wid = owner.pop(job.rid, None)
+        outputs.pop(job.rid, None)
         if wid is not None:
             live[wid] -= 1
         finish(job, w, now)
@@ -238,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oracle-spread", action="store_true",
                     help="a disaggregated request decodes on the least busy decode worker (see above)")
     ap.add_argument("--oracle-by", default="unfinished", choices=SPREADS,
-                    help="--oracle-spread's least busy: the fewest unfinished requests, or decode tokens")
+                    help="--oracle-spread's least busy: the fewest unfinished requests, decode tokens, or "
+                         "decode steps shared (the trace's outputs)")
     args = ap.parse_args(argv)
     if (args.cell is None) == (args.trace is None):
         ap.error("give exactly one of: a suite cell, --trace")

@@ -135,3 +135,62 @@ def test_oracle_spread_by_tokens_takes_the_reported_least_loaded_decode_worker(
     assert seen["disagg"] > 0 and seen["moved"] > 0  # it did replace picks
     with pytest.raises(ValueError, match="spread by"):
         pd_itl.spread_decodes(sim, "requests")
+
+
+def test_oracle_spread_by_overlap_hides_outputs_from_the_policy(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--oracle-by overlap``: the policy is never told an output length (neither when it routes nor
+    when it is told of the decision), and each disaggregated request decodes where it shares the fewest
+    decode steps: min(its output, each unfinished co-runner's tokens still to generate), counted here
+    from the workers' batches."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import pd_itl
+
+    trace = tmp_path / "t.jsonl"
+    _trace(trace)
+    sim = pd_itl.trace_sim(str(trace), ["--block-size", "64", "--prefill", "1", "--decode", "3",
+                                        "--concurrency", "8"], "state_aware", None)
+    hints: list[int] = []
+    inner_route, inner_note = sim.router.route, sim.router.on_routed
+
+    def route(req, states):
+        hints.append(req.output_len_hint)
+        return inner_route(req, states)
+
+    def note(req, d):
+        hints.append(req.output_len_hint)
+        inner_note(req, d)
+
+    sim.router.route, sim.router.on_routed = route, note
+    pd_itl.spread_decodes(sim, "overlap")
+    oracle_route, oracle_finish = sim.router.route, sim.finish
+    output = {}  # request id -> output length, as the trace gives it
+    where: dict[str, str] = {}
+    seen = {"disagg": 0}
+
+    def shared(wid: str, own: int) -> int:
+        w = sim.workers[wid]
+        rest = {job.rid: end - w.steps for end, _, job in w._batch}
+        return sum(min(own, rest.get(rid, output[rid])) for rid, o in where.items() if o == wid)
+
+    def outer(req, states):
+        own = req.output_len_hint
+        assert own > 0  # the oracle is told
+        before = {wid: shared(wid, own) for wid in sim.workers if sim.workers[wid].role == "decode"}
+        d = oracle_route(req, states)
+        output[req.request_id] = own
+        if d.prefill_worker is not None:
+            seen["disagg"] += 1
+            assert before[d.decode_worker] == min(before.values())
+        where[req.request_id] = d.decode_worker
+        return d
+
+    def finish(job, w, now):
+        where.pop(job.rid, None)
+        oracle_finish(job, w, now)
+
+    sim.router.route, sim.finish = outer, finish
+    res = sim.run()
+    assert sum(r.finish >= 0 for r in res.records) == 40
+    assert seen["disagg"] > 0
+    assert hints and set(hints) == {0}
