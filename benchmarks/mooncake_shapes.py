@@ -23,6 +23,12 @@ Each trace's shape is drawn from its seed::
     python benchmarks/mooncake_shapes.py --seeds 1,11 --clusters pd16 --modes open
     python benchmarks/mooncake_shapes.py --out results/variant --seeds 1-12 --router-config CFG \
         --reuse-baselines results/mooncake                   # the router alone, against stored baselines
+    python benchmarks/mooncake_shapes.py --out results/public --traces conversation_trace.jsonl \
+        synthetic_trace.jsonl                                # your own traces instead of the family's
+
+``--traces`` runs the same cells and verdicts on trace files the user brings
+(Mooncake's format, e.g. the conversation and synthetic traces Mooncake
+published with its FAST'25 paper), each labelled by its file name's stem.
 
 Writes ``<seed>.jsonl`` (the trace), ``runs.jsonl`` (every run's summary) and
 ``verdicts.json`` under ``--out``.
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results/mooncake_shapes")
     ap.add_argument("--seeds", default="1-12", help="trace seeds: a comma list of numbers and ranges a-b")
+    ap.add_argument("--traces", nargs="+", metavar="FILE",
+                    help="Mooncake-format trace files to run instead of the seeds' traces (labelled by stem)")
     ap.add_argument("--clusters", default="agg16,pd16", help=f"comma list of {', '.join(CLUSTERS)}")
     ap.add_argument("--modes", default="closed,open", help="comma list of closed (the CLI's lanes), open "
                                                         "(the trace's timestamps)")
@@ -143,11 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown clusters or modes: {bad}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        seeds = _seeds(args.seeds)
-    except ValueError:
-        ap.error(f"--seeds takes numbers and ranges a-b, got {args.seeds!r}")
-    cells = [(seed, c, m) for seed in seeds for m in modes for c in clusters]
+    paths: dict[str | int, Path] = {}  # trace label -> file
+    if args.traces:
+        for t in map(Path, args.traces):
+            if not t.is_file():
+                ap.error(f"--traces: no such file {str(t)!r}")
+            if t.stem in paths:
+                ap.error(f"--traces: two files named {t.stem!r}")
+            paths[t.stem] = t
+    else:
+        try:
+            seeds = _seeds(args.seeds)
+        except ValueError:
+            ap.error(f"--seeds takes numbers and ranges a-b, got {args.seeds!r}")
+        paths = {seed: out / f"{seed}.jsonl" for seed in seeds}
+    cells = [(seed, c, m) for seed in paths for m in modes for c in clusters]
     extra = (["--router-config", args.router_config] if args.router_config else []) + \
         (["--output-hint", args.output_hint] if args.output_hint else []) + \
         (["--profile", args.profile] if args.profile else []) + \
@@ -161,16 +179,15 @@ def main(argv: list[str] | None = None) -> int:
                 reused.setdefault(r.pop("cell"), {})[r["policy"]] = r
     verdicts, passed = {}, 0
     with open(out / "runs.jsonl", "w") as runs:
-        for seed in dict.fromkeys(seed for seed, _, _ in cells):  # written first: the runs only read them
-            path = out / f"{seed}.jsonl"
-            if not path.exists():
+        for seed, path in paths.items():  # written first: the runs only read them
+            if isinstance(seed, int) and not path.exists():
                 s, records = trace(seed)
                 path.write_text("".join(json.dumps(x) + "\n" for x in records))
                 tqdm.write(f"trace {seed}: {len(records)} requests, {json.dumps(s)}")
 
         def one(cell: tuple[int, str, str]) -> dict[str, dict]:
             seed, cluster, mode = cell
-            path, label = out / f"{seed}.jsonl", f"{seed}/{cluster}/{mode}"
+            path, label = paths[seed], f"{seed}/{cluster}/{mode}"
             if label in reused:  # the baselines as they ran before; the router's own row is new
                 return run_cell(path, cluster, mode, extra, policy="state_aware") | reused[label]
             return run_cell(path, cluster, mode, extra)

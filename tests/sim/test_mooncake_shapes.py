@@ -63,3 +63,22 @@ def test_a_cell_passes_the_router_config_to_the_cli(mc, tmp_path):
     with pytest.raises(subprocess.CalledProcessError) as err:
         mc.run_cell(path, "agg16", "open", ["--router-config", '{"no_such_key": 1}'])
     assert "no_such_key" in err.value.stderr
+
+
+def test_traces_runs_the_users_own_files(mc, tmp_path):
+    """``--traces``: cells of the files given, labelled by stem, nothing generated; a missing file is
+    a usage error."""
+    _, records = mc.trace(32)
+    mine = tmp_path / "in" / "mine.jsonl"
+    mine.parent.mkdir()
+    mine.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    assert mc.main(["--out", str(out), "--traces", str(mine), "--clusters", "agg16", "--modes", "open"]) == 0
+    verdicts = json.loads((out / "verdicts.json").read_text())
+    assert list(verdicts) == ["mine/agg16/open"]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert {r["policy"] for r in runs} == {"state_aware", *BASELINES}
+    assert all(r["cell"] == "mine/agg16/open" and r["requests"] == len(records) for r in runs)
+    assert sorted(p.name for p in out.iterdir()) == ["runs.jsonl", "verdicts.json"]  # no seed traces written
+    with pytest.raises(SystemExit):
+        mc.main(["--out", str(out), "--traces", str(tmp_path / "none.jsonl")])
