@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text("".join(json.dumps(x) + "\n" for x in records))
                 tqdm.write(f"trace {seed}: {len(records)} requests, {json.dumps(s)}")
 
-        def one(cell: tuple[int, str, str]) -> dict[str, dict]:
+        def one(cell: tuple[str | int, str, str]) -> dict[str, dict]:
             seed, cluster, mode = cell
             path, label = paths[seed], f"{seed}/{cluster}/{mode}"
             if label in reused:  # the baselines as they ran before; the router's own row is new
