@@ -77,10 +77,17 @@ def test_the_right_token_is_served(served):
 
 
 def test_the_server_listens_only_on_its_configured_interface():
+    """A server told 127.0.0.2 is not reachable on 127.0.0.1 at the same port. The port is taken
+    on 127.0.0.1 first, bound and not listening, so nothing else in the process or on the machine
+    can answer there while the test runs (a port picked for 127.0.0.2 alone was once another
+    listener's on 127.0.0.1); a server that bound every interface could not start beside it."""
     assert GrpcConfig().bind.startswith("127.0.0.1:"), "the default is loopback, never all interfaces"
-    server = StateServer(DictByteStore(), StateServerConfig(token=TOKEN, address="127.0.0.2:0"))
-    port = server.start()
+    guard = socket.socket()
+    guard.bind(("127.0.0.1", 0))
+    port = guard.getsockname()[1]
+    server = StateServer(DictByteStore(), StateServerConfig(token=TOKEN, address=f"127.0.0.2:{port}"))
     try:
+        assert server.start() == port
         with socket.create_connection(("127.0.0.2", port), timeout=2):
             pass
         with pytest.raises(OSError):
@@ -89,6 +96,7 @@ def test_the_server_listens_only_on_its_configured_interface():
             assert client.put_bytes("mla:k", b"v") and client.get_bytes("mla:k") == b"v"
     finally:
         server.stop(0)
+        guard.close()
 
 
 def test_message_size_limit_refuses_oversize_frames():
