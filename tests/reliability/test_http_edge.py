@@ -245,8 +245,11 @@ def test_a_body_that_trickles_in_gets_408_and_the_connection_closed(serve):
         except OSError:
             break
     sock.settimeout(30)
-    while chunk := sock.recv(65536):
-        reply += chunk
+    # The server closes after its 408. A byte that reached it after it stopped reading turns that
+    # close into a reset: the 408 still reads, and the stream then ends in ECONNRESET, not EOF.
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            reply += chunk
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b'"code":"request_timeout"' in reply.replace(b" ", b"")
     assert sent < len(body)  # refused before the body was complete
