@@ -169,6 +169,14 @@ class CheckpointPlacement:
                   back: Sequence[int] | None = None) -> tuple[int, ...]:
         """Block boundaries in ``(resume, num_prompt)`` where this prompt's prefill keeps checkpoints,
         besides the engine's own (prompt end, last full block); at most ``max_extra`` (NOTE 1).
+        The arguments are ``placed``'s."""
+        return tuple(p for p, _ in self.placed(num_prompt, resume, branch, seen, back))
+
+    def placed(self, num_prompt: int, resume: int = 0, branch: int = 0, seen: int = 0,
+               back: Sequence[int] | None = None) -> tuple[tuple[int, str], ...]:
+        """``positions`` with the rule that put each one there, as (position, kind), by position:
+        kind "branch", "back" (a distance back from the last full block: learned, the router's or
+        the back prior's) or "start" (the start prior); a point two rules ask for is the first's.
 
         Args:
             num_prompt: the prompt's tokens.
@@ -185,12 +193,12 @@ class CheckpointPlacement:
         def ok(p: int) -> bool:
             return resume < p < num_prompt and p != last_full
 
-        ranked: list[int] = [branch // bs * bs] if branch else []
-        ranked += [last_full - b * bs for b in (self.distances() if back is None else back) if b > 0]
-        ranked += sorted((bs << k for k in range(max(1, num_prompt // bs).bit_length())
-                          if (bs << k) > seen), reverse=True)[: self.start_points]
-        out: list[int] = []
-        for p in ranked:
+        ranked: list[tuple[int, str]] = [(branch // bs * bs, "branch")] if branch else []
+        ranked += [(last_full - b * bs, "back") for b in (self.distances() if back is None else back) if b > 0]
+        ranked += [(p, "start") for p in sorted((bs << k for k in range(max(1, num_prompt // bs).bit_length())
+                                                 if (bs << k) > seen), reverse=True)[: self.start_points]]
+        out: dict[int, str] = {}
+        for p, kind in ranked:
             if ok(p) and p not in out:
-                out.append(p)
-        return tuple(sorted(out[: self.max_extra]))
+                out[p] = kind
+        return tuple(sorted(list(out.items())[: self.max_extra]))

@@ -74,6 +74,18 @@ def test_branch_and_learned_outrank_the_priors_under_the_bound():
     assert len(points) == 2 and 9 * BS in points and 14 * BS in points  # branch, then 1 block back
 
 
+def test_placed_names_the_rule_behind_each_position():
+    """A 17-block prompt (plus 5 tokens) branching at 9 blocks: the back prior 1, 2 and 4 blocks
+    before its last full block (16, 15, 13), the start prior's three largest 2^k blocks (16, 8, 4).
+    16, asked for by both, is the back prior's (it outranks the start prior)."""
+    pl = CheckpointPlacement(BS, max_extra=8)
+    n = 17 * BS + 5
+    placed = pl.placed(n, branch=9 * BS)
+    assert placed == ((4 * BS, "start"), (8 * BS, "start"), (9 * BS, "branch"), (13 * BS, "back"),
+                      (15 * BS, "back"), (16 * BS, "back"))
+    assert tuple(p for p, _ in placed) == pl.positions(n, branch=9 * BS)
+
+
 def test_bound_and_alignment_hold_for_any_arguments():
     rng = random.Random(0)
     for _ in range(2000):

@@ -21,7 +21,11 @@ Hit is reported three ways: ``hit`` (resumed / prompt tokens), ``hit/theory``
 the cluster's own capacities, on the run's arrival order:
 ``disagg.tools.sim.bound``; ``--no-bound`` skips it). ``--explain-misses`` adds
 where the rest went: a placement another worker could have resumed further,
-blocks held with no resume point, blocks evicted, or blocks not computed yet.
+blocks held with no resume point, blocks evicted, or blocks not computed yet;
+and which checkpoints paid: per rule that kept them (the engine's own, the
+learned placement's branch, back and start points, a prefill chunk's), how
+many prefills kept, how many resumes started from one, and their share of
+every resumed token.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from disagg.costs.profile import cost_profile, profile_names
 from disagg.router.baselines import BASELINES
 from disagg.tools.sim.bound import capacity_bound
 from disagg.tools.sim.driver import ReplayConfig
-from disagg.tools.sim.metrics import LOST
+from disagg.tools.sim.metrics import CHECKPOINT_KINDS, LOST
 from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import (
     HOST_POLICIES,
@@ -85,6 +89,20 @@ def format_lost(rows: dict[str, dict[str, float]]) -> str:
     for name, s in rows.items():
         if all(k in s for k in LOST):
             lines.append(f"{name:<16}" + "".join(f"{s[k]:>15.3f}" for k in LOST) + f"{sum(s[k] for k in LOST):>15.3f}")
+    return "\n".join(lines)
+
+
+def format_checkpoints(rows: dict[str, dict[str, float]]) -> str:
+    """``--explain-misses``: per policy and kind of checkpoint (``metrics.checkpoint_use``), kept /
+    resumes from one / share of the resumed tokens."""
+    head = f"{'checkpoints':<16}" + "".join(f"{kind:>22}" for kind in CHECKPOINT_KINDS)
+    lines = ["", "checkpoints by the rule that kept them: kept / resumes from one / share of resumed tokens:",
+             head, "-" * len(head)]
+    for name, s in rows.items():
+        if all(f"ckpt_kept_{k}" in s for k in CHECKPOINT_KINDS):
+            cells = (f"{s[f'ckpt_kept_{k}']:.0f} / {s[f'ckpt_resumes_{k}']:.0f} / {s[f'ckpt_tokens_{k}']:.3f}"
+                     for k in CHECKPOINT_KINDS)
+            lines.append(f"{name:<16}" + "".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)
 
 
@@ -352,6 +370,7 @@ def _run(args: argparse.Namespace) -> int:
         print(format_table(rows))
         if args.explain_misses:
             print(format_lost(rows))
+            print(format_checkpoints(rows))
     return 0
 
 

@@ -56,6 +56,8 @@ class RequestRecord:
     reach_tokens: int = -1  # the furthest any worker could have resumed it when it was placed
     stored_tokens: int = -1  # its leading full blocks that some tier of the cluster held then, in tokens
     gap_stored_before: bool = False  # the first block no tier held had been stored before (evicted)
+    kept: tuple[str, ...] = ()  # the kind of each checkpoint its prefill kept (CHECKPOINT_KINDS)
+    resumed_from: str = ""  # the kind of the checkpoint it resumed from ("": none)
 
     @property
     def ttft(self) -> float:
@@ -126,6 +128,37 @@ def reuse_lost(records: list[RequestRecord]) -> dict[str, float]:
     return {k: v / theo for k, v in lost.items()}
 
 
+CHECKPOINT_KINDS = ("engine", "branch", "back", "start", "chunk")
+
+
+def checkpoint_use(records: list[RequestRecord]) -> dict[str, float]:
+    """Which checkpoints paid, by the rule that kept each (the finished records measured with
+    ``explain_misses``; empty when there are none). Per kind (``CHECKPOINT_KINDS``: the engine's
+    own at the prompt end and last full block, and periodic ones; the learned placement's branch,
+    back and start points, ``disagg.reuse.placement``; a prefill chunk's, Simulator NOTE 11)::
+
+        ckpt_kept_<kind>      checkpoints the prefills kept
+        ckpt_resumes_<kind>   resumes from one of them
+        ckpt_tokens_<kind>    their share of every resumed token
+
+    A checkpoint is credited to the rule of the latest prefill that kept it."""
+    rs = [r for r in records if r.finish >= 0 and r.reach_tokens >= 0]
+    if not rs:
+        return {}
+    kept = dict.fromkeys(CHECKPOINT_KINDS, 0)
+    resumes = dict.fromkeys(CHECKPOINT_KINDS, 0)
+    tokens = dict.fromkeys(CHECKPOINT_KINDS, 0)
+    for r in rs:
+        for kind in r.kept:
+            kept[kind] += 1
+        if r.resumed_from and r.cached_tokens:
+            resumes[r.resumed_from] += 1
+            tokens[r.resumed_from] += r.cached_tokens
+    total = sum(tokens.values())
+    return ({f"ckpt_kept_{k}": v for k, v in kept.items()} | {f"ckpt_resumes_{k}": v for k, v in resumes.items()}
+            | {f"ckpt_tokens_{k}": v / total if total else 0.0 for k, v in tokens.items()})
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -164,4 +197,4 @@ def summarize(
         "e2e_p90": _pct([r.finish - r.arrival for r in done], 90),
         "tokens_per_s_per_gpu": sum(r.prompt_len + r.output_len for r in done) / span / max(num_gpus, 1),
         "makespan_s": span,
-    } | reuse_lost(done)  # explain_misses: where the rest of the infinite cache's reuse went
+    } | reuse_lost(done) | checkpoint_use(done)  # explain_misses: where the reuse went, which checkpoints paid

@@ -108,8 +108,12 @@ NOTES
    leading full blocks some tier of the cluster held (``stored_tokens``), and whether the first
    block none held had been stored before (``gap_stored_before``: evicted, else still being
    computed). ``metrics.reuse_lost`` splits the tokens an infinite cache would have resumed and
-   the run did not into placement, checkpoint, evicted and in flight. It reads every tier of the
-   cluster per request, so it is off unless asked for (``disagg sim run --explain-misses``).
+   the run did not into placement, checkpoint, evicted and in flight. It also notes which rule
+   kept each checkpoint a prefill stored (``RequestRecord.kept``: the engine's own, the learned
+   placement's branch, back or start points, ``CheckpointPlacement.placed``, or a chunk's) and
+   which one each resume started from (``resumed_from``); ``metrics.checkpoint_use`` counts them
+   per kind. It reads every tier of the cluster per request, so it is off unless asked for
+   (``disagg sim run --explain-misses``).
 11. A prefill's chunks cached as they complete (``ClusterConfig.chunk_cache``, off by default):
    when a step computes a chunk of a prefill that is not done, the worker's device keeps the
    blocks computed so far and the KDA checkpoint at the chunk's end (a block boundary), as
@@ -157,6 +161,7 @@ from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
 HOST_POLICIES = ("lru", "s3fifo", "arc")  # serving's host tier policies (transfer.host.policy)
 HOST_WRITES = ("through", "back")  # NOTE 6
 OUTPUT_HINTS = ("none", "exact")  # NOTE 9
+_K = b"K"  # an aligned checkpoint's key: "K" + the digest of the block it ends (disagg.tools.sim.state)
 
 __all__ = ["HOST_POLICIES", "HOST_WRITES", "OUTPUT_HINTS", "TIER_NAMES", "ClusterConfig", "SimResult", "Simulator", "build_router"]
 
@@ -314,6 +319,7 @@ class Simulator:
         self._snapshot: list[WorkerState] | None = None
         self.retention = SessionRetention(c.retention, client_ends=c.session_ends)
         self._ever_stored: set[bytes] = set()  # NOTE 10: every full block a prefill stored
+        self._ckpt_kind: dict[bytes, str] = {}  # NOTE 10: checkpoint key -> the rule that last kept it
         self._build_cluster()
         self.driver = Driver(self, requests, self.replay)
 
@@ -465,13 +471,17 @@ class Simulator:
         res = self._resume(ps, target, dec, decision.state_node)
         if c.explain_misses:
             self._explain(ps, rec)
+            rec.resumed_from = self._ckpt_kind.get(res.key, "engine") if res.key is not None else ""
         rec.predicted_tokens, rec.cached_tokens, rec.cached_tier = decision.predicted_cached_tokens, res.tokens, res.tier
         rec.prefill_worker, rec.decode_worker, rec.reason = target.worker_id, dec.worker_id, decision.reason
         job = SimJob(rec.request_id, plen, req.output_length, ps, rec, req, res.tokens, res.tokens,
                      None if dec is target else dec)
         if self.state.policy.learned:
-            job.extra = self._learned_points(dec.worker_id, skey, digests, plen, lead, res.tokens,
-                                             decision.checkpoint_back)
+            placed = self._learned_points(dec.worker_id, skey, digests, plen, lead, res.tokens,
+                                          decision.checkpoint_back)
+            job.extra = tuple(p for p, _ in placed)
+            if c.explain_misses:
+                job.extra_kinds = {_K + digests[p // self.block_size - 1]: kind for p, kind in placed}
         if dec is not target:  # it decodes on dec after the pool's prefill: dec counts it inbound till then
             dec.expect(now, plen)
         if res.load_s > 0:  # the state loads off the engine's step loop
@@ -480,7 +490,7 @@ class Simulator:
             target.enqueue_prefill(now, job)
 
     def _learned_points(self, wid: str, skey: tuple[str, int], digests: list[bytes], plen: int, lead: int,
-                        resume: int, hint: tuple[int, ...] | None = None) -> tuple[int, ...]:
+                        resume: int, hint: tuple[int, ...] | None = None) -> tuple[tuple[int, str], ...]:
         """NOTE 5: where the prefill keeps extra checkpoints, as the flow of decode-side worker ``wid``
         plans them (its placement learns from the follow-ups it serves; the router's distances ``hint``,
         in tokens, replace its own)."""
@@ -496,7 +506,7 @@ class Simulator:
         last_len[skey] = plen
         branch = lead * bs if lead and lead * bs < plen and self._seen[digests[lead - 1]] != skey else 0
         back = None if hint is None else [t // bs for t in hint]
-        return placement.positions(plen, resume, branch, bound, back)
+        return placement.placed(plen, resume, branch, bound, back)
 
     def _resume(self, ps: PromptState, target: SimWorker, dec: SimWorker, named: str = "") -> Resume:
         """Where ``target`` resumes ``ps``: its device and node tiers or, with ``peer_reads``, the
@@ -539,6 +549,8 @@ class Simulator:
         if not res.tokens:
             return 0
         rec.cached_tokens, rec.cached_tier = res.tokens, res.tier
+        if self.cluster.explain_misses:
+            rec.resumed_from = self._ckpt_kind.get(res.key, "engine")
         return res.tokens
 
     def chunk_done(self, job: SimJob, w: SimWorker, now: float) -> None:
@@ -553,6 +565,9 @@ class Simulator:
         rec.chunks.append((now, len(blocks)))
         if self.cluster.explain_misses:
             self._ever_stored.update(blocks)
+            if blocks:
+                self._ckpt_kind[_K + blocks[-1]] = "chunk"
+                rec.kept += ("chunk",)
 
     def prefill_done(self, job: SimJob, w: SimWorker, now: float) -> None:
         ps = job.prompt
@@ -561,6 +576,11 @@ class Simulator:
             self._ever_stored.update(ps.full())
         job.ckpts = self.state.store(ps, job.cached, w.device,
                                      self._write_host(w, job.record, job.decode_worker is not None), extra=job.extra)
+        if self.cluster.explain_misses:  # NOTE 10: which rule kept each checkpoint
+            kinds = job.extra_kinds or {}
+            kept = [kinds.get(k, "engine") for k in job.ckpts]
+            self._ckpt_kind.update(zip(job.ckpts, kept, strict=True))
+            job.record.kept += tuple(kept)
         skey = (job.record.session_id, job.record.salt)
         self.retention.on_store(skey, job.ckpts, self._tiers)
         if job.record.cached_tier == "remote" and job.decode_worker is not None:  # a peer read (NOTE 1): the

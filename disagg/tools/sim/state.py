@@ -96,6 +96,7 @@ class Resume:
     tier: str | None = None  # slowest tier read
     load_s: float = 0.0  # transfer time into the device
     nbytes: float = 0.0  # bytes transferred
+    key: bytes | None = None  # the checkpoint resumed from ("K" or "T" key; None: nothing)
 
 
 def checkpoint_units(cost: CostModel, block_size: int) -> int:
@@ -235,7 +236,7 @@ class StateModel:
         names = ("device", "remote", "disk") if remote else TIER_NAMES
         load_s = sum(self.cost.transfer_time(nb, names[i]) for i, nb in enumerate(nbytes_tier) if nb)
         if dry:
-            return Resume(best_p, names[slowest], load_s, sum(nbytes_tier))
+            return Resume(best_p, names[slowest], load_s, sum(nbytes_tier), best_key)
         read = [k for k, on in zip(full[:m], on_dev, strict=True) if not on]  # what the device lacked
         if ck_tier:
             read.append(best_key)
@@ -243,7 +244,7 @@ class StateModel:
             tier.read(read)
         device.put_many(full[:m])
         device.put(best_key, self.ckpt_units)
-        return Resume(best_p, names[slowest], load_s, sum(nbytes_tier))
+        return Resume(best_p, names[slowest], load_s, sum(nbytes_tier), best_key)
 
     # ---- store -------------------------------------------------------------------------
     def store_chunk(self, ps: PromptState, upto: int, device: LRUTier) -> list[bytes]:
