@@ -18,7 +18,8 @@ from deployments import haproxy_front
 from disagg.launch.local import free_port
 from tests.helpers import serve_asgi
 
-LIMITS = haproxy_front.FrontLimits(header_timeout_s=1, body_timeout_s=2, keep_alive_timeout_s=1,
+# keep-alive 5 s: the per-address cap test holds answered connections idle while it checks the cap
+LIMITS = haproxy_front.FrontLimits(header_timeout_s=1, body_timeout_s=2, keep_alive_timeout_s=5,
                                    max_connections_per_client=4)
 # Serve's defaults as it renders them (ray/serve/_private/haproxy_templates.py), abridged
 SERVE_CFG = """global
@@ -146,9 +147,10 @@ def test_an_idle_keep_alive_connection_is_closed(front):
 
 
 def test_connections_per_address_are_capped_and_other_addresses_unaffected(front):
-    held = [_connect(front["port"], "127.0.0.2") for _ in range(LIMITS.max_connections_per_client)]
-    try:
-        for sock in held:  # each one is a live connection the front has accepted
+    held = []
+    try:  # each a live connection the front accepted, its request sent at once (the header timeout is 1 s)
+        for _ in range(LIMITS.max_connections_per_client):
+            held.append(sock := _connect(front["port"], "127.0.0.2"))
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         with pytest.raises(OSError):  # refused at accept: reset (maybe at connect), or closed before any reply
