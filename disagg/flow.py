@@ -75,8 +75,11 @@ NOTES
 9. Retention (``disagg.reuse.retention``): whenever a session's checkpoints land (a prefill
    replica's, by its handle, or this worker's turn end), the reuse accounting names the
    session's private checkpoints of earlier turns beyond its newest ``keep_checkpoints``
-   (``superseded``; a request's prefill and turn end are one turn, its ``request_id``) and
-   the flow has the node's tiers evict them first (``FlowState.demote``: in the background
+   (``superseded``; a request's prefill and turn end are one turn, its ``request_id``), and
+   at a turn end, its private speculative points of a prefill that ran here (the placement's
+   start prior, retention's docstring; a hand-off's stay the session's state on this node:
+   docs/router.md, "Round 37"), and the flow has the node's tiers evict them first
+   (``FlowState.demote``: in the background
    after a prefill's hand-off, within the turn end's background publish).
    Points on a prefix another session started with are never demoted. A demote only reorders
    eviction: a demoted point read again is served (and refreshed), one evicted is recomputed.
@@ -684,15 +687,17 @@ class RequestFlow:
             if ticket is not None:
                 self.settle(ticket, stored)
         if stored:  # part of this (background) publish: the session's next turn waits for it (NOTE 6)
-            await self.demote(self.superseded(session, turn or request_id, computed, hasher, stored))  # NOTE 9
+            await self.demote(self.superseded(session, turn or request_id, computed, hasher, stored,
+                                              speculative=ticket.speculative if ticket is not None else ()))  # NOTE 9
 
     def superseded(self, session: str | None, turn: str, tokens: list[int], hasher: BlockHasher,
-                   stored: tuple[int, ...], hashes: list[bytes] | None = None) -> list[PublishedPoint]:
+                   stored: tuple[int, ...], hashes: list[bytes] | None = None,
+                   speculative: tuple[int, ...] = ()) -> list[PublishedPoint]:
         """NOTE 9: ``session``'s points at ``stored`` (published by request ``turn``) landed: its
-        points superseded now."""
+        points superseded now, and its private ones at ``speculative`` (the start prior's)."""
         if self.state is None or not stored:
             return []
-        return self.reuse.superseded(session, turn, tokens, hasher, stored, hashes or None)
+        return self.reuse.superseded(session, turn, tokens, hasher, stored, hashes or None, speculative)
 
     async def demote(self, points: list[PublishedPoint]) -> None:
         """NOTE 9: the tiers evict ``points`` first; a failure only leaves eviction by recency."""

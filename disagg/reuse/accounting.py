@@ -44,6 +44,7 @@ class ReuseTicket:
     pending: tuple[int, ...]  # positions noted pending for this prompt's own publishes
     hashes: list[bytes] = field(default_factory=list)  # the prompt's block digests (hashed once)
     planned: tuple[int, ...] = ()  # extra checkpoints planned for its prefill (placement), before the resume
+    speculative: tuple[int, ...] = ()  # those of them the start prior placed (retention demotes them)
     settled: bool = False  # its pending positions were published or dropped (``settle``)
     publishing: bool = False  # a background publish will settle it (the flow's turn end)
     misses: dict[str, int] = field(default_factory=dict)  # filled by ``finish``
@@ -82,16 +83,19 @@ class ReuseAccounting:
         bs = self.block_size
         if self.retention is not None and view.branch:  # its leading blocks are another session's
             self.retention.note_shared(hashes, view.branch // bs)
-        planned = ()
+        planned: tuple[int, ...] = ()
+        speculative: tuple[int, ...] = ()
         if self.placement is not None:
             branch = view.branch if view.branch not in view.published else 0
             likely = max(view.published, default=0)  # where the lookup will most likely resume
             blocks = None if back is None else [t // bs for t in back]
-            planned = self.placement.positions(len(tokens), likely, branch, view.bound, blocks)
+            placed = self.placement.placed(len(tokens), likely, branch, view.bound, blocks)
+            planned = tuple(p for p, _ in placed)
+            speculative = tuple(p for p, kind in placed if kind == "start")
         own = {len(tokens), len(tokens) // bs * bs} - {0}
         noted = tuple(sorted((own | set(planned)) - set(view.pending)))  # another's in-flight point stays its
         self.ledger.note_points(tokens, hasher, noted, "pending", hashes)
-        return ReuseTicket(tokens, hasher, view, noted, hashes, planned)
+        return ReuseTicket(tokens, hasher, view, noted, hashes, planned, speculative)
 
     def checkpoint_at(self, ticket: ReuseTicket, resume: int = 0) -> tuple[int, ...]:
         """Extra checkpoint positions for the ticket's prefill (engine NOTE 7): the planned ones past
@@ -141,13 +145,14 @@ class ReuseAccounting:
         return ticket.misses
 
     def superseded(self, session: str | None, turn: str, tokens: Sequence[int], hasher: BlockHasher,
-                   positions: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[PublishedPoint]:
+                   positions: Sequence[int], hashes: Sequence[bytes] | None = None,
+                   speculative: Sequence[int] = ()) -> list[PublishedPoint]:
         """``session``'s points at ``positions`` of ``tokens`` (published by request ``turn``)
-        landed: its superseded checkpoints to demote now (``disagg.reuse.retention``); []
-        without retention."""
+        landed: its superseded checkpoints and the private ones at ``speculative`` (its ticket's)
+        to demote now (``disagg.reuse.retention``); [] without retention."""
         if self.retention is None or not session:
             return []
-        return self.retention.published(session, turn, tokens, hasher, positions, hashes)
+        return self.retention.published(session, turn, tokens, hasher, positions, hashes, speculative)
 
     def end_session(self, session: str | None) -> list[PublishedPoint]:
         """``session`` ended (``disagg.flow`` NOTE 13): the private points its retention still

@@ -43,3 +43,23 @@ def test_settle_drops_what_was_not_stored_and_checkpoint_at_what_is_resumed_past
     assert acc.ledger.pending_among(prompt, H, (5 * BS,)) == ()
     acc.settle(t2, ())
     assert acc.ledger.pending_among(prompt, H, t2.pending) == () and t2.settled
+
+
+def test_the_start_priors_points_are_named_speculative_and_demoted_as_they_land():
+    """A first turn of 1,300 tokens (20 full blocks) plans the back prior's points 1, 2 and 4 blocks
+    before its last full block (19, 18, 16) and the start prior's 2^k blocks (16, 8, 4; 16 is the
+    back prior's); the ticket names the start prior's speculative, and with retention on, the
+    session's publish of them returns them to demote at once, with nothing superseded yet."""
+    from disagg.reuse.retention import SessionCheckpoints
+
+    placement = CheckpointPlacement(BS)
+    acc = ReuseAccounting(BS, placement, retention=SessionCheckpoints(BS, keep=8))
+    prompt = ids(1300, 5)
+    t = acc.begin(prompt, H, "s1", "r1")
+    assert t.speculative == (4 * BS, 8 * BS)
+    assert set(t.speculative) < set(t.planned)
+    assert t.planned == placement.positions(1300)  # the same points as before, named
+    stored = (*t.planned, 1300 // BS * BS, 1300)
+    demoted = acc.superseded("s1", "r1", prompt, H, stored, t.hashes, t.speculative)
+    assert sorted(pt.position for pt in demoted) == list(t.speculative)
+    assert acc.superseded("s1", "r1", prompt, H, stored, t.hashes) == []  # without them: a first turn keeps all

@@ -43,8 +43,8 @@ def _digest(tokens: list[int], p: int) -> bytes:
     return H.prefix_digest(tokens, p)
 
 
-def _published(r: SessionCheckpoints, *args) -> list[bytes]:
-    return [pt.digest for pt in r.published(*args)]
+def _published(r: SessionCheckpoints, *args, **kwargs) -> list[bytes]:
+    return [pt.digest for pt in r.published(*args, **kwargs)]
 
 
 def test_each_superseded_point_once_oldest_first_and_a_republish_is_newest() -> None:
@@ -66,6 +66,24 @@ def test_points_on_a_prefix_another_session_started_with_are_never_demoted() -> 
     # 16, 32, 48 (aligned on shared blocks) and 50 (its last full block is shared) are shared
     assert _published(r, "s", "t1", toks, H, [16, 32, 48, 50, 64, 80]) == []
     assert _published(r, "s", "t2", toks, H, [90]) == [_digest(toks, 64), _digest(toks, 80)]
+
+
+def test_speculative_points_go_at_once_unless_shared_and_are_not_tracked() -> None:
+    """A first turn's start-prior points (16, 32, 64 here) are demoted as they land, the shared one
+    (16: on the system prompt's block) aside; they are not among the session's tracked points, so
+    the next turns' superseded points are what they would be without them, each returned once."""
+    system = list(range(100, 116))  # 1 block another session started with
+    toks = system + list(range(120))
+    r = SessionCheckpoints(BS, keep=1)
+    r.note_shared(H.block_hashes(toks), 1)
+    assert _published(r, "s", "t1", toks, H, [16, 32, 64, 100, 128], speculative=(16, 32, 64)) == \
+        [_digest(toks, 32), _digest(toks, 64)]
+    assert _published(r, "s", "t2", toks, H, [130]) == [_digest(toks, 100), _digest(toks, 128)]
+    assert _published(r, "s", "t3", toks, H, [32], speculative=(32,)) == [_digest(toks, 32)]  # only its points
+    assert r.num_demoted == 5
+    assert _published(r, "", "t4", toks, H, [32], speculative=(32,)) == []  # no session: no retention
+    off = SessionCheckpoints(BS, keep=0)
+    assert _published(off, "s", "t1", toks, H, [32, 64], speculative=(32,)) == []
 
 
 def test_off_and_bad_config() -> None:

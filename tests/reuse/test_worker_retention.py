@@ -85,3 +85,34 @@ def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads): 
     finally:
         ref.shutdown()
     assert toks == expect
+
+
+def test_a_first_turns_start_prior_points_are_demoted_and_still_read(threads):  # noqa: F811
+    """Aggregated, one first turn of 20 full blocks: the start prior keeps checkpoints at 4 and 8
+    blocks (16 is the back prior's), speculative, so its turn end demotes exactly those in the host
+    tier, and no other point. A demoted point is still read: a second session sharing the first
+    9 blocks resumes at 8 of them, token-exact."""
+    b = backend(engine={"resident_sessions": False}, deployment={"mode": "aggregated"},
+                transfer={"host": {"capacity_mb": 2048, "pin_memory": False, "policy": "s3fifo"}})
+    first = ids(20 * BS + 10, 7)
+    other = first[: 9 * BS] + ids(100, 8)
+    try:
+        asyncio.run(send(b, "r1", first, "s1"))
+        tier = b.store.tiers[0]
+        at = _positions(first, b.decode.hasher)
+        demoted = sorted(at[ObjectKey.parse(k).digest] for k in tier._policy.demoted() if k.startswith("kda:"))
+        held = sorted(at[k.digest] for k in map(ObjectKey.parse, tier.keys()) if k.kind == "kda" and k.digest in at)
+        stats = b.decode.stats()
+        toks, last = asyncio.run(send(b, "r2", other, "s2"))
+    finally:
+        b.shutdown()
+    assert demoted == [4 * BS, 8 * BS], (demoted, held)
+    assert {4 * BS, 8 * BS, 16 * BS, 20 * BS, len(first)} <= set(held)  # every point is kept
+    assert stats["worker"]["checkpoints_demoted"] == 2
+    assert last.num_cached_tokens == 8 * BS
+    ref = backend()
+    try:
+        expect, _ = asyncio.run(send(ref, "r", other, "x"))
+    finally:
+        ref.shutdown()
+    assert toks == expect

@@ -81,6 +81,24 @@ def test_shared_prefix_is_never_demoted_and_refreshed_when_found():
     assert set(t.keys()[2:]) == {"newer", _d(0), _d(1), _k(1)}
 
 
+@pytest.mark.parametrize("policy", ["checkpoints", "session", "lru"])
+def test_speculative_points_go_first_unless_shared(policy):
+    """A prefill's start-prior points (K1, K2) go first in the tiers named; K0 sits on a prefix
+    another session started with (shared) and stays; policy "lru" tracks nothing and moves nothing."""
+    host = LRUTier("host", 16)
+    r = SessionRetention(policy)
+    r.on_prompt(("a", 0), [_d(0), _d(1), _d(2)], 3, 0, [host])
+    r.on_prompt(("b", 0), [_d(0), _d(7)], 2, 1, [host])  # b starts with a's d0: shared
+    for k in (_k(0), _k(1), _k(2), "newer"):
+        host.put(k)
+    r.on_speculative([_k(0), _k(1), _k(2)], [host, None])
+    if policy == "lru":
+        assert host.keys() == [_k(0), _k(1), _k(2), "newer"]
+    else:
+        assert host.keys() == [_k(2), _k(1), _k(0), "newer"]
+        assert _evicted(host, 14) == [_k(2), _k(1)], "kept while there is room, then first to go"
+
+
 def test_session_end_demotes_tail_first_and_forgets_the_session():
     t = LRUTier("device", 32)
     r = SessionRetention("session")

@@ -29,6 +29,11 @@ learns what will not be read again::
     handed off           a turn's state went to a decode worker on another node: the
                          session's private objects in the prefill node's shared tiers
                          (host, disk) -> evicted first (one copy: the decode node's)
+    speculative points   the start prior's checkpoints a prefill on the session's decode-side
+                         worker kept (points at 2^k blocks in a prompt's unseen part, for a
+                         later prompt that may share it: ``disagg.reuse.placement``), private
+                         ones -> evicted first in its node's tiers (host, disk), kept on the
+                         device (a pool prefill's hand-off keeps them: the session's state)
 
 Objects are demoted, never dropped: a demoted object that is read again
 (a rewrite resuming from an older checkpoint) is refreshed like any other.
@@ -38,6 +43,7 @@ Policy "lru" does nothing (plain LRU tiers); "session" does the above;
 "checkpoints" does what serving does (``transfer.host.keep_checkpoints``,
 ``disagg.reuse.retention``; ``disagg.workers.tiered`` NOTE 3, ``disagg.flow``
 NOTE 12), without what only the trace knows: a turn's superseded checkpoints,
+its speculative points in the node tiers,
 a borrowed turn's checkpoints and a handed-off session's private objects in
 the prefill node's tiers go first; the devices a session left demote nothing,
 and a session's end only when its client says so (``client_ends``: clients
@@ -141,6 +147,15 @@ class SessionRetention:
         state = self._sessions.get(skey)
         if self.enabled and state is not None:
             self._demote(self._private(state), tiers)
+
+    def on_speculative(self, ckpts: list[bytes], tiers: Iterable[LRUTier | None]) -> None:
+        """A prefill's speculative checkpoints ``ckpts`` (the start prior's) landed in ``tiers``
+        (a node's host and disk): the private ones go first there. Kept while the tier has room,
+        they yield to what a session is known to resume (docs/router.md, "Round 37")."""
+        if not self.enabled or not ckpts:
+            return
+        shared = self.shared
+        self._demote([k for k in ckpts if k[1:] not in shared], tiers)
 
     def _private(self, state: tuple[list[bytes], list[bytes]]) -> list[bytes]:
         """The session's private objects, start to end (the end is demoted last: evicted first)."""

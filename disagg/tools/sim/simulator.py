@@ -480,8 +480,10 @@ class Simulator:
             placed = self._learned_points(dec.worker_id, skey, digests, plen, lead, res.tokens,
                                           decision.checkpoint_back)
             job.extra = tuple(p for p, _ in placed)
+            bs = self.block_size
+            job.speculative = [_K + digests[p // bs - 1] for p, kind in placed if kind == "start"]
             if c.explain_misses:
-                job.extra_kinds = {_K + digests[p // self.block_size - 1]: kind for p, kind in placed}
+                job.extra_kinds = {_K + digests[p // bs - 1]: kind for p, kind in placed}
         if dec is not target:  # it decodes on dec after the pool's prefill: dec counts it inbound till then
             dec.expect(now, plen)
         if res.load_s > 0:  # the state loads off the engine's step loop
@@ -583,6 +585,8 @@ class Simulator:
             job.record.kept += tuple(kept)
         skey = (job.record.session_id, job.record.salt)
         self.retention.on_store(skey, job.ckpts, self._tiers)
+        if job.decode_worker is None:  # prefilled where it decodes: its speculative points go first there
+            self.retention.on_speculative(job.speculative, (self.host[w.node_id], self.disk[w.node_id]))
         if job.record.cached_tier == "remote" and job.decode_worker is not None:  # a peer read (NOTE 1): the
             # session lives on its decode node (a local prefill that read the named node brings it here)
             self.retention.on_borrowed(skey, job.ckpts, [w.device, self.host[w.node_id], self.disk[w.node_id]])

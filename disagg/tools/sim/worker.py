@@ -105,6 +105,7 @@ class SimJob:
     ckpts: list[bytes] = field(default_factory=list)  # checkpoint keys the prefill stored
     extra: tuple[int, ...] = ()  # extra checkpoint positions for the prefill (learned placement)
     extra_kinds: dict[bytes, str] | None = None  # their keys -> placement kind (Simulator NOTE 10)
+    speculative: list[bytes] = field(default_factory=list)  # keys of its start-prior points (retention)
     context: int = 0  # tokens in the sequence when it joins the decode batch
     remaining: int = 0  # tokens to produce when it joins
     join_step: int = 0  # worker decode-step count at join
