@@ -94,10 +94,13 @@ class HostTierConfig(_Strict):
     capacity_mb: int = 1024  # hard byte capacity of the node's shared host tier
     policy: Literal["lru", "s3fifo", "arc"] = "lru"  # eviction policy (kv_transfer.tiers.eviction; docs/router.md "Round 14")
     pin_memory: bool = True  # page-lock for fast device copies where a GPU exists
-    # a session's newest private KDA checkpoints kept in eviction order; older ones, and the
-    # speculative ones a prefill keeps for prompts that may share it, are evicted first
-    # (disagg.reuse.retention); 0: off (recency alone)
+    # a session's newest private KDA checkpoints kept in eviction order; older ones are evicted
+    # first (disagg.reuse.retention); 0: off (recency alone)
     keep_checkpoints: int = Field(default=KEEP_CHECKPOINTS, ge=0)
+    # also evict first the speculative checkpoints a prefill keeps for prompts that may share its
+    # prefix later (the start prior's), as they land; for full host tiers where prefixes are rarely
+    # shared later (`disagg sim run --explain-misses` shows what they carry; docs/router.md "Round 37")
+    speculative_first: bool = False
 
 
 class DiskTierConfig(_Strict):

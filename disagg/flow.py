@@ -76,9 +76,10 @@ NOTES
    replica's, by its handle, or this worker's turn end), the reuse accounting names the
    session's private checkpoints of earlier turns beyond its newest ``keep_checkpoints``
    (``superseded``; a request's prefill and turn end are one turn, its ``request_id``), and
-   at a turn end, its private speculative points of a prefill that ran here (the placement's
-   start prior, retention's docstring; a hand-off's stay the session's state on this node:
-   docs/router.md, "Round 37"), and the flow has the node's tiers evict them first
+   with ``speculative_first``, at a turn end, its private speculative points of a prefill that
+   ran here (the placement's start prior, retention's docstring; a hand-off's stay the
+   session's state on this node: docs/router.md, "Round 37"), and the flow has the node's
+   tiers evict them first
    (``FlowState.demote``: in the background
    after a prefill's hand-off, within the turn end's background publish).
    Points on a prefix another session started with are never demoted. A demote only reorders
@@ -275,15 +276,18 @@ class FlowOptions:
     publish_wait_s: float | None = None  # a lookup's wait for an in-flight publish (NOTE 8); None: load_deadline_s
     learned_checkpoints: bool = True  # prefills keep checkpoints where resumes were seen (NOTE 7)
     keep_checkpoints: int = KEEP_CHECKPOINTS  # a session's newest private checkpoints not demoted (NOTE 9); 0: off
+    speculative_first: bool = False  # a local prefill's speculative checkpoints demoted as they land (NOTE 9)
 
     @classmethod
     def from_config(cls, app: AppConfig, **overrides) -> FlowOptions:
         """The options a Serve replica runs with: ``router`` (decider), ``transfer.load_deadline_s``,
-        ``engine.learned_checkpoints``, ``transfer.host.keep_checkpoints``; ``overrides`` replace any field."""
+        ``engine.learned_checkpoints``, ``transfer.host.keep_checkpoints`` and ``speculative_first``;
+        ``overrides`` replace any field."""
         base = {"decider": DeciderConfig(**app.router.decider_params()),
                 "load_deadline_s": app.transfer.load_deadline_s,
                 "learned_checkpoints": app.engine.learned_checkpoints,
-                "keep_checkpoints": app.transfer.host.keep_checkpoints}
+                "keep_checkpoints": app.transfer.host.keep_checkpoints,
+                "speculative_first": app.transfer.host.speculative_first}
         return cls(**{**base, **overrides})
 
 
@@ -688,7 +692,11 @@ class RequestFlow:
                 self.settle(ticket, stored)
         if stored:  # part of this (background) publish: the session's next turn waits for it (NOTE 6)
             await self.demote(self.superseded(session, turn or request_id, computed, hasher, stored,
-                                              speculative=ticket.speculative if ticket is not None else ()))  # NOTE 9
+                                              speculative=self._speculative(ticket)))  # NOTE 9
+
+    def _speculative(self, ticket: ReuseTicket | None) -> tuple[int, ...]:
+        """NOTE 9: the ticket's speculative points, to demote with its turn's, under ``speculative_first``."""
+        return ticket.speculative if ticket is not None and self.options.speculative_first else ()
 
     def superseded(self, session: str | None, turn: str, tokens: list[int], hasher: BlockHasher,
                    stored: tuple[int, ...], hashes: list[bytes] | None = None,

@@ -20,14 +20,16 @@ readable; a demoted point read again is refreshed)::
 A turn never supersedes its own points: a prompt's first turn keeps checkpoints
 on its way (every 2^k blocks, the branch point: ``disagg.reuse.placement``) for
 sessions that may share its prefix later, and its next turn is the earliest
-that can tell. (The 2^k ones are still evicted first, below: kept, not trusted.)
+that can tell. (With ``speculative_first`` the 2^k ones go first, below.)
 
-A prompt's *speculative* points, the placement's start prior (checkpoints at
-2^k blocks in a part of the prompt nobody sent before, for a later prompt that
-may turn out to share it), are demoted as they land, the private ones: kept
-while the tiers have room, they go before what a session is known to resume.
-On Mooncake's conversation trace they were 42% of the checkpoints kept and
-carried 2.5% of the resumed tokens (docs/router.md, "Round 37").
+With ``speculative_first`` (``transfer.host``, off by default) a prompt's
+*speculative* points, the placement's start prior (checkpoints at 2^k blocks in
+a part of the prompt nobody sent before, for a later prompt that may turn out
+to share it), are demoted as they land, the private ones: kept while the tiers
+have room, they go before what a session is known to resume. On Mooncake's
+conversation trace they were 42% of the checkpoints kept and carried 2.5% of
+the resumed tokens; on the router suite's traces they carry more, and
+demoting them costs TTFT there (docs/router.md, "Round 37").
 
 A point is *shared* when the last full block at or before it is a block that
 another session's prompt also started with (the system prompt, a forked

@@ -87,14 +87,29 @@ def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads): 
     assert toks == expect
 
 
+def _first_turn_demoted(first: list[int], **host) -> list[int]:
+    """Positions of ``first``'s checkpoints its turn end demoted in the host tier (aggregated)."""
+    b = backend(engine={"resident_sessions": False}, deployment={"mode": "aggregated"},
+                transfer={"host": {"capacity_mb": 2048, "pin_memory": False, "policy": "s3fifo", **host}})
+    try:
+        asyncio.run(send(b, "r1", first, "s1"))
+        at = _positions(first, b.decode.hasher)
+        return sorted(at[ObjectKey.parse(k).digest] for k in b.store.tiers[0]._policy.demoted()
+                      if k.startswith("kda:"))
+    finally:
+        b.shutdown()
+
+
 def test_a_first_turns_start_prior_points_are_demoted_and_still_read(threads):  # noqa: F811
     """Aggregated, one first turn of 20 full blocks: the start prior keeps checkpoints at 4 and 8
-    blocks (16 is the back prior's), speculative, so its turn end demotes exactly those in the host
-    tier, and no other point. A demoted point is still read: a second session sharing the first
-    9 blocks resumes at 8 of them, token-exact."""
-    b = backend(engine={"resident_sessions": False}, deployment={"mode": "aggregated"},
-                transfer={"host": {"capacity_mb": 2048, "pin_memory": False, "policy": "s3fifo"}})
+    blocks (16 is the back prior's), speculative, so with ``speculative_first`` its turn end demotes
+    exactly those in the host tier, and no other point (by default, none). A demoted point is still
+    read: a second session sharing the first 9 blocks resumes at 8 of them, token-exact."""
     first = ids(20 * BS + 10, 7)
+    assert _first_turn_demoted(first) == []  # off by default: a first turn keeps its points in order
+    b = backend(engine={"resident_sessions": False}, deployment={"mode": "aggregated"},
+                transfer={"host": {"capacity_mb": 2048, "pin_memory": False, "policy": "s3fifo",
+                                   "speculative_first": True}})
     other = first[: 9 * BS] + ids(100, 8)
     try:
         asyncio.run(send(b, "r1", first, "s1"))

@@ -324,3 +324,24 @@ def test_a_last_turn_its_client_marked_writes_nothing_through_to_the_host(pd):
         assert held[4:] == [not ends or after] * 4, (ends, after, held)  # the last turn's own blocks
         if pd:  # the hand-off published on the prefill node, demoted there but still readable
             assert sim.host[sim.workers[rec.prefill_worker].node_id].present(digests[4:]) == [True] * 4
+
+
+def test_speculative_first_demotes_a_local_prefills_start_points_in_the_simulator():
+    """``ClusterConfig.speculative_first`` (serving's ``transfer.host.speculative_first``): the same
+    run demotes more (its prefills' start-prior points), places the same first turns, and by
+    default demotes none of them."""
+    from dataclasses import replace
+
+    from disagg.tools.sim.simulator import ClusterConfig, Simulator
+    from disagg.tools.sim.workload import SynthConfig, synth_sessions
+
+    reqs = synth_sessions(SynthConfig(num_sessions=24, turns=3), seed=2)
+    base = ClusterConfig(num_workers=4, workers_per_node=2, learned_checkpoints=True, checkpoint_every_blocks=0,
+                         retention="checkpoints")
+    off = Simulator(reqs, "state_aware", base, lanes=8, seed=1)
+    a = off.run()
+    on = Simulator(reqs, "state_aware", replace(base, speculative_first=True), lanes=8, seed=1)
+    b = on.run()
+    assert on.retention.num_demoted > off.retention.num_demoted
+    firsts = lambda res: [(r.session_id, r.decode_worker) for r in res.records if r.turn == 0]  # noqa: E731
+    assert firsts(a) == firsts(b)

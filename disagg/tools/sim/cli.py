@@ -152,6 +152,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="tier eviction order (disagg.tools.sim.retention): lru; checkpoints, what serving "
                         "does (a session's superseded checkpoints go first); session, also what only the "
                         "trace knows (ended sessions' objects, the devices a session left)")
+    g.add_argument("--speculative-first", action="store_true",
+                   help="a prefill's speculative checkpoints (the start prior's) go first in its node's "
+                        "tiers as they land, as serving's transfer.host.speculative_first (no effect under "
+                        "--retention lru, which tracks nothing)")
     g.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default=None,
                    help="clients say when a session ends: 'turn' (the flag alone) marks its last turn (the "
                         "API's session_end), which writes no host tier; 'after' ends it once that turn is "
@@ -267,7 +271,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_every_blocks=args.checkpoint_every,
                             checkpoint_last_full_block=not args.no_last_full_block,
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
-                            learned_checkpoints=args.learned_checkpoints,
+                            learned_checkpoints=args.learned_checkpoints, speculative_first=args.speculative_first,
                             host_policy=args.host_policy, host_write=args.host_write,
                             retention=args.retention, session_ends=bool(args.session_ends),
                             session_end_after=args.session_ends == "after", output_hint=args.output_hint,

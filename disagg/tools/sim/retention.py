@@ -29,8 +29,8 @@ learns what will not be read again::
     handed off           a turn's state went to a decode worker on another node: the
                          session's private objects in the prefill node's shared tiers
                          (host, disk) -> evicted first (one copy: the decode node's)
-    speculative points   the start prior's checkpoints a prefill on the session's decode-side
-                         worker kept (points at 2^k blocks in a prompt's unseen part, for a
+    speculative points   (``speculative_first``) the start prior's checkpoints a prefill on
+                         the session's decode-side worker kept (points at 2^k blocks in a prompt's unseen part, for a
                          later prompt that may share it: ``disagg.reuse.placement``), private
                          ones -> evicted first in its node's tiers (host, disk), kept on the
                          device (a pool prefill's hand-off keeps them: the session's state)
@@ -43,7 +43,7 @@ Policy "lru" does nothing (plain LRU tiers); "session" does the above;
 "checkpoints" does what serving does (``transfer.host.keep_checkpoints``,
 ``disagg.reuse.retention``; ``disagg.workers.tiered`` NOTE 3, ``disagg.flow``
 NOTE 12), without what only the trace knows: a turn's superseded checkpoints,
-its speculative points in the node tiers,
+its speculative points in the node tiers (with ``speculative_first``, as serving's option),
 a borrowed turn's checkpoints and a handed-off session's private objects in
 the prefill node's tiers go first; the devices a session left demote nothing,
 and a session's end only when its client says so (``client_ends``: clients

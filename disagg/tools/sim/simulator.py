@@ -186,6 +186,7 @@ class ClusterConfig:
     peer_reads: bool = True  # P/D: a prefill reads its decode worker's node tiers (Simulator NOTE 1)
     spill_to_pool: bool = True  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
     learned_checkpoints: bool = False  # serving's learned checkpoint placement (NOTE 5)
+    speculative_first: bool = False  # serving's transfer.host.speculative_first (retention "checkpoints"/"session")
     host_policy: str = "lru"  # host tiers: "lru" (LRUTier, serving's default policy) or another of serving's
     # policies (cache.PolicyTier)
     host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6
@@ -585,7 +586,8 @@ class Simulator:
             job.record.kept += tuple(kept)
         skey = (job.record.session_id, job.record.salt)
         self.retention.on_store(skey, job.ckpts, self._tiers)
-        if job.decode_worker is None:  # prefilled where it decodes: its speculative points go first there
+        if job.decode_worker is None and self.cluster.speculative_first:  # prefilled where it decodes: its
+            # speculative points go first there (serving's transfer.host.speculative_first)
             self.retention.on_speculative(job.speculative, (self.host[w.node_id], self.disk[w.node_id]))
         if job.record.cached_tier == "remote" and job.decode_worker is not None:  # a peer read (NOTE 1): the
             # session lives on its decode node (a local prefill that read the named node brings it here)
