@@ -27,6 +27,15 @@ def _positions(tokens: list[int], hasher) -> dict[bytes, int]:
     return out
 
 
+def _uninterrupted(prompt: list[int]) -> list[int]:
+    """``prompt``'s tokens from a fresh backend that never stored anything (the reference)."""
+    ref = backend()
+    try:
+        return asyncio.run(send(ref, "r", prompt, "x"))[0]
+    finally:
+        ref.shutdown()
+
+
 def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads):  # noqa: F811
     # 2 GiB (sparse; 32 slabs): room for every size class, so nothing is evicted in this test
     b = backend(engine={"resident_sessions": False}, transfer={"host": {"capacity_mb": 2048, "pin_memory": False,
@@ -79,12 +88,7 @@ def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads): 
     assert f'disagg_tier_demoted{{tier="host"}} {float(len(demoted))}' in text
     assert f'disagg_worker_events{{event="checkpoints_demoted",role="decode"}} {float(len(gone))}' in text
     assert last.num_cached_tokens == len(prompts[1]) and last.cached_source == "host"
-    ref = backend()
-    try:
-        expect, _ = asyncio.run(send(ref, "r", rewind, "x"))
-    finally:
-        ref.shutdown()
-    assert toks == expect
+    assert toks == _uninterrupted(rewind)
 
 
 def _first_turn_demoted(first: list[int], **host) -> list[int]:
@@ -125,9 +129,4 @@ def test_a_first_turns_start_prior_points_are_demoted_and_still_read(threads):  
     assert {4 * BS, 8 * BS, 16 * BS, 20 * BS, len(first)} <= set(held)  # every point is kept
     assert stats["worker"]["checkpoints_demoted"] == 2
     assert last.num_cached_tokens == 8 * BS
-    ref = backend()
-    try:
-        expect, _ = asyncio.run(send(ref, "r", other, "x"))
-    finally:
-        ref.shutdown()
-    assert toks == expect
+    assert toks == _uninterrupted(other)
