@@ -76,12 +76,11 @@ NOTES
    replica's, by its handle, or this worker's turn end), the reuse accounting names the
    session's private checkpoints of earlier turns beyond its newest ``keep_checkpoints``
    (``superseded``; a request's prefill and turn end are one turn, its ``request_id``), and
-   with ``speculative_first``, at a turn end, its private speculative points of a prefill that
+   with ``speculative_first``, at a turn end, the private speculative points of a prefill that
    ran here (the placement's start prior, retention's docstring; a hand-off's stay the
-   session's state on this node: docs/router.md, "Round 37"), and the flow has the node's
-   tiers evict them first
-   (``FlowState.demote``: in the background
-   after a prefill's hand-off, within the turn end's background publish).
+   session's state on this node: docs/router.md, "Round 37"). The flow has the node's tiers
+   evict them first (``FlowState.demote``: in the background after a prefill's hand-off,
+   within the turn end's background publish).
    Points on a prefix another session started with are never demoted. A demote only reorders
    eviction: a demoted point read again is served (and refreshed), one evicted is recomputed.
 10. Peer resume: a request this worker sends to the prefill pool names this node and what its

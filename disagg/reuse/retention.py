@@ -145,8 +145,9 @@ class SessionCheckpoints:
                   positions: Sequence[int], hashes: Sequence[bytes] | None = None,
                   speculative: Sequence[int] = ()) -> list[PublishedPoint]:
         """``session``'s points at ``positions`` of ``tokens``, published by request ``turn``,
-        landed: its points superseded now (oldest first), then the private ones among them at
-        ``speculative`` (the start prior's, module docstring), each returned once (NOTE 1)."""
+        landed: its points superseded now (oldest first), each returned once (NOTE 1), then the
+        private ones among them at ``speculative`` (the start prior's, module docstring: never
+        tracked, so returned with each publish of them)."""
         positions = sorted({p for p in positions if 0 < p <= len(tokens)})
         if not self.enabled or not session or not positions:
             return []

@@ -30,10 +30,11 @@ learns what will not be read again::
                          session's private objects in the prefill node's shared tiers
                          (host, disk) -> evicted first (one copy: the decode node's)
     speculative points   (``speculative_first``) the start prior's checkpoints a prefill on
-                         the session's decode-side worker kept (points at 2^k blocks in a prompt's unseen part, for a
-                         later prompt that may share it: ``disagg.reuse.placement``), private
-                         ones -> evicted first in its node's tiers (host, disk), kept on the
-                         device (a pool prefill's hand-off keeps them: the session's state)
+                         the session's decode-side worker kept (points at 2^k blocks in a
+                         prompt's unseen part, for a later prompt that may share it:
+                         ``disagg.reuse.placement``), private ones -> evicted first in its
+                         node's tiers (host, disk), kept on the device (a pool prefill's
+                         hand-off keeps them: the session's state)
 
 Objects are demoted, never dropped: a demoted object that is read again
 (a rewrite resuming from an older checkpoint) is refreshed like any other.

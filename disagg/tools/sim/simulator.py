@@ -482,7 +482,8 @@ class Simulator:
                                           decision.checkpoint_back)
             job.extra = tuple(p for p, _ in placed)
             bs = self.block_size
-            job.speculative = [_K + digests[p // bs - 1] for p, kind in placed if kind == "start"]
+            if c.speculative_first:
+                job.speculative = [_K + digests[p // bs - 1] for p, kind in placed if kind == "start"]
             if c.explain_misses:
                 job.extra_kinds = {_K + digests[p // bs - 1]: kind for p, kind in placed}
         if dec is not target:  # it decodes on dec after the pool's prefill: dec counts it inbound till then
