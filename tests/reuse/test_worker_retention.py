@@ -91,10 +91,11 @@ def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads): 
     assert toks == _uninterrupted(rewind)
 
 
-def _first_turn_demoted(first: list[int], **host) -> list[int]:
-    """Positions of ``first``'s checkpoints its turn end demoted in the host tier (aggregated)."""
+def _first_turn_demoted(first: list[int]) -> list[int]:
+    """Positions of ``first``'s checkpoints its turn end demoted in the host tier (aggregated, the
+    default retention)."""
     b = backend(engine={"resident_sessions": False}, deployment={"mode": "aggregated"},
-                transfer={"host": {"capacity_mb": 2048, "pin_memory": False, "policy": "s3fifo", **host}})
+                transfer={"host": {"capacity_mb": 2048, "pin_memory": False, "policy": "s3fifo"}})
     try:
         asyncio.run(send(b, "r1", first, "s1"))
         at = _positions(first, b.decode.hasher)
