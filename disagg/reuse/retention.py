@@ -152,15 +152,12 @@ class SessionCheckpoints:
         if not self.enabled or not session or not positions:
             return []
         guess = set(speculative)
-        if guess:
-            early = [pt for pt in points_at(tokens, hasher, [p for p in positions if p in guess], turn, hashes)
-                     if pt.anchor not in self.shared]
-            positions = [p for p in positions if p not in guess]
-            self.num_demoted += len(early)
-            if not positions:
-                return early
-        else:
-            early = []
+        early = [pt for pt in points_at(tokens, hasher, [p for p in positions if p in guess], turn, hashes)
+                 if pt.anchor not in self.shared]  # never tracked: demoted as they land
+        self.num_demoted += len(early)
+        positions = [p for p in positions if p not in guess]
+        if not positions:
+            return early
         new = points_at(tokens, hasher, positions, turn, hashes)
         digests = {pt.digest for pt in new}
         before = [pt for pt in self._sessions.get(session, ()) if pt.digest not in digests]  # a re-publish is newest

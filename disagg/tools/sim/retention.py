@@ -137,10 +137,8 @@ class SessionRetention:
         """A prefill read the session's state from another node (a peer read) and stored its
         turn's checkpoints ``ckpts`` in ``tiers`` for the hand-off: the session's home stays the
         decode worker's node, so these copies (the private ones) go first."""
-        if not self.enabled or skey not in self._sessions:
-            return
-        shared = self.shared
-        self._demote([k for k in ckpts if k[1:] not in shared], tiers)
+        if self.enabled and skey in self._sessions:
+            self._demote_private(ckpts, tiers)
 
     def on_handed_off(self, skey: tuple[str, int], tiers: Iterable[LRUTier | None]) -> None:
         """The session's turn moved to a decode worker on another node, which stored it: its
@@ -153,8 +151,11 @@ class SessionRetention:
         """A prefill's speculative checkpoints ``ckpts`` (the start prior's) landed in ``tiers``
         (a node's host and disk): the private ones go first there. Kept while the tier has room,
         they yield to what a session is known to resume (docs/router.md, "Round 37")."""
-        if not self.enabled or not ckpts:
-            return
+        if self.enabled:
+            self._demote_private(ckpts, tiers)
+
+    def _demote_private(self, ckpts: list[bytes], tiers: Iterable[LRUTier | None]) -> None:
+        """``ckpts`` but the shared ones (NOTE 1) go first in ``tiers``."""
         shared = self.shared
         self._demote([k for k in ckpts if k[1:] not in shared], tiers)
 
