@@ -142,3 +142,31 @@ def test_mooncake_keeps_given_sessions_and_reports_bad_lines(tmp_path: Path) -> 
     wrong = _write(tmp_path / "w.jsonl", [_mc(0, 1025, 1, [5, 6])])
     with pytest.raises(TraceError, match=r"line 1, field 'hash_ids'"):
         import_mooncake(wrong)
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [5]}', "timestamp"),
+        ('{"timestamp": Infinity, "input_length": 10, "output_length": 1, "hash_ids": [5]}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [5], "block_size": "x"}',
+         "block_size"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [5], "block_size": -4}',
+         "block_size"),
+    ],
+)
+def test_mooncake_rejects_values_json_allows_but_a_trace_cannot_mean(
+    tmp_path: Path, line: str, field: str
+) -> None:
+    """Python's json reads NaN and Infinity; a timestamp of either once ran as a real one."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(TraceError, match=rf"line 1, field '{field}'"):
+        import_mooncake(path)
+
+
+def test_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_text("\ufeff" + json.dumps(_mc(0, 1024, 3, [1, 2])) + "\n", encoding="utf-8")
+    (rec,) = import_mooncake(path)
+    assert rec.input_length == 1024 and rec.hash_ids == [1, 2]

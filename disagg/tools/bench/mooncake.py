@@ -22,6 +22,7 @@ with 512-token blocks and timestamps in ms. Missing fields are filled in:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -137,9 +138,10 @@ def import_mooncake(
     parsed = []
     for lineno, obj in rows:
         ts = obj.get("timestamp", 0)
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+        if (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts)
+                or ts < 0):
             raise TraceError(
-                f"expected a number >= 0, got {ts!r}",
+                f"expected a finite number >= 0, got {ts!r}",
                 line=lineno,
                 field_name="timestamp",
                 source=src,
@@ -154,7 +156,7 @@ def import_mooncake(
                 field_name="hash_ids",
                 source=src,
             )
-        bs = int(obj.get("block_size") or block_size)
+        bs = block_size if obj.get("block_size") is None else _field_int(obj, "block_size", lineno, src, 1)
         if len(ids) != num_blocks(inp, bs):
             raise TraceError(
                 f"has {len(ids)} ids but ceil(input_length {inp} / block_size {bs})"

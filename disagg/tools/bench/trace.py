@@ -238,7 +238,7 @@ def record_from_dict(
 def iter_json_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-blank line of a JSONL file; TraceError on a bad line."""
     src = str(path)
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark some editors write is not JSON
         for lineno, text in enumerate(f, start=1):
             text = text.strip()
             if not text:
