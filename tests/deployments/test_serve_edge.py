@@ -20,6 +20,7 @@ import concurrent.futures
 import json
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -132,15 +133,25 @@ def test_an_abandoned_request_queued_at_the_gate_leaves_the_queue(cluster, path)
 
 
 def test_overload_is_shed_with_503_and_retry_after(cluster):
-    """Gate: 2 running, 2 queued. Ten streams at once: 4 admitted or queued, the rest 503."""
+    """Gate: 2 running, 2 queued. Ten streams at once: 4 admitted or queued, the rest 503.
+
+    An admitted stream holds its slot until every sibling has its answer (or 10 s pass, should
+    queued streams answer only once admitted): one that closed at its first event freed a slot
+    a late sibling on a loaded machine could take, and fewer than six were shed."""
     url = cluster["url"]
     _wait(url, _idle)
     body = _body("/v1/completions", 20, stream=True)
+    answered, cond = [0], threading.Condition()
     with httpx.Client(timeout=60) as client:
         def one(_):
             with client.stream("POST", url + "/v1/completions", json=body) as r:
+                with cond:
+                    answered[0] += 1
+                    cond.notify_all()
                 if r.status_code == 200:
                     next(r.iter_lines())  # admitted: its first event
+                    with cond:  # hold the slot until all ten answered
+                        cond.wait_for(lambda: answered[0] >= 10, timeout=10.0)
                 return r.status_code, r.headers.get("retry-after")
 
         with concurrent.futures.ThreadPoolExecutor(10) as ex:
