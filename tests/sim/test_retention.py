@@ -148,7 +148,8 @@ def test_checkpoints_policy_does_what_serving_does_and_no_more():
     for k in (*ds, _k(1), _k(2), "live"):
         t.put(k)
         other.put(k)
-    r.on_store(("s", 0), [_k(1), _k(2)], [t, other])  # K1 superseded by K2
+    r.on_store(("s", 0), [_k(1)], [t, other])
+    r.on_store(("s", 0), [_k(2)], [t, other])  # the next turn's K2 supersedes K1
     assert t.keys() == [_k(1), *ds, _k(2), "live"]
     r.on_placed(("s", 0), [other])
     r.on_placed(("s", 0), [LRUTier("device", 4)])  # moved off `other`: nothing demoted there
@@ -345,3 +346,19 @@ def test_speculative_first_demotes_a_local_prefills_start_points_in_the_simulato
     assert on.retention.num_demoted > off.retention.num_demoted
     firsts = lambda res: [(r.session_id, r.decode_worker) for r in res.records if r.turn == 0]  # noqa: E731
     assert firsts(a) == firsts(b)
+
+
+def test_a_turn_never_supersedes_its_own_points_under_serving_retention():
+    """As serving's (``disagg.reuse.retention`` NOTE 4): a turn that stores more private points than
+    keep_checkpoints keeps them all; the next turn's store demotes them. Policy "session" (rounds
+    1-13) lets the newest points of one store supersede the others, as it always did."""
+    for policy, first in (("checkpoints", []), ("session", [_k(0), _k(1)])):
+        t = LRUTier("host", 16)
+        r = SessionRetention(policy, keep_checkpoints=1)
+        r.on_prompt(("s", 0), [_d(i) for i in range(4)], 4, 0, [t])
+        for i in range(4):
+            t.put(_k(i))
+        r.on_store(("s", 0), [_k(0), _k(1), _k(2)], [t])
+        assert t.keys()[: len(first)] == first[::-1] and r.num_demoted == len(first), policy
+        r.on_store(("s", 0), [_k(3)], [t])
+        assert set(t.keys()[:3]) == {_k(0), _k(1), _k(2)} and t.keys()[3] == _k(3), policy

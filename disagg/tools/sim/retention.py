@@ -10,7 +10,8 @@ still serve it, yet each weighs as much as many MLA blocks.
 learns what will not be read again::
 
     a turn is stored     the session's private checkpoints except its newest
-                         ``keep_checkpoints`` -> evicted first
+                         ``keep_checkpoints`` -> evicted first (policy "checkpoints":
+                         never the turn's own, as serving's)
     session ends         its private objects (MLA blocks and checkpoints)
                          -> evicted first, the end of its context first
                          (policy "checkpoints": only when its client said
@@ -116,9 +117,12 @@ class SessionRetention:
             return
         mine = state[1]
         shared = self.shared
+        before = len(mine)
         mine.extend(k for k in ckpts if k[1:] not in shared)
         done = self._demoted[skey]
         upto = len(mine) - self.keep_checkpoints
+        if not self.full:  # serving's: a turn never supersedes its own points (disagg.reuse.retention NOTE 4)
+            upto = min(upto, before)
         if upto > done:
             self._demote(mine[done:upto], tiers)
             self._demoted[skey] = upto
