@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def scale(lanes: float) -> Scale:
         return Scale(args.scale, args.turn_scale, args.sessions_per_worker, lanes, args.retention,
-                     router_config, args.seed_offset, session_ends=args.session_ends, output_hint=args.output_hint)
+                     router_config, args.seed_offset, session_ends=args.session_ends, output_hint=args.output_hint,
+                     keep_turns=args.keep_turns)
 
     if args.trace:
         sim_args = tuple(shlex.split(args.sim_args))

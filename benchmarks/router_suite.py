@@ -56,11 +56,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from disagg.config import KEEP_TURNS
 from disagg.costs.model import CostModel
 from disagg.router.baselines import BASELINES
 from disagg.tools.bench.family import SUITE, member_trace
 from disagg.tools.sim.bound import capacity_bound
-from disagg.tools.sim.cli import router_config
+from disagg.tools.sim.cli import keep_turns_arg, router_config
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.retention import RETENTION_POLICIES
 from disagg.tools.sim.simulator import OUTPUT_HINTS, ClusterConfig, Simulator
@@ -108,6 +109,7 @@ class Scale:
     session_ends: str = ""  # "turn" | "after" (ClusterConfig.session_ends, session_end_after): clients say when
     # a session ends, with its last turn or after its answer; "": they do not
     output_hint: str = "none"  # ClusterConfig.output_hint (Simulator NOTE 9); no baseline reads it
+    keep_turns: int | str = KEEP_TURNS  # ClusterConfig.keep_turns (retention NOTE 4); rounds 1-37: 0
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
@@ -117,6 +119,7 @@ class Scale:
         key = f"{key}/write-{self.host_write}" if self.host_write != "through" else key
         key = f"{key}/session-ends" if self.session_ends else key
         key = f"{key}-after" if self.session_ends == "after" else key
+        key = f"{key}/turns-{self.keep_turns}" if self.keep_turns != 0 else key  # runs before round 38: 0
         return key if self.checkpoints == "periodic" else f"{key}/ckpt-{self.checkpoints}"
 
 
@@ -138,7 +141,7 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
                          workers_per_node=WORKERS_PER_NODE, device_blocks=dev, host_blocks=host,
                          retention=sc.retention, spill_to_pool=sc.spill_to_pool, host_write=sc.host_write,
                          session_ends=bool(sc.session_ends), session_end_after=sc.session_ends == "after",
-                         output_hint=sc.output_hint,
+                         output_hint=sc.output_hint, keep_turns=sc.keep_turns,
                          **CHECKPOINT_MODELS[sc.checkpoints])
 
 
@@ -247,6 +250,9 @@ def add_suite_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--output-hint", default="none", choices=OUTPUT_HINTS,
                     help="what state_aware is told of each request's output: none (it learns), or exact (an "
                          "oracle: rounds 1-23's runs; Simulator NOTE 9)")
+    ap.add_argument("--keep-turns", type=keep_turns_arg, default=KEEP_TURNS, metavar="auto|N",
+                    help="retention: a session's checkpoints of turns older than its newest N go first "
+                         "(every policy; serving's transfer.host.keep_turns; 0: no limit, rounds 1-37)")
 
 
 def suite_selection(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str], str]:
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     members, policies, rc = suite_selection(ap, args)
     sc = Scale(args.scale, args.turn_scale, args.sessions_per_worker, args.lanes_per_worker, args.retention, rc,
                args.seed_offset, args.spill_to_pool, args.checkpoints, args.host_write, args.session_ends,
-               args.output_hint)
+               args.output_hint, args.keep_turns)
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,13 @@ from disagg.costs import cost_profile
 # the tiers' eviction order; older ones are evicted first. The serving path and the simulator's
 # retention (disagg.tools.sim.retention) both default to it.
 KEEP_CHECKPOINTS = 8
+KEEP_TURNS: int | str = "auto"  # transfer.host.keep_turns (disagg.reuse.retention NOTE 6)
+
+
+def check_keep_turns(keep_turns: object) -> None:
+    """``transfer.host.keep_turns`` is "auto" or an integer >= 0; ValueError otherwise."""
+    if keep_turns != "auto" and (isinstance(keep_turns, bool) or not isinstance(keep_turns, int) or keep_turns < 0):
+        raise ValueError(f"keep_turns must be 'auto' or an integer >= 0, got {keep_turns!r}")
 
 # The P/D placement rule's defaults (disagg.router.decider): the one place they are set. The
 # serving path (disagg.flow), the router and the simulator all build their decider from these.
@@ -97,10 +104,20 @@ class HostTierConfig(_Strict):
     # a session's newest private KDA checkpoints kept in eviction order; older ones are evicted
     # first (disagg.reuse.retention); 0: off (recency alone)
     keep_checkpoints: int = Field(default=KEEP_CHECKPOINTS, ge=0)
+    # also evict first the private checkpoints of a session's turns older than its newest N: 0, no
+    # limit; "auto", N learned from how many turns back the sessions' prompts resume (a tool loop:
+    # its latest turn only; a conversation that branches or is edited: more)
+    keep_turns: int | Literal["auto"] = KEEP_TURNS
     # also evict first the speculative checkpoints a prefill keeps for prompts that may share its
     # prefix later (the start prior's), as they land; for full host tiers where prefixes are rarely
     # shared later (`disagg sim run --explain-misses` shows what they carry; docs/router.md "Round 37")
     speculative_first: bool = False
+
+    @field_validator("keep_turns", mode="before")
+    @classmethod
+    def _keep_turns(cls, v: object) -> object:
+        check_keep_turns(v)  # ValueError: neither "auto" nor an integer >= 0
+        return v
 
 
 class DiskTierConfig(_Strict):

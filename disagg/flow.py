@@ -75,6 +75,8 @@ NOTES
 9. Retention (``disagg.reuse.retention``): whenever a session's checkpoints land (a prefill
    replica's, by its handle, or this worker's turn end), the reuse accounting names the
    session's private checkpoints of earlier turns beyond its newest ``keep_checkpoints``
+   and, with ``keep_turns``, those of turns older than its newest N (N fixed, or learned from
+   how many turns back its prompts could resume: ``ReuseAccounting.finish``, retention NOTE 6)
    (``superseded``; a request's prefill and turn end are one turn, its ``request_id``), and
    with ``speculative_first``, at a turn end, the private speculative points of a prefill that
    ran here (the placement's start prior, retention's docstring; a hand-off's stay the
@@ -160,7 +162,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
-from disagg.config import KEEP_CHECKPOINTS
+from disagg.config import KEEP_CHECKPOINTS, KEEP_TURNS
 from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.reuse.accounting import ReuseAccounting, ReuseTicket
@@ -275,17 +277,20 @@ class FlowOptions:
     publish_wait_s: float | None = None  # a lookup's wait for an in-flight publish (NOTE 8); None: load_deadline_s
     learned_checkpoints: bool = True  # prefills keep checkpoints where resumes were seen (NOTE 7)
     keep_checkpoints: int = KEEP_CHECKPOINTS  # a session's newest private checkpoints not demoted (NOTE 9); 0: off
+    keep_turns: int | str = KEEP_TURNS  # ... nor its newest turns' (0: no limit; "auto": learned; NOTE 9)
     speculative_first: bool = False  # a local prefill's speculative checkpoints demoted as they land (NOTE 9)
 
     @classmethod
     def from_config(cls, app: AppConfig, **overrides) -> FlowOptions:
         """The options a Serve replica runs with: ``router`` (decider), ``transfer.load_deadline_s``,
-        ``engine.learned_checkpoints``, ``transfer.host.keep_checkpoints`` and ``speculative_first``;
+        ``engine.learned_checkpoints``, ``transfer.host.keep_checkpoints``, ``keep_turns`` and
+        ``speculative_first``;
         ``overrides`` replace any field."""
         base = {"decider": DeciderConfig(**app.router.decider_params()),
                 "load_deadline_s": app.transfer.load_deadline_s,
                 "learned_checkpoints": app.engine.learned_checkpoints,
                 "keep_checkpoints": app.transfer.host.keep_checkpoints,
+                "keep_turns": app.transfer.host.keep_turns,
                 "speculative_first": app.transfer.host.speculative_first}
         return cls(**{**base, **overrides})
 
@@ -318,7 +323,8 @@ class RequestFlow:
         self.node_id = node_id
         placement = CheckpointPlacement(engine.block_size) if self.options.learned_checkpoints else None
         keep = self.options.keep_checkpoints
-        retention = SessionCheckpoints(engine.block_size, keep) if keep > 0 else None  # NOTE 9
+        retention = (SessionCheckpoints(engine.block_size, keep, keep_turns=self.options.keep_turns)
+                     if keep > 0 else None)  # NOTE 9
         self.reuse = reuse or ReuseAccounting(engine.block_size, placement, retention=retention)  # NOTE 7
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
         self.decisions: dict[str, int] = {}  # P/D decisions by the decider's reason (NOTE 5)

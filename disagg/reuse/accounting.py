@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from disagg.reuse.ledger import ReuseLedger, ReuseView, _Lru
 from disagg.reuse.misses import MissInputs, classify
 from disagg.reuse.placement import CheckpointPlacement
-from disagg.reuse.retention import PublishedPoint, SessionCheckpoints
+from disagg.reuse.retention import PublishedPoint, SessionCheckpoints, points_at
 from disagg.session import session_key
 from kv_transfer.keys import BlockHasher
 
@@ -49,6 +49,7 @@ class ReuseTicket:
     publishing: bool = False  # a background publish will settle it (the flow's turn end)
     misses: dict[str, int] = field(default_factory=dict)  # filled by ``finish``
     bound: int = 0  # infinite-cache bound counted for this request (filled by ``finish``)
+    session: str | None = None  # its session (``session_key``), if any
 
 
 class ReuseAccounting:
@@ -95,7 +96,7 @@ class ReuseAccounting:
         own = {len(tokens), len(tokens) // bs * bs} - {0}
         noted = tuple(sorted((own | set(planned)) - set(view.pending)))  # another's in-flight point stays its
         self.ledger.note_points(tokens, hasher, noted, "pending", hashes)
-        return ReuseTicket(tokens, hasher, view, noted, hashes, planned, speculative)
+        return ReuseTicket(tokens, hasher, view, noted, hashes, planned, speculative, session=session)
 
     def checkpoint_at(self, ticket: ReuseTicket, resume: int = 0) -> tuple[int, ...]:
         """Extra checkpoint positions for the ticket's prefill (engine NOTE 7): the planned ones past
@@ -139,6 +140,10 @@ class ReuseAccounting:
                             view.pending, raced, still, failure)
         ticket.misses = classify(inputs)
         ticket.bound = max(view.bound_any_salt, realized)
+        want = furthest or realized  # where it could resume: retention learns how old that was
+        if want and ticket.session and self.retention is not None and self.retention.ages is not None:
+            point = points_at(ticket.tokens, ticket.hasher, [want], hashes=ticket.hashes or None)[0]
+            self.retention.wanted(ticket.session, point.digest)
         for reason, n in ticket.misses.items():
             self.counters[reason] = self.counters.get(reason, 0) + n
         self.bound_tokens += ticket.bound

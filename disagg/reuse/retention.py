@@ -36,11 +36,23 @@ another session's prompt also started with (the system prompt, a forked
 conversation's parent, the branch point where a session left them); shared
 points are never demoted: another session resumes from them.
 
+A session's turns also age as a whole (``keep_turns``): the private points of
+its turns older than its newest N go first, whatever ``keep_checkpoints``
+says. A tool loop or a chat that sends its history back verbatim resumes from
+its latest turn only, and each turn publishes a few points (its turn end, its
+prompt's end and last full block, the learned ones), so ``keep_checkpoints``
+alone keeps the last two or three turns' points, each weighing as much as
+thousands of tokens of history, for prompts that will never ask for them. A
+conversation that branches, is edited or rewinds does resume from older
+turns. ``"auto"`` (the default) learns N from the workload (``ResumeAges``,
+NOTE 6).
+
 Config example::
 
     transfer:
       host:
         keep_checkpoints: 8   # 0: off (recency alone)
+        keep_turns: auto      # or N >= 1, or 0 (no limit)
 
 NOTES
 1. Only the session's own points are ever demoted, only ones it published, and
@@ -55,6 +67,18 @@ NOTES
    demoted, even past ``keep``.
 5. Bounded: at most ``max_sessions`` sessions (LRU) and, per session, ``keep``
    private points plus its latest turn's.
+6. Learned turns (``keep_turns: auto``): every finished request of a session
+   names the point it could resume from, its realized resume or the furthest
+   published point past it (``ReuseAccounting.finish``), and ``wanted`` ages
+   it by the session's turns published since the point's (``_owner``: digest
+   -> session and turn, kept after a demote, so a prompt that wanted a demoted
+   point still counts; ``_turns``: the session's newest turns). ``ResumeAges``
+   turns the ages into N, 0 (no limit) until it has seen enough prompts. A
+   point a session wants after N was set too low is a recompute, never a wrong
+   token, and the ages it adds raise N. Per replica: each decode replica learns
+   from the sessions it serves. On the simulated families (docs/router.md,
+   "Round 38") the learned limit is one turn on the held-out sets, where every
+   prompt extends its session's last, and two or more elsewhere.
 """
 
 from __future__ import annotations
@@ -62,7 +86,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
-from disagg.config import KEEP_CHECKPOINTS
+from disagg.config import KEEP_CHECKPOINTS, KEEP_TURNS, check_keep_turns
 from disagg.reuse.ledger import _Lru
 from kv_transfer.keys import BlockHasher
 
@@ -97,22 +121,86 @@ def points_at(tokens: Sequence[int], hasher: BlockHasher, positions: Sequence[in
     return out
 
 
+class ResumeAges:
+    """How many turns back a session's resumes reach, learned (NOTE 6): ``turns()`` is how many
+    of its newest turns keep their private points, 0 for no limit.
+
+    Each prompt of a session that could resume from one of the session's own points (the furthest
+    its lookup saw published) has an age: 0 for a point its latest turn published, 1 for the turn
+    before, and so on, out of the ``turns`` the session had published. A linear session (an
+    agent's tool loop, a chat that sends its history back verbatim) resumes from its latest turn
+    only, and every older point is room another session's state could use; a conversation that
+    branches, is edited or rewinds resumes from older turns too. A young session cannot reach far
+    back, so the share of prompts reaching ``a`` turns back is taken among those of sessions that
+    had more than ``a`` turns (a survival estimate). ``turns()`` is the fewest newest turns such
+    that, at every age past them, at most ``tail`` of those prompts reach back that far (however
+    few: a demoted point a session then wants costs a recompute of its context); 0 (no limit)
+    while fewer than ``min_resumes`` prompts were seen, or when more than ``tail`` reach ``cap``
+    turns back. Counts decay exponentially (``half_life`` prompts), so the limit follows a
+    workload that changes.
+    """
+
+    def __init__(self, tail: float = 0.005, min_resumes: int = 64, half_life: float = 1024.0, cap: int = 16):
+        if not 0.0 < tail < 1.0 or min_resumes < 1 or half_life <= 0 or cap < 1:
+            raise ValueError("need 0 < tail < 1, min_resumes >= 1, half_life > 0 and cap >= 1")
+        self.tail, self.min_resumes, self.cap = tail, min_resumes, cap
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._age = [0.0] * (cap + 1)  # decayed prompts per age; the last bucket: cap or older
+        self._had = [0.0] * (cap + 2)  # ... per turns the session had (the last bucket: cap + 1 or more)
+        self.observed = 0
+
+    def observe(self, age: int, turns: int) -> None:
+        """A prompt of a session with ``turns`` published turns could resume ``age`` turns back."""
+        d = self._decay
+        for w in (self._age, self._had):
+            for i in range(len(w)):
+                w[i] *= d
+        self._age[min(max(age, 0), self.cap)] += 1.0
+        self._had[min(max(turns, age + 1, 1), self.cap + 1)] += 1.0
+        self.observed += 1
+
+    def turns(self) -> int:
+        if self.observed < self.min_resumes:
+            return 0
+        older = had = 0.0  # prompts reaching back a or more turns; those of sessions with more than a
+        for a in range(self.cap, 0, -1):
+            older += self._age[a]
+            had += self._had[a + 1]
+            if older > self.tail * had:
+                return 0 if a == self.cap else a + 1
+        return 1
+
+
+def resume_ages(keep_turns: int | str) -> ResumeAges | None:
+    """``transfer.host.keep_turns``: "auto", the learner of N (``ResumeAges``); 0 (no limit) or
+    N >= 1 newest turns: None. ValueError for anything else."""
+    check_keep_turns(keep_turns)
+    return ResumeAges() if keep_turns == "auto" else None
+
+
 @dataclass(frozen=True, slots=True)
 class RetentionResult:
     demote: tuple[PublishedPoint, ...]  # superseded private points, oldest first
     track: tuple[PublishedPoint, ...]  # the private points kept (newest last)
 
 
-def superseded(points: Sequence[PublishedPoint], keep: int, shared: Container[bytes]) -> RetentionResult:
+def superseded(points: Sequence[PublishedPoint], keep: int, shared: Container[bytes],
+               turns: int = 0) -> RetentionResult:
     """Split a session's points (publish order, oldest first) into the superseded private ones
-    (all but the newest ``keep`` and the latest turn's, NOTE 4) and the ones kept; shared points
-    are in neither (NOTE 3). ``keep <= 0``: retention is off, nothing is demoted."""
+    (all but the newest ``keep`` and the latest turn's, NOTE 4, and with ``turns`` those of every
+    turn older than the newest ``turns``, NOTE 6) and the ones kept; shared points are in neither
+    (NOTE 3). ``keep <= 0``: retention is off, nothing is demoted."""
     private = [pt for pt in points if pt.anchor not in shared]
     if keep <= 0 or not private:
         return RetentionResult((), tuple(private))
     latest = private[-1].turn
     cut = max(0, len(private) - keep)
-    demote = tuple(pt for pt in private[:cut] if pt.turn != latest)
+    recent: set[str] | None = None
+    if turns > 0:
+        order = list(dict.fromkeys(pt.turn for pt in reversed(private)))  # newest turn first
+        recent = set(order[:turns]) if len(order) > turns else None
+    demote = tuple(pt for i, pt in enumerate(private)
+                   if pt.turn != latest and (i < cut or (recent is not None and pt.turn not in recent)))
     return RetentionResult(demote, tuple(pt for pt in private if pt not in demote))
 
 
@@ -120,14 +208,34 @@ class SessionCheckpoints:
     """Per session, the points published and not demoted; the shared block digests (module docstring)."""
 
     def __init__(self, block_size: int, keep: int = KEEP_CHECKPOINTS, max_sessions: int = 1 << 16,
-                 max_shared: int = 1 << 18):
+                 max_shared: int = 1 << 18, keep_turns: int | str = KEEP_TURNS):
         if keep < 0:
             raise ValueError("keep_checkpoints must be >= 0 (0: off)")
         self.block_size = block_size
         self.keep = keep
+        self.ages = resume_ages(keep_turns)  # NOTE 6: learned, or None
+        self.keep_turns = 0 if self.ages is not None else int(keep_turns)
         self._sessions = _Lru(max_sessions)  # session -> tuple[PublishedPoint, ...] (NOTE 4)
+        self._turns = _Lru(max_sessions)  # session -> its newest turns, oldest first (NOTE 6)
+        self._owner = _Lru(max_shared)  # digest of a private point published -> (session, turn) (NOTE 6)
         self.shared = _Lru(max_shared)  # block digest -> None (NOTE 2)
         self.num_demoted = 0  # points returned for demotion
+
+    def turns(self) -> int:
+        """NOTE 6: how many of a session's newest turns keep their private points (0: no limit)."""
+        return self.ages.turns() if self.ages is not None else self.keep_turns
+
+    def wanted(self, session: str, digest: bytes) -> None:
+        """A prompt of ``session`` could resume at the point named ``digest`` (the furthest its
+        lookup saw published): learn how many turns back it was (NOTE 6)."""
+        if self.ages is None or not session:
+            return
+        owner = self._owner.get(digest)
+        if owner is None or owner[0] != session:
+            return  # another session's, shared, or forgotten
+        order = self._turns.get(session) or []
+        turn = owner[1]
+        self.ages.observe(len(order) - 1 - order.index(turn) if turn in order else self.ages.cap, len(order))
 
     @property
     def enabled(self) -> bool:
@@ -161,17 +269,25 @@ class SessionCheckpoints:
         new = points_at(tokens, hasher, positions, turn, hashes)
         digests = {pt.digest for pt in new}
         before = [pt for pt in self._sessions.get(session, ()) if pt.digest not in digests]  # a re-publish is newest
-        result = superseded(before + new, self.keep, self.shared)
+        if self.ages is not None:
+            order = [t for t in self._turns.get(session) or () if t != turn] + [turn]
+            self._turns.put(session, order[-(self.ages.cap + 1):])
+            for pt in new:
+                if pt.anchor not in self.shared:
+                    self._owner.put(pt.digest, (session, turn))
+        result = superseded(before + new, self.keep, self.shared, self.turns())
         self._sessions.put(session, result.track)
         self.num_demoted += len(result.demote)
         return list(result.demote) + early
 
     def forget(self, session: str) -> None:
         self._sessions.pop(session, None)
+        self._turns.pop(session, None)
 
     def end(self, session: str) -> list[PublishedPoint]:
         """``session`` will not come back (its client said so): every private point still tracked,
         oldest first, and the session is forgotten."""
         points = list(self._sessions.pop(session, None) or ())
+        self._turns.pop(session, None)
         self.num_demoted += len(points)
         return points

@@ -63,3 +63,31 @@ def test_the_start_priors_points_are_named_speculative_and_demoted_as_they_land(
     demoted = acc.superseded("s1", "r1", prompt, H, stored, t.hashes, t.speculative)
     assert sorted(pt.position for pt in demoted) == list(t.speculative)
     assert acc.superseded("s1", "r1", prompt, H, stored, t.hashes) == []  # without them: a first turn keeps all
+
+
+def test_finish_tells_the_learner_how_many_turns_back_a_prompt_could_resume():
+    """Under ``keep_turns: auto`` each finished request of a session names the point it could
+    resume from (its realized resume, or the furthest published point past it): two turns of s1
+    published, then a third turn that extends the second resumes one turn back (age 0: the latest
+    turn's end), and a rewind to the first turn's prompt reaches one turn further (age 1)."""
+    import asyncio
+
+    from disagg.reuse.retention import SessionCheckpoints
+
+    acc = ReuseAccounting(BS, None, retention=SessionCheckpoints(BS, keep=8, keep_turns="auto"))
+    first = ids(3 * BS + 10, 1)
+    second = first + ids(2 * BS, 2)
+    for rid, prompt in (("r1", first), ("r2", second)):
+        t = acc.begin(prompt, H, "s1", rid)
+        acc.settle(t, (len(prompt),))
+        acc.superseded("s1", rid, prompt, H, (len(prompt),), t.hashes)
+    ages = acc.retention.ages
+    third = acc.begin(second + ids(40, 3), H, "s1", "r3")
+    asyncio.run(acc.finish(third, len(second)))  # resumed at the second turn's end
+    rewind = acc.begin(first + ids(50, 4), H, "s1", "r4")
+    asyncio.run(acc.finish(rewind, 0))  # recomputed, though the first turn's end was published
+    other = acc.begin(first + ids(50, 5), H, "s2", "r5")  # another session: not s1's turns to learn
+    asyncio.run(acc.finish(other, len(first)))
+    assert ages.observed == 2
+    assert ages._age[0] > 0.99 and ages._age[1] > 0.99 and sum(ages._age) < 2.01
+    assert ages._had[2] > 1.99  # both prompts came when s1 had published two turns

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.reuse.retention import PublishedPoint, SessionCheckpoints, superseded
+from disagg.reuse.retention import PublishedPoint, ResumeAges, SessionCheckpoints, superseded
 from kv_transfer.keys import BlockHasher, KeyExtras
 
 BS = 16
@@ -91,3 +91,89 @@ def test_off_and_bad_config() -> None:
     assert not r.enabled and _published(r, "s", "t", list(range(100)), H, [16, 32, 48]) == []
     with pytest.raises(ValueError):
         SessionCheckpoints(BS, keep=-1)
+
+
+def test_a_turn_limit_demotes_every_point_of_the_older_turns() -> None:
+    points = [pt(10, "a"), pt(20, "a"), pt(30, "b"), pt(40, "c"), pt(50, "c")]
+    assert superseded(points, 8, set()).demote == ()  # keep 8 alone: nothing
+    one = superseded(points, 8, set(), turns=1)
+    assert [p.position for p in one.demote] == [10, 20, 30]
+    assert [p.position for p in one.track] == [40, 50]
+    assert [p.position for p in superseded(points, 8, set(), turns=2).demote] == [10, 20]
+    assert superseded(points, 8, set(), turns=3).demote == ()
+    assert [p.position for p in superseded(points, 2, set(), turns=2).demote] == [10, 20, 30]  # keep: as before
+    assert superseded(points, 0, set(), turns=1).demote == ()  # retention off
+
+
+def test_learned_turns_follow_how_far_back_resumes_reach() -> None:
+    ages = ResumeAges(tail=0.05, min_resumes=20, half_life=50.0, cap=4)
+    for _ in range(19):
+        ages.observe(0, 3)
+    assert ages.turns() == 0  # too few seen: no limit
+    ages.observe(0, 3)
+    assert ages.turns() == 1  # linear sessions: their latest turn only
+    for i in range(40):
+        ages.observe(1 if i % 4 == 0 else 0, 3)  # a quarter reach one turn back
+    assert ages.turns() == 2
+    for i in range(40):
+        ages.observe(9 if i % 4 == 0 else 0, 12)  # ... then past the cap: no limit
+    assert ages.turns() == 0
+    for _ in range(400):  # the workload changed: the old ages decay away
+        ages.observe(0, 12)
+    assert ages.turns() == 1
+    with pytest.raises(ValueError):
+        ResumeAges(tail=0.0)
+
+
+def test_young_sessions_do_not_hide_how_far_back_old_ones_reach() -> None:
+    """Most prompts come from sessions of one or two turns, which can only resume from their latest
+    turn; a tenth of the prompts of sessions with three or more turns reach two turns back. Among
+    all prompts that is 2%, under a 5% tail; among those that could, 10%: keep three turns."""
+    ages = ResumeAges(tail=0.05, min_resumes=20, half_life=1e9, cap=4)
+    for i in range(400):
+        ages.observe(0, 1 + i % 2)
+    for i in range(100):
+        ages.observe(2 if i % 10 == 0 else 0, 3)
+    assert ages.turns() == 3
+
+
+def _linear(r: SessionCheckpoints, session: str, turns: int, resumes: str = "latest") -> list[list[bytes]]:
+    """``turns`` turns of a session whose prompts grow by 40 tokens; each turn first resumes (learned
+    by ``wanted``) from its previous turn's end (``latest``) or from its first turn's (``first``),
+    then publishes its prompt's points. Returns what each publish demoted."""
+    toks = list(range(1000))
+    out = []
+    for t in range(turns):
+        end = 40 * (t + 1)
+        if t:
+            want = 40 * t if resumes == "latest" else 40
+            r.wanted(session, _digest(toks, want))
+        out.append(_published(r, session, f"{session}-{t}", toks[:end], H, [end - 8, end]))
+    return out
+
+
+def test_auto_turns_demote_the_older_turns_of_linear_sessions() -> None:
+    r = SessionCheckpoints(BS, keep=8, keep_turns="auto")
+    r.ages = ResumeAges(min_resumes=8)
+    for s in range(4):
+        _linear(r, f"s{s}", 3)  # 8 resumes, every one from the latest turn: limit 1 from now on
+    assert r.turns() == 1
+    demoted = _linear(r, "late", 3)
+    toks = list(range(1000))
+    assert demoted[0] == [] and demoted[1] == [_digest(toks, 32), _digest(toks, 40)]
+    assert demoted[2] == [_digest(toks, 72), _digest(toks, 80)]
+
+
+def test_auto_turns_keep_older_turns_where_resumes_reach_them() -> None:
+    r = SessionCheckpoints(BS, keep=8, keep_turns="auto")
+    r.ages = ResumeAges(min_resumes=8)
+    for s in range(3):  # every later turn resumes from the first turn's end: up to 3 turns back
+        _linear(r, f"s{s}", 5, resumes="first")
+    assert r.turns() == 4
+    assert all(d == [] for d in _linear(r, "late", 4, resumes="first"))
+    fixed = SessionCheckpoints(BS, keep=8, keep_turns=1)
+    assert fixed.ages is None and fixed.turns() == 1
+    with pytest.raises(ValueError):
+        SessionCheckpoints(BS, keep=8, keep_turns=-1)
+    with pytest.raises(ValueError):
+        SessionCheckpoints(BS, keep=8, keep_turns="always")

@@ -131,3 +131,46 @@ def test_a_first_turns_start_prior_points_are_demoted_and_still_read(threads):  
     assert stats["worker"]["checkpoints_demoted"] == 2
     assert last.num_cached_tokens == 8 * BS
     assert toks == _uninterrupted(other)
+
+
+def test_a_turn_limit_demotes_the_older_turns_and_a_resume_teaches_the_learner(threads):  # noqa: F811
+    """``keep_turns: 1``: at each turn end the session's private points of its earlier turns are
+    demoted, all of them, where keep_checkpoints (8) alone keeps some; the next turn resumes
+    from the latest turn's end, token-exact. Under "auto" the same turns teach the learner: each
+    later turn could resume from its previous turn's end, one turn back at most (age 0)."""
+    system = ids(5 * BS, 99)
+
+    def run(keep_turns):
+        b = backend(engine={"resident_sessions": False},
+                    transfer={"host": {"capacity_mb": 2048, "pin_memory": False, "policy": "s3fifo",
+                                       "keep_turns": keep_turns}})
+        try:
+            async def go():
+                await send(b, "s0", system + ids(300, 10), "s0")
+                prompts, convo, last, out = [], system, None, []
+                for turn in range(4):
+                    prompt = convo + ids(150 + 10 * turn, turn)
+                    out, last = await send(b, f"s1-{turn}", prompt, "s1")
+                    prompts.append(prompt)
+                    convo = prompt + out
+                return prompts, convo, (out, last)
+            prompts, convo, last = asyncio.run(go())
+            at = _positions(convo, b.decode.hasher)
+            gone = sorted(at.get(ObjectKey.parse(k).digest, -1) for k in b.store.tiers[0]._policy.demoted()
+                          if k.startswith("kda:"))
+            retention = b.decode.flow.reuse.retention
+            return prompts, gone, last, retention
+        finally:
+            b.shutdown()
+
+    prompts, gone, (toks, last), _ = run(1)
+    assert gone and gone == sorted(set(gone))
+    assert min(gone) >= 6 * BS and max(gone) < len(prompts[2]) + 3  # s1's own, of turns 0-2 only
+    assert last.num_cached_tokens > len(prompts[2]) and last.cached_source == "host"  # turn 2's end
+    assert toks == _uninterrupted(prompts[3])
+    _, gone_default, _, _ = run(0)
+    assert set(gone_default) < set(gone)  # keep_checkpoints 8 alone keeps some of the earlier turns'
+    _, _, _, learned = run("auto")
+    assert learned.ages.observed == 3 and learned.ages._age[0] > 2.9  # turns 1-3, each from its latest turn
+    assert learned.turns() == 0  # fewer resumes than the learner needs: no limit yet
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.reuse.retention import ResumeAges
 from disagg.tools.sim.cache import LRUTier
 from disagg.tools.sim.retention import SessionRetention
 
@@ -362,3 +363,27 @@ def test_a_turn_never_supersedes_its_own_points_under_serving_retention():
         assert t.keys()[: len(first)] == first[::-1] and r.num_demoted == len(first), policy
         r.on_store(("s", 0), [_k(3)], [t])
         assert set(t.keys()[:3]) == {_k(0), _k(1), _k(2)} and t.keys()[3] == _k(3), policy
+
+
+@pytest.mark.parametrize("keep_turns", [1, 2, "auto"])
+def test_turns_older_than_the_newest_few_go_first(keep_turns):
+    """``keep_turns`` (serving's ``transfer.host.keep_turns``): four turns of one point each under
+    keep_checkpoints 8; a limit of N turns demotes every turn but the newest N. "auto" learns the
+    limit from how far back the session's prompts reach: each prompt extends the last one, so it
+    reaches its latest turn only, and after the learner's warm-up the limit is one turn."""
+    t = LRUTier("host", 32)
+    r = SessionRetention("checkpoints", keep_checkpoints=8, keep_turns=keep_turns)
+    if keep_turns == "auto":
+        r.ages = ResumeAges(min_resumes=3)
+    ds = [_d(i) for i in range(5)]
+    for turn in range(4):
+        r.on_prompt(("s", 0), ds[: turn + 2], turn + 2, 0, [t])
+        t.put(_k(turn))
+        r.on_store(("s", 0), [_k(turn)], [t])
+    keep = 1 if keep_turns == "auto" else keep_turns
+    assert r.turns() == keep
+    # each demoted at the store it fell out at: the last demoted is the first evicted
+    assert t.keys() == [_k(i) for i in range(4 - keep)][::-1] + [_k(i) for i in range(4 - keep, 4)]
+    assert SessionRetention("checkpoints").turns() == 0  # the class alone: no limit (ClusterConfig passes "auto")
+    with pytest.raises(ValueError):
+        SessionRetention("checkpoints", keep_turns=-2)

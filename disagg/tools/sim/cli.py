@@ -35,6 +35,7 @@ import json
 import sys
 import time
 
+from disagg.config import KEEP_TURNS, check_keep_turns
 from disagg.costs.model import PROFILES
 from disagg.costs.profile import cost_profile, profile_names
 from disagg.router.baselines import BASELINES
@@ -110,6 +111,16 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def keep_turns_arg(text: str) -> int | str:
+    """``--keep-turns``: 'auto' or an integer >= 0 (``disagg.config.check_keep_turns``)."""
+    value: int | str = text if text == "auto" else int(text) if text.lstrip("-").isdigit() else text
+    try:
+        check_keep_turns(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _strs(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -156,6 +167,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="a prefill's speculative checkpoints (the start prior's) go first in its node's "
                         "tiers as they land, as serving's transfer.host.speculative_first (no effect under "
                         "--retention lru, which tracks nothing)")
+    g.add_argument("--keep-turns", type=keep_turns_arg, default=KEEP_TURNS, metavar="auto|N",
+                   help="a session's private checkpoints of turns older than its newest N go first, as "
+                        "serving's transfer.host.keep_turns: 0 no limit, or 'auto', N learned from how many "
+                        "turns back the sessions' prompts resume (no effect under --retention lru)")
     g.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"), default=None,
                    help="clients say when a session ends: 'turn' (the flag alone) marks its last turn (the "
                         "API's session_end), which writes no host tier; 'after' ends it once that turn is "
@@ -272,6 +287,7 @@ def build_cluster(args: argparse.Namespace, workers: int, prefill: int = 0, deco
                             checkpoint_last_full_block=not args.no_last_full_block,
                             checkpoint_prompt_end=args.checkpoint_prompt_end, stats_period_s=args.stats_period,
                             learned_checkpoints=args.learned_checkpoints, speculative_first=args.speculative_first,
+                            keep_turns=args.keep_turns,
                             host_policy=args.host_policy, host_write=args.host_write,
                             retention=args.retention, session_ends=bool(args.session_ends),
                             session_end_after=args.session_ends == "after", output_hint=args.output_hint,

@@ -11,7 +11,8 @@ learns what will not be read again::
 
     a turn is stored     the session's private checkpoints except its newest
                          ``keep_checkpoints`` -> evicted first (policy "checkpoints":
-                         never the turn's own, as serving's)
+                         never the turn's own, as serving's), and those of turns
+                         older than its newest ``keep_turns`` (NOTE 4)
     session ends         its private objects (MLA blocks and checkpoints)
                          -> evicted first, the end of its context first
                          (policy "checkpoints": only when its client said
@@ -59,6 +60,13 @@ NOTES
    ``_demoted[skey]`` have been demoted; both go when the session ends.
 3. ``_devices[skey]`` holds the device tiers the session's latest turn was
    stored on (the prefill worker's, and the decode worker's when they differ).
+4. ``keep_turns`` (serving's ``transfer.host.keep_turns``): 0, no limit; N, the
+   private points of turns older than the session's newest N go first; "auto",
+   N is learned from how many turns back the sessions' prompts reach
+   (``disagg.reuse.retention.ResumeAges``): at each prompt, the furthest of the
+   session's own stored checkpoints in it, and the turn that stored it
+   (``_turns[skey]``: key -> the store's ordinal, ``_starts[skey]``: where each
+   store's points begin in ``mine``).
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from disagg.config import KEEP_CHECKPOINTS
+from disagg.reuse.retention import resume_ages
 from disagg.tools.sim.cache import LRUTier
 
 RETENTION_POLICIES = ("lru", "checkpoints", "session")
@@ -74,11 +83,13 @@ _K = b"K"
 
 class SessionRetention:
     def __init__(self, policy: str = "session", keep_checkpoints: int = KEEP_CHECKPOINTS,
-                 client_ends: bool = False):
+                 client_ends: bool = False, keep_turns: int | str = 0):
         if policy not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         if keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be >= 1")
+        self.ages = resume_ages(keep_turns)  # NOTE 4: learned, or None
+        self.keep_turns = 0 if keep_turns == "auto" else int(keep_turns)
         if client_ends and policy == "lru":
             raise ValueError("client_ends needs a retention that tracks sessions (checkpoints or session)")
         self.enabled = policy != "lru"  # sessions tracked, checkpoints demoted
@@ -89,6 +100,8 @@ class SessionRetention:
         self._sessions: dict[tuple[str, int], tuple[list[bytes], list[bytes]]] = {}  # NOTE 2
         self._demoted: dict[tuple[str, int], int] = {}
         self._devices: dict[tuple[str, int], list[LRUTier]] = {}  # NOTE 3
+        self._turns: dict[tuple[str, int], dict[bytes, int]] = {}  # NOTE 4
+        self._starts: dict[tuple[str, int], list[int]] = {}
         self.num_demoted = 0  # keys passed to demote (resident or not)
 
     def on_prompt(self, skey: tuple[str, int], digests: list[bytes], num_full: int, lead: int,
@@ -97,6 +110,8 @@ class SessionRetention:
         if not self.enabled:
             return
         state = self._sessions.get(skey)
+        if self.ages is not None and state is not None:
+            self._observe_age(skey, digests[:num_full])
         if state is None:  # the session's first prompt: what it found is someone else's
             new = [d for d in digests[:lead] if d not in self.shared]
             if new:
@@ -119,13 +134,35 @@ class SessionRetention:
         shared = self.shared
         before = len(mine)
         mine.extend(k for k in ckpts if k[1:] not in shared)
+        starts = self._starts.setdefault(skey, [])
+        starts.append(before)
+        if self.ages is not None:
+            self._turns.setdefault(skey, {}).update(dict.fromkeys(mine[before:], len(starts)))
         done = self._demoted[skey]
         upto = len(mine) - self.keep_checkpoints
         if not self.full:  # serving's: a turn never supersedes its own points (disagg.reuse.retention NOTE 4)
             upto = min(upto, before)
+        turns = self.turns()
+        if turns and len(starts) > turns:  # NOTE 4: turns older than the newest ``turns``
+            upto = max(upto, starts[-turns])
         if upto > done:
             self._demote(mine[done:upto], tiers)
             self._demoted[skey] = upto
+
+    def turns(self) -> int:
+        """NOTE 4: the newest turns whose private points are kept (0: no limit)."""
+        return self.ages.turns() if self.ages is not None else self.keep_turns
+
+    def _observe_age(self, skey: tuple[str, int], chain: list[bytes]) -> None:
+        """NOTE 4: how many turns back the furthest of the session's stored points in ``chain`` was."""
+        stored = self._turns.get(skey)
+        if not stored:
+            return
+        for d in reversed(chain):
+            turn = stored.get(_K + d)
+            if turn is not None:
+                self.ages.observe(len(self._starts[skey]) - turn, len(self._starts[skey]))
+                return
 
     def on_placed(self, skey: tuple[str, int], devices: list[LRUTier]) -> None:
         """A turn's state was stored on ``devices``: the session's copies on the devices it left go first."""
@@ -183,6 +220,8 @@ class SessionRetention:
         state = self._sessions.pop(skey, None)
         done = self._demoted.pop(skey, 0)
         self._devices.pop(skey, None)
+        self._turns.pop(skey, None)
+        self._starts.pop(skey, None)
         if state is None or not (self.full or self.client_ends):
             return
         digests, mine = state

@@ -143,6 +143,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.config import KEEP_TURNS
 from disagg.costs.model import CostModel
 from disagg.reuse.placement import CheckpointPlacement
 from disagg.router.baselines import BASELINES
@@ -187,6 +188,7 @@ class ClusterConfig:
     spill_to_pool: bool = True  # P/D: decode nodes' evictions go to a prefill node's host tier (NOTE 4)
     learned_checkpoints: bool = False  # serving's learned checkpoint placement (NOTE 5)
     speculative_first: bool = False  # serving's transfer.host.speculative_first (retention "checkpoints"/"session")
+    keep_turns: int | str = KEEP_TURNS  # serving's transfer.host.keep_turns: 0, N or "auto" (retention NOTE 4)
     host_policy: str = "lru"  # host tiers: "lru" (LRUTier, serving's default policy) or another of serving's
     # policies (cache.PolicyTier)
     host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6
@@ -318,7 +320,7 @@ class Simulator:
         self._ends: dict[tuple[str, int], deque[int]] = {}  # (session, salt) -> recent unaligned prompt ends
         self._rid = 0
         self._snapshot: list[WorkerState] | None = None
-        self.retention = SessionRetention(c.retention, client_ends=c.session_ends)
+        self.retention = SessionRetention(c.retention, client_ends=c.session_ends, keep_turns=c.keep_turns)
         self._ever_stored: set[bytes] = set()  # NOTE 10: every full block a prefill stored
         self._ckpt_kind: dict[bytes, str] = {}  # NOTE 10: checkpoint key -> the rule that last kept it
         self._build_cluster()
