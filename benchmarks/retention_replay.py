@@ -6,10 +6,14 @@ its output and a new message. The replay runs through ``InProcessBackend``
 (tiny reference model on CPU, disaggregated) over a host tier of
 ``--host-mb`` (small slabs, so eviction follows the policy), with device-resident
 sessions off: every follow-up resumes from the host tier or recomputes. The
-same requests run once per ``--keep`` value (``transfer.host.keep_checkpoints``;
-0 = off, recency alone), each on a fresh backend::
+same requests run once per ``--keep`` setting (``transfer.host.keep_checkpoints``,
+0 = off, recency alone; ``K/T`` also sets ``keep_turns``), each on a fresh
+backend; ``--rewind`` sends some turns back to an earlier point of their
+conversation (an edit, a retry), so that older turns' checkpoints are wanted::
 
     PYTHONPATH=. python benchmarks/retention_replay.py --sessions 12 --turns 6 --host-mb 48
+    PYTHONPATH=. python benchmarks/retention_replay.py --sessions 16 --turns 10 --host-mb 64 --policy lru \
+        --keep 8/0,8/1,8/auto [--rewind 0.2]
 
 Prints, per run: realized / theoretical (prompt tokens reused over the server's
 infinite-cache bound, ``reuse_bound``), the misses by reason, the host tier's
@@ -88,25 +92,36 @@ def print_table(name: str, labels: list, results: list[dict], extra=None) -> Non
               + (f"  {extra(r)}" if extra else ""))
 
 
-def _backend(args, keep: int) -> InProcessBackend:
-    return tiny_backend(args.host_mb, args.policy, keep_checkpoints=keep)
+def _setting(text: str) -> tuple[int, int | str]:
+    """``--keep`` item: ``K`` or ``K/T``, keep_checkpoints K and keep_turns T (default 0: no limit)."""
+    keep, _, turns = text.partition("/")
+    return int(keep), (turns if turns == "auto" else int(turns or 0))
+
+
+def _backend(args, setting: tuple[int, int | str]) -> InProcessBackend:
+    keep, turns = setting
+    return tiny_backend(args.host_mb, args.policy, keep_checkpoints=keep, keep_turns=turns)
 
 
 async def _replay(b: InProcessBackend, args) -> tuple[dict, list[list[int]]]:
     rng = random.Random(args.seed)
     system = _ids(args.system_tokens, rng)
     convos = [system for _ in range(args.sessions)]
+    history: list[list[list[int]]] = [[] for _ in range(args.sessions)]  # each session's conversation ends
     realized = bound = prompt = 0
     misses: dict[str, int] = {}
     outputs = []
     for turn in range(args.turns):
         for s in range(args.sessions):
+            if history[s] and rng.random() < args.rewind:  # the user goes back 1-3 turns and asks again
+                convos[s] = history[s][max(0, len(history[s]) - 1 - rng.randrange(1, 4))]
             tokens = convos[s] + _ids(rng.randrange(args.min_new, args.max_new + 1), rng)
             p = GenerateParams(f"s{s}-t{turn}", tokens, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
                                session_id=f"s{s}")
             out, last = await b.complete(p)
             outputs.append(out)
             convos[s] = tokens + out
+            history[s].append(convos[s])
             prompt += len(tokens)
             realized += last.num_cached_tokens
             bound += last.reuse_bound
@@ -114,7 +129,9 @@ async def _replay(b: InProcessBackend, args) -> tuple[dict, list[list[int]]]:
                 misses[reason] = misses.get(reason, 0) + n
         print(f"  turn {turn + 1}/{args.turns} done", file=sys.stderr, flush=True)
     host = b.store.tiers[0].stats()
-    return {"prompt": prompt, "realized": realized, "bound": bound, "misses": misses,
+    retention = b.decode.flow.reuse.retention
+    learned = retention.turns() if retention is not None and retention.ages is not None else None  # auto
+    return {"prompt": prompt, "realized": realized, "bound": bound, "misses": misses, "learned": learned,
             "evictions": host["num_evictions"], "demoted": host["num_demoted"],
             "published_mb": b.store.stats()["bytes_put"] / (1 << 20)}, outputs
 
@@ -129,16 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4, help="greedy tokens per request")
     ap.add_argument("--host-mb", type=int, default=48, help="host tier capacity (MiB)")
     ap.add_argument("--policy", default="s3fifo", choices=("lru", "s3fifo", "arc"))
-    ap.add_argument("--keep", default="0,8", help="keep_checkpoints values to run (0: off)")
+    ap.add_argument("--keep", default="0,8/0,8/auto",
+                    help="settings to run: keep_checkpoints K (0: off) or K/T with keep_turns T (auto, or N; "
+                         "default 0: no limit)")
+    ap.add_argument("--rewind", type=float, default=0.0,
+                    help="chance that a turn goes back 1-3 turns of its conversation first (an edit, a retry)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    keeps = [int(k) for k in args.keep.split(",")]
+    labels = args.keep.split(",")
     results, outs = run_each(
-        keeps, lambda keep: _backend(args, keep), lambda b, _: _replay(b, args),
-        lambda keep: f"keep_checkpoints={keep}: {args.sessions} sessions x {args.turns} turns, "
-                     f"host {args.host_mb} MiB ({args.policy})")
-    print_table("keep", keeps, results, lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["misses"].items())))
+        labels, lambda label: _backend(args, _setting(label)), lambda b, _: _replay(b, args),
+        lambda label: f"keep_checkpoints/keep_turns={label}: {args.sessions} sessions x {args.turns} turns, "
+                      f"rewind {args.rewind}, host {args.host_mb} MiB ({args.policy})")
+    print_table("keep", labels, results, lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["misses"].items()))
+                + ("" if r["learned"] is None else f"; keep_turns learned: {r['learned']}"))
     print(f"greedy outputs identical across runs: {all(o == outs[0] for o in outs)}")
     return 0
 
