@@ -109,7 +109,7 @@ class Scale:
     session_ends: str = ""  # "turn" | "after" (ClusterConfig.session_ends, session_end_after): clients say when
     # a session ends, with its last turn or after its answer; "": they do not
     output_hint: str = "none"  # ClusterConfig.output_hint (Simulator NOTE 9); no baseline reads it
-    keep_turns: int | str = KEEP_TURNS  # ClusterConfig.keep_turns (retention NOTE 4); rounds 1-37: 0
+    keep_turns: int | str = KEEP_TURNS  # ClusterConfig.keep_turns (retention NOTE 4; default 0: no limit)
 
     def key(self) -> str:
         """What a baseline's run depends on (not the router config)."""
@@ -119,7 +119,7 @@ class Scale:
         key = f"{key}/write-{self.host_write}" if self.host_write != "through" else key
         key = f"{key}/session-ends" if self.session_ends else key
         key = f"{key}-after" if self.session_ends == "after" else key
-        key = f"{key}/turns-{self.keep_turns}" if self.keep_turns != 0 else key  # runs before round 38: 0
+        key = f"{key}/turns-{self.keep_turns}" if self.keep_turns != 0 else key
         return key if self.checkpoints == "periodic" else f"{key}/ckpt-{self.checkpoints}"
 
 
@@ -252,7 +252,7 @@ def add_suite_args(ap: argparse.ArgumentParser) -> None:
                          "oracle: rounds 1-23's runs; Simulator NOTE 9)")
     ap.add_argument("--keep-turns", type=keep_turns_arg, default=KEEP_TURNS, metavar="auto|N",
                     help="retention: a session's checkpoints of turns older than its newest N go first "
-                         "(every policy; serving's transfer.host.keep_turns; 0: no limit, rounds 1-37)")
+                         "(every policy; serving's transfer.host.keep_turns; 0, the default: no limit)")
 
 
 def suite_selection(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str], str]:

@@ -28,7 +28,7 @@ from disagg.costs import cost_profile
 # the tiers' eviction order; older ones are evicted first. The serving path and the simulator's
 # retention (disagg.tools.sim.retention) both default to it.
 KEEP_CHECKPOINTS = 8
-KEEP_TURNS: int | str = "auto"  # transfer.host.keep_turns (disagg.reuse.retention NOTE 6)
+KEEP_TURNS: int | str = 0  # transfer.host.keep_turns (disagg.reuse.retention NOTE 6)
 
 
 def check_keep_turns(keep_turns: object) -> None:
@@ -105,8 +105,9 @@ class HostTierConfig(_Strict):
     # first (disagg.reuse.retention); 0: off (recency alone)
     keep_checkpoints: int = Field(default=KEEP_CHECKPOINTS, ge=0)
     # also evict first the private checkpoints of a session's turns older than its newest N: 0, no
-    # limit; "auto", N learned from how many turns back the sessions' prompts resume (a tool loop:
-    # its latest turn only; a conversation that branches or is edited: more)
+    # limit (the default); "auto", N learned from how many turns back the sessions' prompts resume
+    # (a tool loop: its latest turn only; a conversation that branches or is edited: more). Off by
+    # default: it lifts agentic shapes and costs Mooncake's synthetic trace (docs/router.md "Round 38")
     keep_turns: int | Literal["auto"] = KEEP_TURNS
     # also evict first the speculative checkpoints a prefill keeps for prompts that may share its
     # prefix later (the start prior's), as they land; for full host tiers where prefixes are rarely

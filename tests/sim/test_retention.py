@@ -384,6 +384,6 @@ def test_turns_older_than_the_newest_few_go_first(keep_turns):
     assert r.turns() == keep
     # each demoted at the store it fell out at: the last demoted is the first evicted
     assert t.keys() == [_k(i) for i in range(4 - keep)][::-1] + [_k(i) for i in range(4 - keep, 4)]
-    assert SessionRetention("checkpoints").turns() == 0  # the class alone: no limit (ClusterConfig passes "auto")
+    assert SessionRetention("checkpoints").turns() == 0  # the default: no limit
     with pytest.raises(ValueError):
         SessionRetention("checkpoints", keep_turns=-2)
