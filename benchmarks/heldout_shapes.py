@@ -83,6 +83,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from disagg.tools.sim.cli import keep_turns_arg
 from disagg.tools.sim.simulator import HOST_POLICIES, OUTPUT_HINTS, ROUTER_COSTS
 
 BLOCK = 64
@@ -264,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "(JSON text or a file)")
     ap.add_argument("--chunk-cache", action="store_true",
                     help="passed to disagg sim run: engines cache each prefill chunk as it completes (vLLM's)")
+    ap.add_argument("--keep-turns", type=keep_turns_arg, metavar="auto|N",
+                    help="passed to disagg sim run: retention demotes a session's checkpoints of turns older "
+                         "than its newest N (every policy; default: the CLI's, 0, no limit)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to every shape's seed: other traces of the same shapes (files and cells are "
@@ -282,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         (["--output-hint", args.output_hint] if args.output_hint else []) + \
         (["--profile", args.profile] if args.profile else []) + \
         (["--router-costs", args.router_costs] if args.router_costs else []) + \
-        (["--chunk-cache"] if args.chunk_cache else [])
+        (["--chunk-cache"] if args.chunk_cache else []) + \
+        (["--keep-turns", str(args.keep_turns)] if args.keep_turns is not None else [])
     try:
         sizes = [int(w) for w in args.workers.split(",")]
     except ValueError:

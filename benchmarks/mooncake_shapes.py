@@ -47,6 +47,7 @@ from pathlib import Path
 from router_suite import verdict
 from tqdm.auto import tqdm
 
+from disagg.tools.sim.cli import keep_turns_arg
 from disagg.tools.sim.simulator import OUTPUT_HINTS, ROUTER_COSTS
 
 BLOCK = 512  # tokens per hash id, Mooncake's
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                          "flags) and run only the state-aware router")
     ap.add_argument("--chunk-cache", action="store_true",
                     help="passed to disagg sim run: engines cache each prefill chunk as it completes (vLLM's)")
+    ap.add_argument("--keep-turns", type=keep_turns_arg, metavar="auto|N",
+                    help="passed to disagg sim run: retention demotes a session's checkpoints of turns older "
+                         "than its newest N (every policy; default: the CLI's, 0, no limit)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
     args = ap.parse_args(argv)
     if args.jobs < 1:
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         (["--output-hint", args.output_hint] if args.output_hint else []) + \
         (["--profile", args.profile] if args.profile else []) + \
         (["--router-costs", args.router_costs] if args.router_costs else []) + \
-        (["--chunk-cache"] if args.chunk_cache else [])
+        (["--chunk-cache"] if args.chunk_cache else []) + \
+        (["--keep-turns", str(args.keep_turns)] if args.keep_turns is not None else [])
     reused: dict[str, dict[str, dict]] = {}
     if args.reuse_baselines:
         for line in (Path(args.reuse_baselines) / "runs.jsonl").read_text().splitlines():
