@@ -113,7 +113,8 @@ async def _replay(b: InProcessBackend, args) -> tuple[dict, list[list[int]]]:
     outputs = []
     for turn in range(args.turns):
         for s in range(args.sessions):
-            if history[s] and rng.random() < args.rewind:  # the user goes back 1-3 turns and asks again
+            if args.rewind and history[s] and rng.random() < args.rewind:  # back 1-3 turns, asked again
+                # (no draw without --rewind: the same requests as the script's earlier runs)
                 convos[s] = history[s][max(0, len(history[s]) - 1 - rng.randrange(1, 4))]
             tokens = convos[s] + _ids(rng.randrange(args.min_new, args.max_new + 1), rng)
             p = GenerateParams(f"s{s}-t{turn}", tokens, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
