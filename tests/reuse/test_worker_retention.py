@@ -36,6 +36,20 @@ def _uninterrupted(prompt: list[int]) -> list[int]:
         ref.shutdown()
 
 
+async def _four_turns(b, system: list[int]):
+    """s0 sends ``system`` first (shared from then on), then session s1 four turns on it, each
+    prompt its conversation so far and a new message: (prompts, conversation, (last output, last
+    chunk))."""
+    await send(b, "s0", system + ids(300, 10), "s0")
+    prompts, convo, out, last = [], system, [], None
+    for turn in range(4):
+        prompt = convo + ids(150 + 10 * turn, turn)
+        out, last = await send(b, f"s1-{turn}", prompt, "s1")
+        prompts.append(prompt)
+        convo = prompt + out
+    return prompts, convo, (out, last)
+
+
 def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads):  # noqa: F811
     # 2 GiB (sparse; 32 slabs): room for every size class, so nothing is evicted in this test
     b = backend(engine={"resident_sessions": False}, transfer={"host": {"capacity_mb": 2048, "pin_memory": False,
@@ -43,16 +57,7 @@ def test_a_session_demotes_exactly_its_superseded_private_checkpoints(threads): 
                                                                         "policy": "s3fifo"}})
     system = ids(5 * BS, 99)
     try:
-        async def go():
-            await send(b, "s0", system + ids(300, 10), "s0")  # sends the system prompt first
-            prompts, convo = [], system
-            for turn in range(4):
-                prompt = convo + ids(150 + 10 * turn, turn)
-                out, _ = await send(b, f"s1-{turn}", prompt, "s1")
-                prompts.append(prompt)
-                convo = prompt + out
-            return prompts, convo
-        prompts, convo = asyncio.run(go())
+        prompts, convo, _ = asyncio.run(_four_turns(b, system))
         turn3_starts = len(prompts[2]) + 3  # turn 2's conversation end: later points are turn 3's
         tier = b.store.tiers[0]
         demoted = tier._policy.demoted()  # s3fifo: its demoted queue (nothing was evicted)
@@ -145,16 +150,7 @@ def test_a_turn_limit_demotes_the_older_turns_and_a_resume_teaches_the_learner(t
                     transfer={"host": {"capacity_mb": 2048, "pin_memory": False, "policy": "s3fifo",
                                        "keep_turns": keep_turns}})
         try:
-            async def go():
-                await send(b, "s0", system + ids(300, 10), "s0")
-                prompts, convo, last, out = [], system, None, []
-                for turn in range(4):
-                    prompt = convo + ids(150 + 10 * turn, turn)
-                    out, last = await send(b, f"s1-{turn}", prompt, "s1")
-                    prompts.append(prompt)
-                    convo = prompt + out
-                return prompts, convo, (out, last)
-            prompts, convo, last = asyncio.run(go())
+            prompts, convo, last = asyncio.run(_four_turns(b, system))
             at = _positions(convo, b.decode.hasher)
             gone = sorted(at.get(ObjectKey.parse(k).digest, -1) for k in b.store.tiers[0]._policy.demoted()
                           if k.startswith("kda:"))
