@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from disagg.config import KEEP_CHECKPOINTS
+from disagg.config import KEEP_CHECKPOINTS, KEEP_TURNS
 from disagg.reuse.retention import resume_ages
 from disagg.tools.sim.cache import LRUTier
 
@@ -83,7 +83,7 @@ _K = b"K"
 
 class SessionRetention:
     def __init__(self, policy: str = "session", keep_checkpoints: int = KEEP_CHECKPOINTS,
-                 client_ends: bool = False, keep_turns: int | str = 0):
+                 client_ends: bool = False, keep_turns: int | str = KEEP_TURNS):
         if policy not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {policy!r}")
         if keep_checkpoints < 1:
@@ -134,17 +134,18 @@ class SessionRetention:
         shared = self.shared
         before = len(mine)
         mine.extend(k for k in ckpts if k[1:] not in shared)
-        starts = self._starts.setdefault(skey, [])
-        starts.append(before)
-        if self.ages is not None:
-            self._turns.setdefault(skey, {}).update(dict.fromkeys(mine[before:], len(starts)))
         done = self._demoted[skey]
         upto = len(mine) - self.keep_checkpoints
         if not self.full:  # serving's: a turn never supersedes its own points (disagg.reuse.retention NOTE 4)
             upto = min(upto, before)
-        turns = self.turns()
-        if turns and len(starts) > turns:  # NOTE 4: turns older than the newest ``turns``
-            upto = max(upto, starts[-turns])
+        if self.ages is not None or self.keep_turns:  # NOTE 4: a turn limit, fixed or learned
+            starts = self._starts.setdefault(skey, [])
+            starts.append(before)
+            if self.ages is not None:
+                self._turns.setdefault(skey, {}).update(dict.fromkeys(mine[before:], len(starts)))
+            turns = self.turns()
+            if turns and len(starts) > turns:  # turns older than the newest ``turns``
+                upto = max(upto, starts[-turns])
         if upto > done:
             self._demote(mine[done:upto], tiers)
             self._demoted[skey] = upto
