@@ -51,6 +51,20 @@ earlier rounds' commands name):
                 second (many tiny turns)
     hugeshared  96, 60K, 0.5-2K, 0.2-1K, 4-12, 2-10 s (a shared prompt dominates every prompt)
 
+A fifth set, written in round 39 before any change of that round and first run
+with round 38's defaults (``--shapes fifth``; not in ``all``): what one trace
+of one shape never has.
+
+    mixed       four tenants at once, sharing nothing: 160 chat sessions (as chat), 40 coding agents
+                (12K, 2-16K, 0.5-6K, 12-30 turns, contexts to 128K), 400 RAG questions on three 10K
+                documents, 24 reasoning sessions with long answers (as reason)
+    rewind      96, 8K, 2-8K, 0.3-2K, 10-24, 2-20 s; a quarter of later turns first go back 1-3
+                turns (a regenerated or edited answer: the session resumes an older turn)
+    waves       240, 6K, 1-8K, 0.3-3K, 4-12, 1-8 s; sessions start 40 a second in 3 s waves, 30 s
+                apart (load that comes and goes)
+    heavytail   160, 10K, 1-6K, 0.5-4K, 2-5, 0.5-6 s; 6% of sessions run 60-100 turns, contexts to 160K
+                (a few long sessions among many short ones)
+
 Printed per shape: every policy's row, then the state-aware router's verdict
 against the best baseline per figure (TTFT P90 and P90 interactivity as
 ratios where > 1 is better; tok/s/GPU as a ratio; hit against the capacity
@@ -77,6 +91,7 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -109,9 +124,22 @@ class Shape:
     fanout: float = 0.0  # share of turns that start a 3-turn subagent on the shared prompt
     compact: tuple[int, int] = (0, 0)  # past max_context, the agent compacts: its context restarts as the
     #                                    shared prompt and a summary of this many tokens (0: the session ends)
+    rewind: float = 0.0  # share of later turns that first go back 1-3 turns (a regenerated or edited answer)
+    long: float = 0.0  # share of sessions that draw their turn count from long_turns (a heavy tail) ...
+    long_turns: tuple[int, int] = (0, 0)
+    waves: tuple[int, int] = (0, 0)  # sessions start only in on-windows of this many ms, then off (0: always)
 
 
-SHAPES: dict[str, Shape] = {
+@dataclass(frozen=True)
+class Mix:
+    """Tenants of other shapes in one trace: each part's sessions start over the same time span
+    (its own ``arrival_ms``), their prompts share nothing across parts."""
+
+    seed: int
+    parts: tuple[Shape, ...]
+
+
+SHAPES: dict[str, Shape | Mix] = {
     "issue": Shape(seed=11),
     "docqa": Shape(seed=12, shared=4000, first=(8000, 30000), growth=(200, 2000), turns=(6, 20),
                    think_ms=(500, 4000)),
@@ -148,13 +176,33 @@ SHAPES: dict[str, Shape] = {
     "hugeshared": Shape(seed=305, sessions=96, shared=60000, first=(500, 2000), growth=(200, 1000), turns=(4, 12),
                         think_ms=(2000, 10000), max_context=200000),
 }
+# the fifth set (round 39), written before any change of that round
+SHAPES |= {
+    "mixed": Mix(seed=401, parts=(
+        Shape(seed=0, sessions=160, shared=1000, first=(100, 800), growth=(50, 400), turns=(3, 10),
+              think_ms=(5000, 60000), output=(20, 1500), output_mu=5.5, arrival_ms=150),  # chat
+        Shape(seed=0, sessions=40, shared=12000, first=(2000, 16000), growth=(500, 6000), turns=(12, 30),
+              think_ms=(1000, 15000), arrival_ms=600),  # coding agents, contexts to 128K
+        Shape(seed=0, sessions=400, shared=10000, groups=3, first=(200, 1500), turns=(1, 1), think_ms=(0, 0),
+              output=(20, 600), output_mu=5.0, output_sigma=0.6, arrival_ms=60),  # RAG on three documents
+        Shape(seed=0, sessions=24, shared=6000, first=(2000, 8000), growth=(300, 2000), turns=(4, 10),
+              think_ms=(2000, 20000), output=(300, 8000), output_mu=7.3, output_sigma=0.7, arrival_ms=1000),
+    )),
+    "rewind": Shape(seed=402, sessions=96, shared=8000, first=(2000, 8000), growth=(300, 2000), turns=(10, 24),
+                    think_ms=(2000, 20000), rewind=0.25),
+    "waves": Shape(seed=403, sessions=240, shared=6000, first=(1000, 8000), growth=(300, 3000), turns=(4, 12),
+                   think_ms=(1000, 8000), arrival_ms=25, waves=(3000, 30000)),
+    "heavytail": Shape(seed=404, sessions=160, shared=10000, first=(1000, 6000), growth=(500, 4000), turns=(2, 5),
+                       think_ms=(500, 6000), long=0.06, long_turns=(60, 100), max_context=160000),
+}
 SETS: dict[str, tuple[str, ...]] = {
     "first": ("issue", "docqa", "groups", "longdoc"),
     "second": ("toolloop", "mega", "swarm", "slowthink", "rush"),
     "third": ("reason", "nest", "rag", "stampede"),
     "fourth": ("chat", "compact", "fanwide", "tinyctx", "hugeshared"),
+    "fifth": ("mixed", "rewind", "waves", "heavytail"),
 }
-SETS["all"] = SETS["first"] + SETS["second"] + SETS["third"]  # the sets of rounds 9-33 (``fourth`` is apart)
+SETS["all"] = SETS["first"] + SETS["second"] + SETS["third"]  # the sets of rounds 9-33 (the later ones apart)
 
 
 def shape_names(spec: str) -> list[str]:
@@ -167,7 +215,7 @@ def shape_names(spec: str) -> list[str]:
     return names
 
 
-def write_trace(shape: Shape, path: Path) -> int:
+def write_trace(shape: Shape | Mix, path: Path) -> int:
     """Write ``shape``'s trace (one request per line, 64-token hash blocks); returns the request count."""
     rng = random.Random(shape.seed)
     next_id = [1_000_000]
@@ -178,6 +226,18 @@ def write_trace(shape: Shape, path: Path) -> int:
         next_id[0] += n
         return ids
 
+    if isinstance(shape, Mix):  # each part's sessions, then every row in order of its session's start
+        parts = [_session_rows(part, rng, fresh, f"{shape.seed}.{i}") for i, part in enumerate(shape.parts)]
+        rows = sorted((r for part in parts for r in part), key=lambda r: r["timestamp"])  # stable: turns in order
+    else:
+        rows = _session_rows(shape, rng, fresh, str(shape.seed))
+    with path.open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return len(rows)
+
+
+def _session_rows(shape: Shape, rng: random.Random, fresh: Callable[[int], list[int]], tag: str) -> list[dict]:
+    """``shape``'s sessions as trace rows, session after session; hash ids from ``fresh``."""
     prompts = [fresh(shape.shared) for _ in range(shape.groups)]
     teams = [[p + fresh(shape.subshared) for _ in range(shape.subgroups)] for p in prompts] if shape.subgroups else []
     rows: list[dict] = []
@@ -188,15 +248,23 @@ def write_trace(shape: Shape, path: Path) -> int:
                      "input_length": len(ctx) * BLOCK, "output_length": out, "hash_ids": list(ctx)})
 
     t0 = 0.0
+    on, off = shape.waves
     for s in range(shape.sessions):
-        sid = f"{shape.seed}-{s:04d}"
+        sid = f"{tag}-{s:04d}"
         g = rng.randrange(shape.groups)
         shared = prompts[g]
         ctx = (teams[g][rng.randrange(shape.subgroups)] if teams else shared) + fresh(rng.randint(*shape.first))
         t0 += rng.expovariate(1.0 / shape.arrival_ms)
-        for k in range(rng.randint(*shape.turns)):
+        if on and t0 % (on + off) >= on:  # between waves: the next one's start
+            t0 += on + off - t0 % (on + off)
+        turns = rng.randint(*(shape.long_turns if shape.long and rng.random() < shape.long else shape.turns))
+        before: list[list[int]] = []  # the prompts of the turns so far
+        for k in range(turns):
             out = int(min(shape.output[1], max(shape.output[0], rng.lognormvariate(shape.output_mu, shape.output_sigma))))
+            if k and shape.rewind and rng.random() < shape.rewind:  # back 1-3 turns, then a new message
+                ctx = before[-rng.randint(1, min(3, len(before)))] + fresh(rng.randint(*shape.growth))
             row(sid, k, t0, ctx, out)
+            before.append(ctx)
             if shape.fanout and rng.random() < shape.fanout:
                 sub = shared + fresh(rng.randint(1000, 4000))
                 for j in range(3):
@@ -207,9 +275,7 @@ def write_trace(shape: Shape, path: Path) -> int:
                 if not shape.compact[1]:
                     break
                 ctx = shared + fresh(rng.randint(*shape.compact))  # a new prefix past the shared prompt
-    with path.open("w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return len(rows)
+    return rows
 
 
 MODES = ("agg", "pd")

@@ -29,10 +29,10 @@ def held(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_sets_name_every_shape_once(held) -> None:
-    sets = [set(held.SETS[k]) for k in ("first", "second", "third", "fourth")]
+    sets = [set(held.SETS[k]) for k in ("first", "second", "third", "fourth", "fifth")]
     assert set.union(*sets) == set(held.SHAPES)
     assert sum(map(len, sets)) == len(set.union(*sets))  # disjoint
-    assert set(held.SETS["all"]) == set.union(*sets[:3])  # the earlier rounds' cells: the fourth is apart
+    assert set(held.SETS["all"]) == set.union(*sets[:3])  # the earlier rounds' cells: the later sets apart
     assert held.shape_names("third") == ["reason", "nest", "rag", "stampede"]
     assert held.shape_names("first") == ["issue", "docqa", "groups", "longdoc"]
     assert held.shape_names("rush,second, issue") == ["rush", "toolloop", "mega", "swarm", "slowthink", "issue"]
@@ -40,7 +40,8 @@ def test_sets_name_every_shape_once(held) -> None:
 
 
 @pytest.mark.parametrize("name", ["issue", "groups", "toolloop", "mega", "swarm", "slowthink", "rush", "reason", "nest",
-                                  "rag", "stampede", "chat", "fanwide", "tinyctx", "hugeshared"])
+                                  "rag", "stampede", "chat", "fanwide", "tinyctx", "hugeshared", "waves",
+                                  "heavytail"])
 def test_trace_has_the_shapes_structure(held, tmp_path: Path, name: str) -> None:
     shape = dataclasses.replace(held.SHAPES[name], sessions=6)
     path = tmp_path / f"{name}.jsonl"
@@ -67,7 +68,7 @@ def test_trace_has_the_shapes_structure(held, tmp_path: Path, name: str) -> None
         if "-sub" not in sid:
             assert shape.turns[0] <= len(turns) or len(turns[-1]["hash_ids"]) * held.BLOCK > shape.max_context - \
                 shape.growth[1] - shape.output[1] - held.BLOCK
-            assert len(turns) <= shape.turns[1]
+            assert len(turns) <= max(shape.turns[1], shape.long_turns[1])  # heavytail: a few long ones
             assert all(len(t["hash_ids"]) * held.BLOCK <= shape.max_context for t in turns)
     if shape.subgroups:  # nested: each session opens with one of the team prompts under its shared prompt
         team_len = shared_len + shape.subshared // held.BLOCK
@@ -128,6 +129,55 @@ def test_third_sets_outputs_and_arrivals(held, tmp_path: Path) -> None:
     cut = (shape.shared + shape.subshared) // held.BLOCK
     opens = {tuple(r["hash_ids"][:cut]) for r in rows("nest", sessions=60) if r["turn"] == 0}
     assert 8 < len(opens) <= 16  # sessions share team prompts, several under each shared prompt
+
+
+def _rows_by_session(path: Path) -> dict[str, list[dict]]:
+    by_session: dict[str, list[dict]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        by_session[r["session_id"]].append(r)
+    return by_session
+
+
+def test_fifth_set_shapes(held, tmp_path: Path) -> None:
+    """``waves`` starts sessions only inside its 3 s windows, 30 s apart; ``heavytail`` has a few
+    sessions of 60+ turns among short ones; ``rewind``'s turns extend the one before or go back
+    1-3 turns to an earlier prompt and add a new message; ``mixed`` holds its four tenants, sharing
+    no block across them, every row in order of its session's start."""
+    def write(name: str, **kw) -> dict[str, list[dict]]:
+        path = tmp_path / f"{name}.jsonl"
+        held.write_trace(dataclasses.replace(held.SHAPES[name], **kw), path)
+        return _rows_by_session(path)
+
+    on, off = held.SHAPES["waves"].waves
+    starts = [t[0]["timestamp"] for t in write("waves", sessions=200).values()]
+    assert all(s % (on + off) < on for s in starts) and max(starts) >= on + off  # two waves or more
+    lengths = sorted(len(t) for t in write("heavytail", sessions=100).values())
+    assert lengths[0] >= 2 and lengths[len(lengths) // 2] <= 5 and lengths[-1] >= 40
+    back = 0
+    for turns in write("rewind", sessions=12).values():
+        assert held.SHAPES["rewind"].turns[0] <= len(turns)
+        for k in range(1, len(turns)):
+            ids, prev = turns[k]["hash_ids"], turns[k - 1]["hash_ids"]
+            if ids[:len(prev)] == prev and len(ids) > len(prev):
+                continue  # the turn extends the one before (as every turn of the other shapes)
+            earlier = [t["hash_ids"] for t in turns[max(0, k - 3):k]]  # back 1-3 turns: one of their prompts
+            assert any(ids[:len(e)] == e and len(ids) > len(e) for e in earlier), (k, len(ids))
+            back += 1
+    assert back > 0
+    mix = held.SHAPES["mixed"]
+    path = tmp_path / "mixed.jsonl"
+    n = held.write_trace(dataclasses.replace(mix, parts=tuple(dataclasses.replace(p, sessions=max(1, p.sessions // 20))
+                                                               for p in mix.parts)), path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == n and [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
+    tenants: dict[str, set[int]] = defaultdict(set)
+    for r in rows:
+        tenants[r["session_id"].split("-")[0]].update(r["hash_ids"])
+    assert len(tenants) == len(mix.parts)
+    blocks = list(tenants.values())
+    assert all(not (a & b) for i, a in enumerate(blocks) for b in blocks[i + 1:])  # tenants share nothing
+    assert len(load_trace(str(path), default_block_size=held.BLOCK)) == n
 
 
 def _row(policy: str, ttft: float, inter: float, tps: float, hit: float = 1.0) -> dict:
