@@ -74,7 +74,8 @@ NOTES
    it by the session's turns published since the point's (``_owner``: digest
    -> session and turn, kept after a demote, so a prompt that wanted a demoted
    point still counts; ``_turns``: the session's newest turns). ``ResumeAges``
-   turns the ages into N, 0 (no limit) until it has seen enough prompts. A
+   turns the ages into N, 0 (no limit) until it has seen enough prompts of
+   sessions with more than N turns (the ones that can reach N back). A
    point a session wants after N was set too low is a recompute, never a wrong
    token, and the ages it adds raise N. Per replica: each decode replica learns
    from the sessions it serves. In the simulator (docs/router.md, "Round 38")
@@ -138,9 +139,12 @@ class ResumeAges:
     had more than ``a`` turns (a survival estimate). ``turns()`` is the fewest newest turns such
     that, at every age past them, at most ``tail`` of those prompts reach back that far (however
     few: a demoted point a session then wants costs a recompute of its context); 0 (no limit)
-    while fewer than ``min_resumes`` prompts were seen, or when more than ``tail`` reach ``cap``
-    turns back. Counts decay exponentially (``half_life`` prompts), so the limit follows a
-    workload that changes.
+    when more than ``tail`` reach ``cap`` turns back, or while fewer than ``min_resumes`` prompts
+    of sessions that had more than N turns were seen: only those can show whether prompts reach N
+    turns back, and early in a workload, while every session is young, none has (a warm-up
+    counted in all prompts let a trace whose sessions go far back set limits its older sessions
+    then broke; docs/router.md, "Round 39"). Counts decay exponentially (``half_life`` prompts),
+    so the limit follows a workload that changes.
     """
 
     def __init__(self, tail: float = 0.005, min_resumes: int = 64, half_life: float = 1024.0, cap: int = 16):
@@ -170,8 +174,13 @@ class ResumeAges:
             older += self._age[a]
             had += self._had[a + 1]
             if older > self.tail * had:
-                return 0 if a == self.cap else a + 1
-        return 1
+                return 0 if a == self.cap else self._seen_deep(a + 1)
+        return self._seen_deep(1)
+
+    def _seen_deep(self, n: int) -> int:
+        """``n``, once ``min_resumes`` prompts of sessions with more than ``n`` turns were seen (their
+        decayed count, rounded); else 0."""
+        return n if round(sum(self._had[n + 1:])) >= self.min_resumes else 0
 
 
 def resume_ages(keep_turns: int | str) -> ResumeAges | None:

@@ -107,10 +107,8 @@ def test_a_turn_limit_demotes_every_point_of_the_older_turns() -> None:
 
 def test_learned_turns_follow_how_far_back_resumes_reach() -> None:
     ages = ResumeAges(tail=0.05, min_resumes=20, half_life=50.0, cap=4)
-    for _ in range(19):
+    for _ in range(40):
         ages.observe(0, 3)
-    assert ages.turns() == 0  # too few seen: no limit
-    ages.observe(0, 3)
     assert ages.turns() == 1  # linear sessions: their latest turn only
     for i in range(40):
         ages.observe(1 if i % 4 == 0 else 0, 3)  # a quarter reach one turn back
@@ -125,15 +123,37 @@ def test_learned_turns_follow_how_far_back_resumes_reach() -> None:
         ResumeAges(tail=0.0)
 
 
+def test_no_limit_before_sessions_deeper_than_it_were_seen() -> None:
+    """A limit of N turns is set only after ``min_resumes`` prompts of sessions that had more than
+    N turns: early in a workload every session is young, and young sessions cannot show how far
+    back the older ones will reach (Mooncake's synthetic trace lost hit to limits set then)."""
+    ages = ResumeAges(tail=0.05, min_resumes=20, half_life=1e9, cap=4)
+    for _ in range(100):
+        ages.observe(0, 1)  # first-turn resumes (of shared prompts): nothing about age 1 or more
+    assert ages.observed >= 20 and ages.turns() == 0
+    for _ in range(19):
+        ages.observe(0, 2)
+    assert ages.turns() == 0  # 19 prompts of sessions with two turns
+    ages.observe(0, 2)
+    assert ages.turns() == 1
+    for i in range(40):  # a third of the prompts of three-turn sessions reach back two turns ...
+        ages.observe(2 if i % 3 == 0 else 0, 3)
+    assert ages.turns() == 0  # ... so keep three, but no session had more than three turns yet
+    for _ in range(20):
+        ages.observe(0, 4)
+    assert ages.turns() == 3
+
+
 def test_young_sessions_do_not_hide_how_far_back_old_ones_reach() -> None:
     """Most prompts come from sessions of one or two turns, which can only resume from their latest
     turn; a tenth of the prompts of sessions with three or more turns reach two turns back. Among
-    all prompts that is 2%, under a 5% tail; among those that could, 10%: keep three turns."""
+    all prompts that is 2%, under a 5% tail; among those that could, 10%: keep three turns (the
+    sessions had four, so the limit demotes their first)."""
     ages = ResumeAges(tail=0.05, min_resumes=20, half_life=1e9, cap=4)
     for i in range(400):
         ages.observe(0, 1 + i % 2)
     for i in range(100):
-        ages.observe(2 if i % 10 == 0 else 0, 3)
+        ages.observe(2 if i % 10 == 0 else 0, 4)
     assert ages.turns() == 3
 
 
@@ -154,9 +174,10 @@ def _linear(r: SessionCheckpoints, session: str, turns: int, resumes: str = "lat
 
 def test_auto_turns_demote_the_older_turns_of_linear_sessions() -> None:
     r = SessionCheckpoints(BS, keep=8, keep_turns="auto")
-    r.ages = ResumeAges(min_resumes=8)
+    r.ages = ResumeAges(min_resumes=4)
     for s in range(4):
-        _linear(r, f"s{s}", 3)  # 8 resumes, every one from the latest turn: limit 1 from now on
+        _linear(r, f"s{s}", 3)  # 8 resumes, 4 of sessions with two turns, each from its latest turn:
+    #                             limit 1 from now on
     assert r.turns() == 1
     demoted = _linear(r, "late", 3)
     toks = list(range(1000))
@@ -167,9 +188,9 @@ def test_auto_turns_demote_the_older_turns_of_linear_sessions() -> None:
 def test_auto_turns_keep_older_turns_where_resumes_reach_them() -> None:
     r = SessionCheckpoints(BS, keep=8, keep_turns="auto")
     r.ages = ResumeAges(min_resumes=8)
-    for s in range(3):  # every later turn resumes from the first turn's end: up to 3 turns back
-        _linear(r, f"s{s}", 5, resumes="first")
-    assert r.turns() == 4
+    for s in range(3):  # every later turn resumes from the first turn's end: up to 3 turns back,
+        _linear(r, f"s{s}", 5, resumes="first")  # as far as these sessions go: no limit
+    assert r.turns() == 0
     assert all(d == [] for d in _linear(r, "late", 4, resumes="first"))
     fixed = SessionCheckpoints(BS, keep=8, keep_turns=1)
     assert fixed.ages is None and fixed.turns() == 1

@@ -373,8 +373,8 @@ def test_turns_older_than_the_newest_few_go_first(keep_turns):
     reaches its latest turn only, and after the learner's warm-up the limit is one turn."""
     t = LRUTier("host", 32)
     r = SessionRetention("checkpoints", keep_checkpoints=8, keep_turns=keep_turns)
-    if keep_turns == "auto":
-        r.ages = ResumeAges(min_resumes=3)
+    if keep_turns == "auto":  # a limit of one turn once one prompt of a session with two turns was seen
+        r.ages = ResumeAges(min_resumes=1)
     ds = [_d(i) for i in range(5)]
     for turn in range(4):
         r.on_prompt(("s", 0), ds[: turn + 2], turn + 2, 0, [t])
