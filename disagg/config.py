@@ -107,7 +107,7 @@ class HostTierConfig(_Strict):
     # also evict first the private checkpoints of a session's turns older than its newest N: 0, no
     # limit (the default); "auto", N learned from how many turns back the sessions' prompts resume
     # (a tool loop: its latest turn only; a conversation that branches or is edited: more). Off by
-    # default: it lifts agentic shapes and costs Mooncake's synthetic trace (docs/router.md "Round 38")
+    # default: it lifts agentic shapes, not yet run on every family (docs/router.md "Round 38", "Round 39")
     keep_turns: int | Literal["auto"] = KEEP_TURNS
     # also evict first the speculative checkpoints a prefill keeps for prompts that may share its
     # prefix later (the start prior's), as they land; for full host tiers where prefixes are rarely

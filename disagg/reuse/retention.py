@@ -46,7 +46,8 @@ thousands of tokens of history, for prompts that will never ask for them. A
 conversation that branches, is edited or rewinds does resume from older
 turns. ``"auto"`` learns N from the workload (``ResumeAges``, NOTE 6); the
 default, 0, sets no limit (docs/router.md, "Round 38": it lifts the held-out
-agentic shapes and costs Mooncake's synthetic trace a little).
+agentic shapes; "Round 39": learned, it no longer costs Mooncake's synthetic
+trace, and it stays off until every family has run with it).
 
 Config example::
 
