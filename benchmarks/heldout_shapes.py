@@ -132,8 +132,9 @@ class Shape:
 
 @dataclass(frozen=True)
 class Mix:
-    """Tenants of other shapes in one trace: each part's sessions start over the same time span
-    (its own ``arrival_ms``), their prompts share nothing across parts."""
+    """Tenants of other shapes in one trace: each part's sessions start from time 0 at the part's
+    own ``arrival_ms``, and no block is shared across parts. One random stream, from ``seed``,
+    draws every part (the parts' own seeds are not used)."""
 
     seed: int
     parts: tuple[Shape, ...]
