@@ -168,8 +168,6 @@ class ResumeAges:
         self.observed += 1
 
     def turns(self) -> int:
-        if self.observed < self.min_resumes:
-            return 0
         older = had = 0.0  # prompts reaching back a or more turns; those of sessions with more than a
         for a in range(self.cap, 0, -1):
             older += self._age[a]

@@ -28,6 +28,14 @@ def held(monkeypatch: pytest.MonkeyPatch):
     return heldout_shapes
 
 
+def _rows_by_session(path: Path) -> dict[str, list[dict]]:
+    by_session: dict[str, list[dict]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        by_session[r["session_id"]].append(r)
+    return by_session
+
+
 def test_sets_name_every_shape_once(held) -> None:
     sets = [set(held.SETS[k]) for k in ("first", "second", "third", "fourth", "fifth")]
     assert set.union(*sets) == set(held.SHAPES)
@@ -48,10 +56,7 @@ def test_trace_has_the_shapes_structure(held, tmp_path: Path, name: str) -> None
     n = held.write_trace(shape, path)
     recs = load_trace(str(path), default_block_size=held.BLOCK)
     assert len(recs) == n > 0
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    by_session: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_session[r["session_id"]].append(r)
+    by_session = _rows_by_session(path)
     parents = [s for s in by_session if "-sub" not in s]
     assert len(parents) == shape.sessions
     shared_len = shape.shared // held.BLOCK
@@ -88,10 +93,7 @@ def test_compact_restarts_a_context_past_its_limit(held, tmp_path: Path) -> None
     shape = dataclasses.replace(held.SHAPES["compact"], sessions=8)
     path = tmp_path / "compact.jsonl"
     held.write_trace(shape, path)
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    by_session: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_session[r["session_id"]].append(r)
+    by_session = _rows_by_session(path)
     shared = shape.shared // held.BLOCK
     restarts = 0
     for turns in by_session.values():
@@ -129,14 +131,6 @@ def test_third_sets_outputs_and_arrivals(held, tmp_path: Path) -> None:
     cut = (shape.shared + shape.subshared) // held.BLOCK
     opens = {tuple(r["hash_ids"][:cut]) for r in rows("nest", sessions=60) if r["turn"] == 0}
     assert 8 < len(opens) <= 16  # sessions share team prompts, several under each shared prompt
-
-
-def _rows_by_session(path: Path) -> dict[str, list[dict]]:
-    by_session: dict[str, list[dict]] = defaultdict(list)
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        by_session[r["session_id"]].append(r)
-    return by_session
 
 
 def test_fifth_set_shapes(held, tmp_path: Path) -> None:
