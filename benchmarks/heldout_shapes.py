@@ -99,7 +99,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from disagg.tools.sim.cli import keep_turns_arg
-from disagg.tools.sim.simulator import HOST_POLICIES, OUTPUT_HINTS, ROUTER_COSTS
+from disagg.tools.sim.simulator import HOST_POLICIES, HOST_WRITES, OUTPUT_HINTS, ROUTER_COSTS
 
 BLOCK = 64
 
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="agg", help="comma list of agg, pd")
     ap.add_argument("--workers", default="16", help="comma list of cluster sizes (engines), e.g. 16,64")
     ap.add_argument("--retention", help="passed to disagg sim run (default: the CLI's)")
-    ap.add_argument("--host-write", choices=("through", "back"), help="passed to disagg sim run (default: the CLI's)")
+    ap.add_argument("--host-write", choices=HOST_WRITES, help="passed to disagg sim run (default: the CLI's)")
     ap.add_argument("--host-policy", choices=HOST_POLICIES, help="passed to disagg sim run (default: the CLI's, lru)")
     ap.add_argument("--session-ends", nargs="?", const="turn", choices=("turn", "after"),
                     help="passed to disagg sim run: clients say when a session ends, with its last turn "

@@ -48,7 +48,7 @@ from router_suite import verdict
 from tqdm.auto import tqdm
 
 from disagg.tools.sim.cli import keep_turns_arg
-from disagg.tools.sim.simulator import OUTPUT_HINTS, ROUTER_COSTS
+from disagg.tools.sim.simulator import HOST_WRITES, OUTPUT_HINTS, ROUTER_COSTS
 
 BLOCK = 512  # tokens per hash id, Mooncake's
 CLUSTERS = {"agg16": ["--workers", "16"], "pd16": ["--prefill", "4", "--decode", "12"],
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-turns", type=keep_turns_arg, metavar="auto|N",
                     help="passed to disagg sim run: retention demotes a session's checkpoints of turns older "
                          "than its newest N (every policy; default: the CLI's, 0, no limit)")
+    ap.add_argument("--host-write", choices=HOST_WRITES,
+                    help="passed to disagg sim run: how stores reach the node's host tier (every policy; "
+                         "default: the CLI's, through)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
     args = ap.parse_args(argv)
     if args.jobs < 1:
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = {seed: out / f"{seed}.jsonl" for seed in seeds}
     cells = [(seed, c, m) for seed in paths for m in modes for c in clusters]
     extra = (["--router-config", args.router_config] if args.router_config else []) + \
+        (["--host-write", args.host_write] if args.host_write else []) + \
         (["--output-hint", args.output_hint] if args.output_hint else []) + \
         (["--profile", args.profile] if args.profile else []) + \
         (["--router-costs", args.router_costs] if args.router_costs else []) + \

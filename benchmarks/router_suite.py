@@ -64,7 +64,7 @@ from disagg.tools.sim.bound import capacity_bound
 from disagg.tools.sim.cli import keep_turns_arg, router_config
 from disagg.tools.sim.driver import ReplayConfig
 from disagg.tools.sim.retention import RETENTION_POLICIES
-from disagg.tools.sim.simulator import OUTPUT_HINTS, ClusterConfig, Simulator
+from disagg.tools.sim.simulator import HOST_WRITES, OUTPUT_HINTS, ClusterConfig, Simulator
 from disagg.tools.sim.workload import SimRequest, from_trace_records
 
 POLICIES = ["state_aware", *BASELINES]
@@ -283,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", default="serving", choices=list(CHECKPOINT_MODELS),
                     help="where prefills keep KDA checkpoints: serving's placement, or every 16 blocks "
                          "(rounds 1-9)")
-    ap.add_argument("--host-write", default="through", choices=["through", "back"],
-                    help="host tiers written through by every store (serving), or back by device evictions "
-                         "(Simulator NOTE 6)")
+    ap.add_argument("--host-write", default="through", choices=HOST_WRITES,
+                    help="host tiers written through by every store (serving), back by device evictions "
+                         "(Simulator NOTE 6), or through with the node's devices' evictions written back "
+                         "(victim, NOTE 12)")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members, policies, rc = suite_selection(ap, args)

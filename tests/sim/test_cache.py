@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from disagg.tools.sim.cache import LRUTier
+from disagg.tools.sim.cache import LRUTier, NodeView, VictimHost
 
 
 def _pair(capacity: int):
@@ -92,3 +92,82 @@ def test_a_cluster_resumes_from_a_policy_host_tier_as_from_an_lru_one():
                                                            host_policy=policy)).run()
         assert [r.cached_tokens for r in res.records] == [0, 4 * 64, 6 * 64]
         assert [r.cached_tier for r in res.records][1:] == ["host", "host"]
+
+
+def _victim_node(host_capacity: int, device_capacity: int, devices: int = 1):
+    """A node whose host tier is its devices' victim cache (cache NOTE 5), every event logged."""
+    log: list[tuple[str, str, object]] = []
+    host = LRUTier("host", host_capacity)
+    victim = VictimHost(host, lambda k: 3 if k == "ckpt" else 1)
+    host.on_event = victim.host_listener(lambda op, k: log.append(("host", op, k)))
+    devs = [LRUTier(f"d{i}", device_capacity) for i in range(devices)]
+    for i, dev in enumerate(devs):
+        dev.on_event = victim.device_listener(lambda op, k, i=i: log.append((f"d{i}", op, k)))
+    return host, devs, victim, log
+
+
+def test_victim_host_lets_go_first_of_what_a_device_holds():
+    """A full host tier evicts what a device of the node holds before what none holds, the
+    oldest first; the listener below it still sees every event."""
+    host, (dev,), victim, log = _victim_node(4, 8)
+    dev.put_many([1, 2])
+    host.put_many([1, 2, 10, 11])  # a turn written through: 1, 2 are on the device too
+    assert host.keys() == [2, 1, 10, 11] and victim.held == {1: 1, 2: 1}
+    host.put(12)
+    host.put(13)
+    assert host.keys() == [10, 11, 12, 13]  # the device's keys went first, not 10 and 11
+    assert ("host", "evicted_demoted", 2) in log and ("host", "evicted_demoted", 1) in log
+    host.put(1)
+    assert host.keys()[0] == 1  # stored again while the device holds it: at the eviction end
+
+
+def test_victim_host_gets_back_what_the_last_device_evicts():
+    """A device's eviction returns the key to the host tier as its newest: refreshed when the
+    host still held it, written back when it had let it go; a key another device of the node
+    still holds stays where it is, and one the device had demoted is not written back."""
+    host, (d0, d1), victim, _ = _victim_node(8, 2, devices=2)
+    d0.put_many([1, 2])
+    d1.put(1)
+    host.put_many([1, 2, 5])
+    host.discard(2)  # the host let 2 go (as a full tier would)
+    d0.put_many([3, 4])  # d0 evicts 1 (d1 still holds it) and 2 (no device does)
+    assert victim.held == {1: 1, 3: 1, 4: 1}
+    assert host.keys() == [1, 5, 2] and victim.written_back == 1
+    d1.put(6)  # d1 still has room: nothing moves
+    d1.put(7)  # d1 evicts 1, the last device copy: refreshed, the host's newest, no longer demoted
+    assert host.keys() == [5, 2, 1] and 1 not in host._cold
+    d0.demote([3])
+    d0.put(8)  # 3 was demoted on the device (nothing expects to read it): not written back
+    assert 3 not in host and victim.written_back == 1
+    d0.put("ckpt")
+    d0.put_many([10, 11])  # pushes out what d0 held, the checkpoint last: back to the host at its size
+    assert host.keys()[-1] == "ckpt" and host.used == len(host) - 1 + 3
+
+
+def test_node_view_reads_the_host_and_the_node_devices():
+    host, (d0, d1), _, _ = _victim_node(8, 4, devices=2)
+    host.put(1)
+    d0.put(2)
+    d1.put(3)
+    view = NodeView(host, [d0, d1])
+    assert view.present([1, 2, 3, 4]) == [True, True, True, False]
+    assert 3 in view and 4 not in view
+    assert NodeView(None, [d1]).present([1, 3]) == [False, True]
+
+
+def test_victim_host_publishes_what_the_node_can_read():
+    """With ``publish`` the node's host tier is published as ``NodeView`` reads it: a key a device
+    stores first is published, one the host tier lets go while a device holds it stays
+    published, and one that leaves the node is withdrawn (cache NOTE 5)."""
+    host = LRUTier("host", 2)
+    seen: list[tuple[str, object]] = []
+    victim = VictimHost(host, lambda k: 1, publish=lambda op, k: seen.append((op, k)))
+    host.on_event = victim.host_listener(lambda op, k: seen.append((op, k)))
+    dev = LRUTier("d0", 2, victim.device_listener(lambda op, k: None))
+    dev.put(1)
+    assert seen == [("stored", 1)] and 1 not in host  # published for the device's copy
+    host.put_many([1, 2, 3])  # 1 is demoted (the device holds it) and let go first
+    assert host.keys() == [2, 3] and ("evicted_demoted", 1) not in seen
+    dev.demote([1])
+    dev.put_many([4, 5])  # 1 leaves the node (demoted on the device: not written back)
+    assert seen[-3:] == [("stored", 4), ("evicted_demoted", 1), ("stored", 5)] and 1 not in host

@@ -480,6 +480,36 @@ def test_write_back_host_tiers_hold_what_devices_evicted():
         ClusterConfig(host_write="around")
 
 
+def test_victim_host_tiers_resume_from_a_node_mates_device():
+    """NOTE 12: with ``host_write="victim"`` a host tier too small for a session lets its blocks go
+    while a device of the node holds them, and the next turn, placed on the other worker of the
+    node, resumes them from that device; written through, the host tier kept only the session's
+    newest blocks and the turn recomputes. In P/D only the decode workers' devices count. Victim
+    host tiers need a host tier."""
+    a0 = SimRequest("a", 0, 0, 0, 2048 + 100, 2, list(range(9)), 256)  # 8 full blocks
+    a1 = SimRequest("a", 1, 0, 0, 3072 + 100, 2, list(range(13)), 256)  # extends a0's blocks
+    got = {}
+    for write in ("through", "victim"):
+        cl = ClusterConfig(num_workers=2, workers_per_node=2, device_blocks=64, host_blocks=6,
+                           checkpoint_every_blocks=0, host_write=write)
+        sim = Simulator([a0, a1], "round_robin", cl, HAND, lanes=1)
+        recs = sorted(sim.run().records, key=lambda r: r.turn)
+        got[write] = [(r.decode_worker, r.cached_tokens) for r in recs]
+    assert got["through"] == [("w00", 0), ("w01", 0)]
+    assert got["victim"] == [("w00", 0), ("w01", 2048)]
+    # P/D: only decoding devices count; the prefill node's device holds the prompt, not the session
+    r = SimRequest("s", 0, 0, 0, 4000, 5, list(range(16)), 256)
+    sim = Simulator([r], "round_robin", ClusterConfig(num_prefill=1, num_decode=1, workers_per_node=1,
+                                                      host_write="victim"), HAND)
+    sim.run()
+    full = sim.digests.digests("s", 0, r.hash_ids, 16)[:15]
+    assert all(sim.workers["w00"].device.present(full)) and all(sim.workers["w01"].device.present(full))
+    assert not any(k in sim.victims["n0"].held for k in full)
+    assert all(sim.victims["n1"].held[k] == 1 for k in full)
+    with pytest.raises(ValueError, match="host tier"):
+        ClusterConfig(host_write="victim", host_blocks=0)
+
+
 def _sharing_pair(gap_ms: float, busy: bool = False) -> list[SimRequest]:
     """Two sessions whose first prompts share 16 blocks of 256 (a periodic checkpoint at 4096),
     the second sent ``gap_ms`` after the first; ``busy``: behind a third session's prompt."""

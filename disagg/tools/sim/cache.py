@@ -18,11 +18,20 @@ NOTES
 4. A key demoted and not refreshed since (``put``, ``touch``) is *cold*; its eviction is
    reported as ``evicted_demoted`` (what nothing is expected to read again: the spill to
    the pool passes it by, Simulator NOTE 4), any other eviction as ``evicted``.
+5. A node's host tier as its devices' victim cache (``VictimHost``, Simulator NOTE 12): the
+   node counts, per key, the devices of the node that hold it. A key some device holds is
+   demoted in the host tier (stored there, or already there, when a device stores it), so a
+   full host tier lets it go before what no device holds; when the last device holding a key
+   evicts it, the host tier gets it back as its newest (refreshed, or written back when it let
+   it go), unless the device had demoted it (nothing expects to read it). ``NodeView`` reads
+   the host tier and the node's other devices as one tier, and the router's index is told of
+   the host tier as that view holds it (``VictimHost``'s ``publish``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import operator
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 
 from kv_transfer.tiers.eviction import make_policy
@@ -253,3 +262,85 @@ class PolicyTier(LRUTier):
             op = self._evicted(key)
             if self.on_event:
                 self.on_event(op, key)
+
+
+class VictimHost:
+    """A node's host tier kept exclusive of the node's devices where it is full (NOTE 5).
+
+    ``device_listener`` wraps each device's event callback, ``host_listener`` the host tier's;
+    ``size_of`` gives a key's size in the host tier (``StateModel.size_of``). With ``publish``
+    (the host tier's index callback, without a spill) the node's host tier is published as
+    what ``NodeView`` reads: a key stays published while a device of the node holds it, though
+    the host tier let it go, and is published when a device stores it first.
+    """
+
+    def __init__(self, host: LRUTier, size_of: Callable[[Hashable], int], publish: EventFn | None = None):
+        self.host = host
+        self.size_of = size_of
+        self.publish = publish
+        self.held: Counter[Hashable] = Counter()  # key -> devices of the node holding it
+        self.written_back = 0  # keys the host tier got back from a device that evicted them
+
+    def host_listener(self, inner: EventFn) -> EventFn:
+        held, host, publish = self.held, self.host, self.publish
+
+        def on_event(op: str, key: Hashable) -> None:
+            if op == "stored":
+                inner(op, key)
+                if key in held:  # a device holds it: it goes first (it is resident now)
+                    host.demote((key,))
+            elif publish is None or key not in held:  # else a device still holds it: the node keeps it
+                inner(op, key)
+
+        return on_event
+
+    def device_listener(self, inner: EventFn) -> EventFn:
+        held, host, size_of, publish = self.held, self.host, self.size_of, self.publish
+
+        def on_event(op: str, key: Hashable) -> None:
+            inner(op, key)
+            if op == "stored":
+                held[key] += 1
+                if held[key] == 1:
+                    if key in host:
+                        host.demote((key,))
+                    elif publish is not None:
+                        publish("stored", key)
+                return
+            left = held[key] - 1
+            if left > 0:
+                held[key] = left
+                return
+            del held[key]
+            if op == "evicted_demoted":  # the device's retention expects no read: the host's copy stays cold
+                if publish is not None and key not in host:
+                    publish(op, key)
+                return
+            if key not in host:
+                self.written_back += 1
+            host.put(key, size_of(key))  # refreshed, or written back
+
+        return on_event
+
+
+class NodeView:
+    """A node's host tier and the devices of its other workers, read as one tier (NOTE 5): what a
+    worker resumes from its node over the node's links. Reads refresh the host tier only."""
+
+    def __init__(self, host: LRUTier | None, devices: list[LRUTier]):
+        self.host = host
+        self.devices = devices
+
+    def present(self, keys: Iterable[Hashable]) -> list[bool]:
+        keys = list(keys)
+        out = self.host.present(keys) if self.host is not None else [False] * len(keys)
+        for dev in self.devices:
+            out = list(map(operator.or_, out, dev.present(keys)))
+        return out
+
+    def __contains__(self, key: Hashable) -> bool:
+        return (self.host is not None and key in self.host) or any(key in dev for dev in self.devices)
+
+    def read(self, keys: Iterable[Hashable]) -> None:
+        if self.host is not None:
+            self.host.read(keys)

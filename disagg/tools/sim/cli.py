@@ -186,7 +186,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "refreshed by reads)")
     g.add_argument("--host-write", default="through", choices=list(HOST_WRITES),
                    help="through: every store writes the node's host tier too (serving); back: stores go "
-                        "to the device, and what a device evicts to the host tier (Simulator NOTE 6)")
+                        "to the device, and what a device evicts to the host tier (Simulator NOTE 6); "
+                        "victim: through, but a full host tier lets go first of what a device of its node "
+                        "holds, a device's evictions go back to it, and workers read their node's other "
+                        "devices (Simulator NOTE 12; not in serving yet)")
     g.add_argument("--no-peer-reads", action="store_true",
                    help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
     g.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,

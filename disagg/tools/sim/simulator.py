@@ -123,6 +123,24 @@ NOTES
    it. Only the device: the host tier is written when the prefill ends. The reference engine
    caches a prefill when it ends, so serving on it is the default; the engine profiles of
    vLLM engines (``h200-small``, ``mi355x-k3``) are closer with it.
+12. Victim host tiers (``ClusterConfig.host_write`` "victim"; not what serving does yet): stores
+   write through as in serving, but a node's host tier lets go first of what a device of the
+   node holds, and what the last device holding an object evicts goes back to the host tier
+   (cache NOTE 5), so a full node keeps about its host tier plus its devices, not its host
+   tier alone. Only the devices of workers that decode count: a P/D prefill worker's device
+   holds prompts whose sessions live on their decode nodes (NOTE 3), and writing back what it
+   evicts filled the prefill nodes' host tiers with them (the issue's trace, P/D at 16
+   workers: hit/bound 0.915 with them counted, 0.960 without). A worker resumes from its
+   node's other devices too, over the node's links (``NodeView``; charged as host-tier reads,
+   and as remote ones for a peer read of another node), as serving's device hand-off reads a
+   peer GPU of its host (``disagg.workers.tiered`` NOTE 1). The router's index sees the node's
+   host tier as the node reads it: an object stays published there while a device of the node
+   holds it (without that, on the held-out `docqa/agg` the router sent questions away from the
+   node mates of the devices holding their documents: placement lost 0.024 of the reuse). On the
+   issue's own trace at 16 workers, written through, the run loses 0.077 of the infinite
+   cache's reuse to eviction while Belady on the pooled capacity loses 0.002; with the host
+   tier enlarged by the devices' room the loss is gone, which is what this arrangement
+   reaches without more memory (docs/router.md, "Round 40").
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -151,7 +169,7 @@ from disagg.router.calibration import with_engine_costs
 from disagg.router.index import PrefixIndex
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
-from disagg.tools.sim.cache import LRUTier, PolicyTier
+from disagg.tools.sim.cache import LRUTier, NodeView, PolicyTier, VictimHost
 from disagg.tools.sim.driver import Driver, ReplayConfig
 from disagg.tools.sim.metrics import RequestRecord, bench_summary, summarize
 from disagg.tools.sim.retention import RETENTION_POLICIES, SessionRetention
@@ -160,7 +178,7 @@ from disagg.tools.sim.worker import SimJob, SimWorker
 from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
 
 HOST_POLICIES = ("lru", "s3fifo", "arc")  # serving's host tier policies (transfer.host.policy)
-HOST_WRITES = ("through", "back")  # NOTE 6
+HOST_WRITES = ("through", "back", "victim")  # NOTE 6, NOTE 12
 OUTPUT_HINTS = ("none", "exact")  # NOTE 9
 _K = b"K"  # an aligned checkpoint's key: "K" + the digest of the block it ends (disagg.tools.sim.state)
 
@@ -191,7 +209,8 @@ class ClusterConfig:
     keep_turns: int | str = KEEP_TURNS  # serving's transfer.host.keep_turns: 0, N or "auto" (retention NOTE 4)
     host_policy: str = "lru"  # host tiers: "lru" (LRUTier, serving's default policy) or another of serving's
     # policies (cache.PolicyTier)
-    host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6
+    host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6;
+    # "victim": NOTE 12
     session_ends: bool = False  # clients mark each session's last turn (the API's session_end; retention)
     session_end_after: bool = False  # ... after its answer instead (DELETE /v1/sessions/{id}): written (NOTE 7)
     output_hint: str = "none"  # what clients tell the router of a request's output: OUTPUT_HINTS (NOTE 9)
@@ -215,6 +234,8 @@ class ClusterConfig:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}")
         if self.host_write not in HOST_WRITES:
             raise ValueError(f"host_write must be one of {HOST_WRITES}")
+        if self.host_write == "victim" and not self.host_blocks:
+            raise ValueError("host_write 'victim' needs a host tier (host_blocks > 0)")
         if self.session_ends and self.retention == "lru":
             raise ValueError("session_ends needs a retention that tracks sessions (checkpoints or session)")
         if self.output_hint not in OUTPUT_HINTS:
@@ -332,6 +353,7 @@ class Simulator:
         self.workers: dict[str, SimWorker] = {}
         self.host: dict[str, LRUTier | None] = {}
         self.disk: dict[str, LRUTier | None] = {}
+        self.victims: dict[str, VictimHost] = {}  # NOTE 12: node -> its host tier's device counts
         roles = c.roles()
         spill_to = self._spill_targets(roles) if c.spill_to_pool else {}
         for i, role in enumerate(roles):
@@ -340,7 +362,10 @@ class Simulator:
             if node not in self.host:
                 self._node_tiers(node, wid, spill_to.get(node))
             back = self.host[node] if c.host_write == "back" else None  # NOTE 6
-            dev = LRUTier("device", c.device_blocks, self.state.listener("device", wid, back, demoted_too=False))
+            on_device = self.state.listener("device", wid, back, demoted_too=False)
+            if node in self.victims and role != "prefill":  # NOTE 12: a decoding device's
+                on_device = self.victims[node].device_listener(on_device)
+            dev = LRUTier("device", c.device_blocks, on_device)
             self.workers[wid] = SimWorker(wid, node, role, self.cost, dev, self, c.macro_steps, self.block_size)
         self._live = [w.state for w in self.workers.values()]
         self._tiers = [w.device for w in self.workers.values()] + [
@@ -360,10 +385,24 @@ class Simulator:
         listener = self.state.listener("host", reporter, after_host, demoted_too=disk is not None)
         if not c.host_blocks:
             self.host[node] = None
-        elif c.host_policy == "lru":
-            self.host[node] = LRUTier("host", c.host_blocks, listener)
+            return
+        if c.host_policy == "lru":
+            host = LRUTier("host", c.host_blocks, listener)
         else:
-            self.host[node] = PolicyTier("host", c.host_blocks, c.host_policy, listener)
+            host = PolicyTier("host", c.host_blocks, c.host_policy, listener)
+        self.host[node] = host
+        if c.host_write == "victim":  # NOTE 12
+            victim = self.victims[node] = VictimHost(host, self.state.size_of, self.state.listener("host", reporter))
+            host.on_event = victim.host_listener(listener)
+
+    def _node_tiers_of(self, w: SimWorker, node: str = "") -> tuple[LRUTier | NodeView | None, LRUTier | None]:
+        """The host and disk tiers ``w`` reads on ``node`` (default: its own); with victim host tiers
+        (NOTE 12) the host tier is read with the node's devices, ``w``'s own aside."""
+        node = node or w.node_id
+        host = self.host[node]
+        if self.cluster.host_write == "victim":
+            host = NodeView(host, [o.device for o in self._node_workers[node] if o is not w])
+        return host, self.disk[node]
 
     def _spill_targets(self, roles: list[str]) -> dict[str, LRUTier]:
         """NOTE 4: node -> the host tier its evictions spill to, for the nodes without prefill
@@ -518,11 +557,11 @@ class Simulator:
         """Where ``target`` resumes ``ps``: its device and node tiers or, with ``peer_reads``, the
         node the router named (a moved session's last node) or else, for a prefill of another node's
         decode worker, that node's tiers, over the remote link, whichever resumes further (NOTE 1)."""
-        tiers = self.host[target.node_id], self.disk[target.node_id]
+        tiers = self._node_tiers_of(target)
         peer_node = named if named and named != target.node_id else \
             dec.node_id if dec is not target and dec.node_id != target.node_id else ""
         if self.cluster.peer_reads and peer_node:
-            peer_tiers = self.host[peer_node], self.disk[peer_node]
+            peer_tiers = self._node_tiers_of(target, peer_node)
             if any(t is not None for t in peer_tiers):
                 own = self.state.resume(ps, target.device, *tiers, dry=True)
                 peer = self.state.resume(ps, target.device, *peer_tiers, remote=True, dry=True)
@@ -532,8 +571,8 @@ class Simulator:
 
     def _explain(self, ps: PromptState, rec: RequestRecord) -> None:
         """NOTE 10: where ``rec``'s prompt could have resumed when it was placed."""
-        state, host, disk = self.state, self.host, self.disk
-        rec.reach_tokens = max(state.resume(ps, w.device, host[w.node_id], disk[w.node_id], dry=True).tokens
+        state = self.state
+        rec.reach_tokens = max(state.resume(ps, w.device, *self._node_tiers_of(w), dry=True).tokens
                                for w in self.workers.values())
         tiers, held = self._tiers, 0
         full = ps.full()

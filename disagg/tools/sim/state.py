@@ -117,6 +117,10 @@ class StateModel:
         self.ckpt_units = checkpoint_units(cost, block_size)
         self.num_events = 0
 
+    def size_of(self, key: Hashable) -> int:
+        """A tier key's size in blocks: an MLA block's (its 16-byte digest) 1, a checkpoint's more."""
+        return 1 if len(key) == 16 else self.ckpt_units  # type: ignore[arg-type]
+
     # ---- index publication -------------------------------------------------------
     def listener(self, tier: str, reporter: str, spill: LRUTier | None = None, demoted_too: bool = True
                  ) -> Callable[[str, Hashable], None]:
@@ -144,7 +148,7 @@ class StateModel:
                 update(stored, "kda", digest)
                 self.num_events += 2
             if spill is not None and not stored and (demoted_too or op == "evicted"):  # cache NOTE 4
-                spill.put(key, 1 if len(key) == 16 else units)
+                spill.put(key, 1 if len(key) == 16 else units)  # ``size_of``, inline
 
         return on_event
 
