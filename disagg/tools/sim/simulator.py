@@ -134,8 +134,8 @@ NOTES
    node's other devices too, over the node's links (``NodeView``; charged as host-tier reads,
    and as remote ones for a peer read of another node), as serving's device hand-off reads a
    peer GPU of its host (``disagg.workers.tiered`` NOTE 1). The router's index sees the node's
-   host tier as the node reads it: an object stays published there while a device of the node
-   holds it (without that, on the held-out `docqa/agg` the router sent questions away from the
+   host tier as the node reads it: an object stays published there while a decoding device of
+   the node holds it (without that, on the held-out `docqa/agg` the router sent questions away from the
    node mates of the devices holding their documents: placement lost 0.024 of the reuse). On the
    issue's own trace at 16 workers, written through, the run loses 0.077 of the infinite
    cache's reuse to eviction while Belady on the pooled capacity loses 0.002; with the host
