@@ -208,6 +208,17 @@ class StateStore:
             self._counters["num_retention_demoted"] += found
         return found
 
+    def hold(self, keys: Sequence[ObjectKey | str]) -> int:
+        """A device of the node holds ``keys``: every tier that counts device holds (the host
+        tier, ``HostTier`` NOTE 8) evicts them first. Returns how many some tier held."""
+        names = [str(k) for k in keys]
+        return sum(hold(names) for tier in self.tiers if (hold := getattr(tier, "hold", None)) is not None)
+
+    def unhold(self, keys: Sequence[ObjectKey | str]) -> int:
+        """The device lets ``keys`` go (``hold``'s reverse): how many no device holds any more."""
+        names = [str(k) for k in keys]
+        return sum(unhold(names) for tier in self.tiers if (unhold := getattr(tier, "unhold", None)) is not None)
+
     def contains_keys(self, keys: Sequence[ObjectKey | str]) -> list[bool]:
         """Presence of each key in any tier (one ``contains`` call per tier)."""
         names = [str(k) for k in keys]

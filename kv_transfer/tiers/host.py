@@ -135,6 +135,14 @@ class HostTier:
        turn's store of a session's prefix, whose blocks the tier holds and the turn did not
        read here, e.g. because it resumed them from a device). Without it a session that
        resumes from its device every turn ages out of the host tier while it is active.
+    8. Device holds (``hold`` / ``unhold``; the node's host tier as its devices' victim cache,
+       ``disagg.workers.holds``): a key some device of the node holds is a copy the node can
+       lose first. Held keys are counted (one per holder); a key becoming held while stored, or
+       stored while held, goes to the head of the eviction order, as ``demote`` puts it but
+       without NOTE 6's flag (a device still reads it: evicted, it is handed on). A read or a
+       ``touch`` refreshes it like any other (a turn's store of a session's prefix). A key no
+       device holds any more is refreshed as the newest: the last device let it go, and its
+       holder writes back what the tier lacks before freeing it.
     """
 
     def __init__(
@@ -167,10 +175,11 @@ class HostTier:
         self._pending: dict[int, tuple[str, Allocation]] = {}
         self._next_id = 1
         self._used_bytes = 0
+        self._held: dict[str, int] = {}  # key -> holders (NOTE 8)
         self._counters = dict.fromkeys(
             ("num_puts", "num_duplicate_puts", "num_put_rejected", "num_hits", "num_misses",
              "num_evictions", "evicted_bytes", "num_deletes", "num_slab_reclaims", "num_evict_errors",
-             "num_demoted", "num_refreshed"), 0)
+             "num_demoted", "num_refreshed", "num_hold_demoted", "num_hold_released"), 0)
 
     # ---- writes --------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> Reservation | None:
@@ -208,6 +217,9 @@ class HostTier:
             self._index[key] = _Entry(alloc)
             self._used_bytes += alloc.nbytes
             self._policy.on_insert(key, alloc.nbytes)
+            if key in self._held:  # a device holds it: the node's copy goes first (NOTE 8)
+                self._policy.demote(key)
+                self._counters["num_hold_demoted"] += 1
             self._counters["num_puts"] += 1
             assert self._alloc.allocated_bytes <= self.capacity_bytes, "capacity exceeded"
         self._emit("stored", key, alloc.nbytes)
@@ -342,6 +354,48 @@ class HostTier:
             self._counters["num_refreshed"] += n
         return n
 
+    def hold(self, keys: Sequence[str]) -> int:
+        """One more device of the node holds each of ``keys`` (NOTE 8): a key that becomes held
+        while stored goes to the head of the eviction order, ``keys[0]`` first. Returns how many
+        were stored here."""
+        with self._lock:
+            held, index = self._held, self._index
+            first = []
+            for key in keys:
+                n = held.get(key, 0)
+                held[key] = n + 1
+                if not n and key in index:
+                    first.append(key)
+            for key in reversed(first):  # each demote goes to the head: the first ends up first
+                self._policy.demote(key)
+            self._counters["num_hold_demoted"] += len(first)
+            return sum(key in index for key in keys)
+
+    def unhold(self, keys: Sequence[str]) -> int:
+        """One device fewer holds each of ``keys`` (NOTE 8); a key no device holds any more is
+        refreshed as the newest where stored. Keys not held are ignored. Returns how many keys
+        were released by their last holder."""
+        with self._lock:
+            held, index = self._held, self._index
+            n_free = 0
+            for key in keys:
+                n = held.get(key, 0)
+                if n > 1:
+                    held[key] = n - 1
+                elif n == 1:
+                    del held[key]
+                    n_free += 1
+                    if key in index:
+                        index[key].demoted = False
+                        self._policy.on_access(key)
+            self._counters["num_hold_released"] += n_free
+            return n_free
+
+    def num_held(self) -> int:
+        """Keys some device of the node holds (NOTE 8), stored here or not."""
+        with self._lock:
+            return len(self._held)
+
     # ---- eviction (lock held) -----------------------------------------
     def _new_id(self) -> int:
         self._next_id += 1
@@ -427,6 +481,7 @@ class HostTier:
                 "num_objects": len(self._index),
                 "num_pinned": sum(1 for e in self._index.values() if e.num_pins),
                 "num_leases": len(self._leases),
+                "num_held": len(self._held),
                 "slab_bytes": self._alloc.slab_bytes,
                 "fragmentation": self._alloc.fragmentation(),
                 "pinned_memory": int(self.arena.pinned),

@@ -29,6 +29,8 @@ Protocol (little-endian), one request then one response per round trip:
     15  SEAL_MANY     u8 algo | u32 n | n x u64 reservation_id   n x u8
     16  DEMOTE_MANY   u32 n | n x str key                  u32 num_present   (``HostTier.demote``)
     17  TOUCH_MANY    u32 n | n x str key                  u32 num_present   (``HostTier.touch``)
+    18  HOLD_MANY     u32 n | n x str key                  u32 num_present   (``HostTier.hold``; of the keys newly held)
+    19  UNHOLD_MANY   u32 n | n x str key                  u32 num_released  (``HostTier.unhold``)
 
 The batch ops (10-14) answer in one round trip what their single forms answer
 per key: a state of 512 blocks is put in two round trips and loaded in two,
@@ -42,8 +44,9 @@ A request the server cannot serve (malformed, truncated, an unknown op) gets
 the reply ``0xFF | utf-8 text`` (no response starts with 0xFF) and the
 connection stays open.
 
-Leases and reservations belong to the connection: when a client goes away its
-pins are released and its uncommitted regions freed.
+Leases, reservations and holds belong to the connection: when a client goes away
+its pins are released, its uncommitted regions freed and its holds dropped (a
+device that is gone holds nothing). A connection holds a key at most once.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ log = logging.getLogger(__name__)
 
 HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
 RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY, SEAL_MANY, DEMOTE_MANY = range(10, 17)
-TOUCH_MANY = 17
+TOUCH_MANY, HOLD_MANY, UNHOLD_MANY = 17, 18, 19
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
 ERROR = b"\xff"  # first byte of an error reply (statuses are 0-2; HostTierServer NOTE 2)
 
@@ -152,13 +155,14 @@ class HostTierServer:
     def _serve(self, conn: socket.socket) -> None:
         leases: set[int] = set()
         reservations: set[int] = set()
+        holds: set[str] = set()
         try:
             while True:
                 body = _recv_frame(conn)
                 if body is None:
                     return
                 try:
-                    reply = self._handle(_Reader(body), leases, reservations)
+                    reply = self._handle(_Reader(body), leases, reservations, holds)
                 except Exception as exc:  # noqa: BLE001 - NOTE 2: answer it, keep the connection
                     log.warning("host tier: bad request from a client: %r", exc)
                     reply = ERROR + repr(exc).encode()[:512]
@@ -170,6 +174,8 @@ class HostTierServer:
                 self.tier.release(lease_id)
             for rid in reservations:
                 self.tier.abort(rid)
+            if holds:
+                self.tier.unhold(list(holds))
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
@@ -207,7 +213,7 @@ class HostTierServer:
             leases.discard(lease_id)
             self.tier.release(lease_id)
 
-    def _handle(self, r: _Reader, leases: set[int], reservations: set[int]) -> bytes:
+    def _handle(self, r: _Reader, leases: set[int], reservations: set[int], holds: set[str]) -> bytes:
         op, tier = r.take(_U8), self.tier
         if op == RESERVE_MANY:
             n = r.take(_U32)
@@ -248,6 +254,14 @@ class HostTierServer:
         if op == TOUCH_MANY:
             keys = [r.str() for _ in range(r.take(_U32))]
             return _U8.pack(1) + _U32.pack(tier.touch(keys))
+        if op == HOLD_MANY:  # a connection holds a key once
+            keys = [k for k in dict.fromkeys(r.str() for _ in range(r.take(_U32))) if k not in holds]
+            holds.update(keys)
+            return _U8.pack(1) + _U32.pack(tier.hold(keys))
+        if op == UNHOLD_MANY:
+            keys = [k for k in dict.fromkeys(r.str() for _ in range(r.take(_U32))) if k in holds]
+            holds.difference_update(keys)
+            return _U8.pack(1) + _U32.pack(tier.unhold(keys))
         if op == STATS:
             return _U8.pack(1) + _pack_str(json.dumps(tier.stats()))
         raise ValueError(f"unknown op {op}")
@@ -407,7 +421,7 @@ class HostTierClient:
         return self._call(_U8.pack(DELETE) + _pack_str(key)).take(_U8) == 1
 
     def _count_keys(self, op: int, keys: Sequence[str]) -> int:
-        """One round trip of a keys op answered with the number present (DEMOTE_MANY, TOUCH_MANY)."""
+        """One round trip of a keys op answered with a count (DEMOTE_MANY, TOUCH_MANY, HOLD_MANY, UNHOLD_MANY)."""
         if not keys:
             return 0
         r = self._call(_U8.pack(op) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys))
@@ -421,6 +435,16 @@ class HostTierClient:
     def touch(self, keys: Sequence[str]) -> int:
         """``HostTier.touch`` in the owning process (one round trip): how many were present."""
         return self._count_keys(TOUCH_MANY, keys)
+
+    def hold(self, keys: Sequence[str]) -> int:
+        """``HostTier.hold`` for this connection (one round trip; dropped when it closes): how
+        many were present."""
+        return self._count_keys(HOLD_MANY, keys)
+
+    def unhold(self, keys: Sequence[str]) -> int:
+        """``HostTier.unhold`` of keys this connection holds (one round trip): how many were
+        released by their last holder."""
+        return self._count_keys(UNHOLD_MANY, keys)
 
     def stats(self) -> dict:
         r = self._call(_U8.pack(STATS))

@@ -269,3 +269,29 @@ def test_a_demoted_object_put_again_is_refreshed(eviction):
     assert evicted[0] == "k5" and len(evicted) == 2 and "k6" not in evicted  # k6 went back among the others
     assert tier.get_bytes("k6") == payload("k6", 64 * KiB)
     tier.close()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo", "arc"])
+def test_held_keys_go_first_and_come_back_when_no_device_holds_them(eviction):
+    """NOTE 8: a key a device holds, stored before or after the hold, is evicted before the rest
+    and still handed on (the disk keeps it: not NOTE 6's demotion); a second holder keeps it held
+    after the first lets go; the last release refreshes it as the newest."""
+    evicted: list[str] = []
+    tier = HostTier(16 * 64 * KiB, slab_bytes=16 * 64 * KiB, eviction=eviction,
+                    on_evict=lambda k, d: evicted.append(k), hand_on_demoted=False)
+    for i in range(14):
+        assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+    assert tier.hold(["k3", "k4", "late"]) == 2  # "late" is held before it is stored
+    assert tier.hold(["k4"]) == 1  # a second device holds k4
+    for key in ("late", "k14"):
+        assert tier.put_bytes(key, payload(key, 64 * KiB))  # full now: 16 objects
+    assert tier.unhold(["k4"]) == 0 and tier.num_held() == 3  # k4: one holder left
+    assert tier.unhold(["k3", "never"]) == 1  # k3 released by its last holder: the newest now
+    for i in (15, 16):
+        assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+    assert sorted(evicted) == ["k4", "late"], "the held keys went first, and were handed on"
+    assert tier.get_bytes("k3") == payload("k3", 64 * KiB)
+    stats = tier.stats()
+    assert stats["num_held"] == 2 and stats["num_hold_released"] == 1
+    assert stats["num_hold_demoted"] == 3  # k3 and k4 at the hold, "late" when it was stored
+    tier.close()

@@ -187,3 +187,29 @@ def test_the_socket_and_the_arena_are_owner_only() -> None:
                 server.close()
     finally:
         os.umask(old)
+
+
+def test_holds_belong_to_the_connection_and_go_with_it() -> None:
+    """HOLD_MANY / UNHOLD_MANY (``HostTier`` NOTE 8): a connection holds a key once however often
+    it asks, only its own holds are released, and a client that goes away drops what it held, so
+    its keys stop going first."""
+    with HostTier(4 * 4 * KiB, slab_bytes=16 * KiB) as tier:  # 4 one-page slots, LRU
+        server = HostTierServer(tier)
+        a, b = HostTierClient(server.socket_path), HostTierClient(server.socket_path)
+        try:
+            for k in "abcd":
+                assert a.put_bytes(k, bytes(4 * KiB))
+            assert a.hold(["b", "b", "zz"]) == 1 and a.hold(["b"]) == 0 and tier.num_held() == 2  # held once
+            assert b.unhold(["b"]) == 0 and tier.num_held() == 2, "b never held it"
+            assert b.hold(["c"]) == 1
+            b.close()
+            deadline = time.monotonic() + 5
+            while tier.num_held() != 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert tier.num_held() == 2, "the closed connection's hold of c was dropped"
+            assert a.put_bytes("e", bytes(4 * KiB))  # b goes first, though a is older
+            assert a.contains(list("abcde")) == [True, False, True, True, True]
+            assert a.unhold(["b", "zz"]) == 2 and tier.num_held() == 0
+        finally:
+            a.close()
+            server.close()
