@@ -227,6 +227,16 @@ class AsyncEngine:
         with self._lock:
             self._run_calls()
 
+    def watch_residents(self, fn) -> bool:
+        """Have the engine tell ``fn`` of its resident sessions kept, taken and evicted, on the
+        stepping thread (``disagg.engine.reference.engine`` NOTE 9); False when the engine has no
+        such hook (vLLM's device tier is its own)."""
+        if not hasattr(self.engine, "on_resident"):
+            return False
+        with self._lock:
+            self.engine.on_resident = fn
+        return True
+
     async def export_state(self, request_id: str, position: int | None = None, first_block: int = 0,
                            on_device: bool = False):
         if on_device:  # only engines that gather into device buffers take the flag

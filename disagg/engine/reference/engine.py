@@ -63,15 +63,25 @@ NOTES
    session's last turn moves only the new turn's blocks). Those pages are copied or adopted as
    NOTE 2's. A base evicted between the lookup and the admission is no error: the request
    resumes what the device still holds and computes the rest (``delta_base_misses``).
+9. Resident changes (``on_resident``, None by default): a caller that mirrors the device tier
+   elsewhere (the node's host tier as the devices' victim cache: ``disagg.workers.holds``) is
+   told, on the stepping thread, of each resident session kept (``kept``), taken back by a
+   request (``taken``: its pages live on in that request, resident again when it is released)
+   and evicted for memory (``evicted``, with ``export`` valid during the call only: the state
+   at any of its checkpoints, gathered to host memory before its pages are freed). The hook
+   runs inside a step, so it must be quick; one that raises is logged and the engine goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -82,6 +92,7 @@ from disagg.engine.reference.sampling import sample, token_logprob
 from kv_transfer.device import alloc_staging, gather_blocks, scatter_blocks
 from kv_transfer.objects import KDACheckpoint, MLABlock, ResumeState
 
+log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class EngineOptions:
@@ -142,6 +153,20 @@ class _Resident:
     checkpoints: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]  # position -> KDA (conv, rec)
 
 
+@dataclass(slots=True, frozen=True)
+class ResidentChange:
+    """A resident session kept, taken back or evicted (NOTE 9)."""
+
+    kind: Literal["kept", "taken", "evicted"]
+    resident_id: int  # the engine's id of the resident (unique for the engine's life)
+    cache_salt: str  # tenant the state belongs to
+    tokens: list[int]  # tokens whose rows it holds (not to be mutated)
+    checkpoints: tuple[int, ...]  # positions with a KDA state, ascending
+    # "evicted" only, valid during the call: (position, first_block) -> the state there, MLA
+    # blocks from ``first_block`` on, in host memory
+    export: Callable[[int, int], ResumeState] | None = None
+
+
 class ReferenceEngine:
     """Synchronous engine (one thread steps it) implementing ``disagg.engine.protocol.Engine``."""
 
@@ -165,6 +190,7 @@ class ReferenceEngine:
         self._next_resident = 0
         self.last_logits: dict[str, torch.Tensor] = {}
         self.resident_version = 0  # bumped whenever the set of resident sessions changes
+        self.on_resident: Callable[[ResidentChange], None] | None = None  # NOTE 9
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "device_hit_tokens": 0,
                          "resident_evictions": 0, "preemptions": 0, "delta_base_misses": 0}
         gil = self.options.gil_switch_interval_s
@@ -263,7 +289,14 @@ class ReferenceEngine:
         return True
 
     def _evict_resident(self) -> None:
-        _, res = self._residents.popitem(last=False)
+        rid, res = self._residents.popitem(last=False)
+        if self.on_resident is not None:  # NOTE 9: the hook may copy the state out first
+            def export(position: int, first_block: int = 0) -> ResumeState:
+                if position not in res.checkpoints:
+                    raise ValueError(f"no KDA checkpoint at {position} (have {sorted(res.checkpoints)})")
+                return self._gather(res.block_table, res.checkpoints[position], position, first_block)
+
+            self._tell("evicted", rid, res, export)
         self.cache.blocks.free(res.block_table)
         self.resident_version += 1
         self.counters["resident_evictions"] += 1
@@ -294,10 +327,21 @@ class ReferenceEngine:
             req.block_table = []
             return
         kept = {p: c for p, c in req.checkpoints.items() if p <= end}
-        self._residents[self._next_resident] = _Resident(req.cache_salt, req.token_ids[:end], req.block_table, kept)
+        res = self._residents[self._next_resident] = _Resident(req.cache_salt, req.token_ids[:end], req.block_table,
+                                                                kept)
         self._next_resident += 1
         self.resident_version += 1
         req.block_table = []
+        if self.on_resident is not None:
+            self._tell("kept", self._next_resident - 1, res)
+
+    def _tell(self, kind: str, rid: int, res: _Resident, export=None) -> None:
+        """NOTE 9: the hook hears of the change; its failure is logged, never the engine's."""
+        try:
+            self.on_resident(ResidentChange(kind, rid, res.cache_salt, res.tokens, tuple(sorted(res.checkpoints)),
+                                            export))
+        except Exception:  # noqa: BLE001 - a mirror of the device tier is best effort
+            log.warning("resident hook failed on a %s session", kind, exc_info=True)
 
     def resident_match(self, tokens: list[int], cache_salt: str = "") -> tuple[int | None, int]:
         """(resident id, position) of the furthest resident checkpoint that ``tokens`` extends.
@@ -352,6 +396,8 @@ class ReferenceEngine:
         else:
             del self._residents[rid]
             self.resident_version += 1
+            if self.on_resident is not None:
+                self._tell("taken", rid, res)
             self.cache.blocks.free(res.block_table[keep:])  # pages past the resume point go back to the pool
             req.block_table = res.block_table[:keep]
 
@@ -426,6 +472,12 @@ class ReferenceEngine:
             conv, rec = req.checkpoints[position]
         else:
             raise ValueError(f"no KDA checkpoint at {position} (have {sorted(req.checkpoints)} and {req.num_computed})")
+        return self._gather(req.block_table, (conv, rec), position, first_block, on_device)
+
+    def _gather(self, block_table: list[int], kda: tuple[list[torch.Tensor], list[torch.Tensor]], position: int,
+                first_block: int = 0, on_device: bool = False) -> ResumeState:
+        """The state at ``position`` of the rows in ``block_table`` and the KDA state ``kda``."""
+        conv, rec = kda
         bs = self.block_size
         n_full = position // bs
         blocks, staging = [], None
@@ -435,19 +487,19 @@ class ReferenceEngine:
                 mla = self.cache.mla_all
                 out = torch.empty((mla.shape[0], (n_full - first_block) * bs, mla.shape[-1]), dtype=mla.dtype,
                                   device=mla.device)
-            staging, done = gather_blocks(self.cache.mla_all, req.block_table[first_block:n_full], out)
+            staging, done = gather_blocks(self.cache.mla_all, block_table[first_block:n_full], out)
             done.wait()
             blocks = [MLABlock(staging[:, i * bs : (i + 1) * bs], (first_block + i) * bs, bs)
                       for i in range(n_full - first_block)]
         tail = None
         if position % bs:
             start = n_full * bs
-            rows = torch.stack([self.cache.read_rows(m, req.block_table, start, position)
+            rows = torch.stack([self.cache.read_rows(m, block_table, start, position)
                                 for m in range(self.layout.num_mla_layers)])
             tail = MLABlock(rows if on_device else rows.cpu(), start, position - start)
         conv_t, rec_t = torch.stack(conv), torch.stack(rec)
-        kda = KDACheckpoint(conv_t if on_device else conv_t.cpu(), rec_t if on_device else rec_t.cpu(), position)
-        return ResumeState(self.layout, position, blocks, first_block, tail, [kda], mla_rows=staging)
+        kda_state = KDACheckpoint(conv_t if on_device else conv_t.cpu(), rec_t if on_device else rec_t.cpu(), position)
+        return ResumeState(self.layout, position, blocks, first_block, tail, [kda_state], mla_rows=staging)
 
     def checkpoint_positions(self, request_id: str) -> list[int]:
         """Positions where a held request has a KDA checkpoint (prompt end, turn end, periodic)."""
