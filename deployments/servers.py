@@ -91,8 +91,11 @@ class _ServerBase:
             faults = FaultInjector(self.config.faults, self.replica_id, self.role, kill=exit_process)  # off by default
             # other nodes' host tiers over their gRPC state service (transfer.grpc; deployments.node_store)
             peers = PeerStores(self.config, self.node_id, self.store) if self.config.transfer.grpc.enabled else None
+            # the node's host tier as the decoding devices' victim cache (disagg.workers.holds NOTE 4)
+            holds = self.config.transfer.host.victim and self.role == "decode"
             self.worker = StatefulWorker(self.engine, self.store, self.replica_id, self.node_id,
-                                         options=FlowOptions.from_config(self.config), faults=faults, peer_stores=peers)
+                                         options=FlowOptions.from_config(self.config), faults=faults, peer_stores=peers,
+                                         device_holds=holds)
         self._pool_membership(join=True)
         self._draining = False
         self._inflight = 0

@@ -113,6 +113,11 @@ class HostTierConfig(_Strict):
     # prefix later (the start prior's), as they land; for full host tiers where prefixes are rarely
     # shared later (`disagg sim run --explain-misses` shows what they carry; docs/router.md "Round 37")
     speculative_first: bool = False
+    # the host tier as its node's devices' victim cache: it evicts first what a decoding device of
+    # the node holds, and each device writes back what it evicts that the tier lacks (a full node
+    # keeps host plus devices, not host alone; disagg.workers.holds). Reference engine only; off by
+    # default: workers do not yet read their node mates' devices (docs/router.md "Round 41")
+    victim: bool = False
 
     @field_validator("keep_turns", mode="before")
     @classmethod
@@ -343,6 +348,9 @@ class AppConfig(_Strict):
                 f"http.max_inflight + http.max_queued + {INGRESS_HEADROOM} = {need}: requests would queue in "
                 "Serve, out of sight of the admission gate, instead of being shed with 503; raise it or leave "
                 "it unset (derived)")
+        if self.transfer.host.victim and self.engine.backend != "reference":
+            raise ValueError("transfer.host.victim needs engine.backend 'reference': the engine must say which "
+                             f"sessions it evicts before it frees them ({self.engine.backend!r} does not)")
         return self
 
 

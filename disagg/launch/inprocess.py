@@ -70,7 +70,8 @@ class InProcessBackend:
         """A worker configured as the Serve deployments configure theirs (deadline, faults)."""
         cfg = self.config
         faults = FaultInjector(cfg.faults, name, role)  # off unless configured; a kill raises InjectedCrash
-        return StatefulWorker(engine, self.store, name, "local", options=FlowOptions.from_config(cfg), faults=faults)
+        return StatefulWorker(engine, self.store, name, "local", options=FlowOptions.from_config(cfg), faults=faults,
+                              device_holds=cfg.transfer.host.victim and role != "prefill")
 
     def stream(self, params: GenerateParams) -> AsyncIterator[StreamChunk]:
         fn = self.prefill.prefill if self.prefill is not None else None

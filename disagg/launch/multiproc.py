@@ -148,7 +148,7 @@ async def _serve_worker(cfg: AppConfig, spec: WorkerSpec, host_socket: str | Non
 
         shares = DeviceShares(pool_bytes=spec.pool_mb << 20)
     worker = StatefulWorker(AsyncEngine(engine), store, spec.name, "local", options=FlowOptions.from_config(cfg),
-                            device_shares=shares)
+                            device_shares=shares, device_holds=cfg.transfer.host.victim and spec.role != "prefill")
     prefill = RpcClient(spec.prefill_socket) if spec.prefill_socket else None
     prefill_fn = (lambda p: prefill.call("prefill", p)) if prefill is not None else None
     release_fn = (lambda h: prefill.call("release", h.device_state.share_id)) if prefill is not None else None

@@ -235,11 +235,15 @@ class StatefulWorker:
             hands state over device to device (NOTE 1) instead of publishing it.
         peer_stores: other nodes' stores by node id (cross-node loads), or None.
         prefill_pool: the prefill pool's loads and uncached tokens per request (``disagg.flow`` NOTE 5).
+        device_holds: mirror the engine's resident sessions into the node's host tier, which
+            then evicts first what this device holds and gets back what it evicts
+            (``transfer.host.victim``; ``disagg.workers.holds``). Decoding workers only.
     """
 
     def __init__(self, engine, store=None, replica_id: str = "local", node_id: str = "local",
                  *, options: FlowOptions | None = None, faults: FaultInjector | None = None, device_shares=None,
-                 peer_stores: PeerStoresFn | None = None, prefill_pool: PoolFn | None = None):
+                 peer_stores: PeerStoresFn | None = None, prefill_pool: PoolFn | None = None,
+                 device_holds: bool = False):
         self.engine = engine  # AsyncEngine
         self.store = store
         self.replica_id = replica_id
@@ -262,6 +266,15 @@ class StatefulWorker:
         self.counters = self.flow.counters
         state = TierState(store, engine.layout, node_id, load_device, device, peer_stores, self.counters)
         self.flow.state = FaultyState(state, self.faults) if self.faults is not None else state
+        self.holds = None  # transfer.host.victim (disagg.workers.holds)
+        if device_holds and store is not None:
+            from disagg.workers.holds import DeviceHolds
+
+            self.holds = DeviceHolds(store, self.hasher)
+            if not engine.watch_residents(self.holds.on_change):
+                self.holds.close()
+                raise ValueError("transfer.host.victim needs an engine that reports its resident sessions "
+                                 "(the reference engine)")
 
     # -- decode side: the request flow ------------------------------------------------------
     def generate(self, params: GenerateParams, prefill_fn: PrefillFn | None = None,
@@ -326,14 +339,18 @@ class StatefulWorker:
                              first_logprob=last.logprobs[0] if last.logprobs else None, computed_at=computed_at)
 
     async def drain(self) -> None:
-        """Wait for background publishes (graceful shutdown, tests)."""
+        """Wait for background publishes, and the device holds' queue (graceful shutdown, tests)."""
         await self.flow.drain()
+        if self.holds is not None:
+            await asyncio.to_thread(self.holds.flush)
 
     def stats(self) -> dict:
         out = {"worker": dict(self.counters), "engine": self.engine.stats(), "pd_decisions": dict(self.flow.decisions),
                "reuse": self.reuse.stats()}
         if self.store is not None:
             out["store"] = self.store.stats()
+        if self.holds is not None:
+            out["device_holds"] = self.holds.stats()
         return out
 
 

@@ -1,0 +1,115 @@
+"""The node's host tier as its devices' victim cache (``transfer.host.victim``, in process,
+aggregated, tiny model on CPU): a resident session's keys are held in the host tier; what the
+tier let go of is written back when the engine evicts the session, so its next turn resumes from
+the host tier token-exact, where write-through alone recomputes it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from disagg.engine.protocol import EngineRequest, SamplingParams
+from disagg.engine.reference.engine import ReferenceEngine
+from tests.reuse.test_worker_reuse import BS, backend, ids, send, threads  # noqa: F401 - threads is a fixture
+
+
+def victim_backend(victim: bool):
+    # 9 MiB of engine cache: 27 blocks of the tiny model, so a 20-block prompt evicts a resident session
+    return backend(deployment={"mode": "aggregated"}, engine={"cache_budget_mb": 9},
+                   transfer={"host": {"capacity_mb": 256, "pin_memory": False, "victim": victim}})
+
+
+def _block_keys(b, tokens: list[int]) -> list[str]:
+    hasher = b.decode.hasher
+    return b.store.block_keys(hasher.block_hashes(tokens))
+
+
+@pytest.mark.parametrize("victim", [True, False])
+def test_an_evicted_session_is_written_back_where_the_host_tier_let_it_go(threads, victim):  # noqa: F811
+    b = victim_backend(victim)
+    host = b.store.tiers[0]
+    first = ids(10 * BS + 20, 1)
+    try:
+        async def go():
+            out1, _ = await send(b, "a1", first, "A")
+            ended = first + out1[:-1]  # the turn end: the last token sampled is not computed yet
+            blocks = _block_keys(b, ended)
+            assert len(blocks) == 10 and all(host.contains(blocks))
+            if victim:  # every block and the checkpoints of the resident session are held
+                assert host.num_held() >= len(blocks) + 3
+                assert b.decode.holds.stats()["held_keys"] == host.num_held()
+            for key in blocks:  # the host tier let them go (held keys go first when it is full)
+                assert host.delete(key)
+            await send(b, "b1", ids(20 * BS, 2), "B")  # needs 20 of the engine's 27 blocks: A is evicted
+            assert b.decode.engine.stats()["resident_evictions"] >= 1
+            if victim:
+                holds = b.decode.holds.stats()
+                assert holds["evicted"] >= 1 and holds["written_back"] >= len(blocks)
+                assert all(host.contains(blocks)), "the evicted session's blocks are back in the host tier"
+            else:
+                assert not any(host.contains(blocks))
+            second = first + out1 + ids(30, 3)
+            out2, last2 = await send(b, "a2", second, "A")
+            return ended, second, out2, last2
+
+        ended, second, out2, last2 = asyncio.run(go())
+    finally:
+        b.shutdown()
+    if victim:
+        assert last2.num_cached_tokens == len(ended) and last2.cached_source == "host"
+    else:
+        assert last2.num_cached_tokens < 10 * BS, "write-through alone lost the session's blocks"
+    ref = backend(deployment={"mode": "aggregated"})
+    try:
+        out_ref, last_ref = asyncio.run(send(ref, "r", second, "x"))
+    finally:
+        ref.shutdown()
+    assert last_ref.num_cached_tokens == 0 and out2 == out_ref
+
+
+def test_the_engine_tells_of_residents_kept_taken_and_evicted_with_their_state(threads):  # noqa: F811
+    """``ReferenceEngine`` NOTE 9: the hook hears each change; an evicted session's export is its
+    state at a checkpoint, equal to what ``export_state`` gave before its release, from any block."""
+    from disagg.config import load_config
+    from disagg.engine.factory import build_reference_engine
+
+    engine: ReferenceEngine = build_reference_engine(load_config({"model": {"name": "tiny"},
+                                                                  "engine": {"cache_budget_mb": 9}}))
+    seen, exported = [], {}
+
+    def hook(change):
+        seen.append((change.kind, change.resident_id, len(change.tokens)))
+        if change.kind == "evicted":
+            exported["state"] = change.export(change.checkpoints[-1], 2)
+            try:
+                change.export(1, 0)  # no checkpoint there
+            except ValueError as exc:
+                exported["refused"] = str(exc)
+
+    engine.on_resident = hook
+    prompt = ids(6 * BS + 5, 7)
+    engine.generate(EngineRequest("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True), keep_state=True))
+    before = engine.export_state("a", None, 2)
+    engine.release("a")
+    assert seen == [("kept", 0, 6 * BS + 6)]
+    follow = prompt + ids(40, 8)  # extends the resident: adopts it
+    engine.generate(EngineRequest("b", follow, SamplingParams(max_tokens=2, ignore_eos=True), keep_state=True))
+    engine.release("b")
+    assert seen[1] == ("taken", 0, 6 * BS + 6) and seen[2][0] == "kept"
+    engine.generate(EngineRequest("c", ids(25 * BS, 9), SamplingParams(max_tokens=1, ignore_eos=True)))
+    assert seen[3][0] == "evicted" and seen[3][1] == seen[2][1]
+    assert "no KDA checkpoint at 1" in exported["refused"]
+    got = exported["state"]
+    assert got.position == len(follow) + 1 and got.first_block == 2 and len(got.mla_blocks) == got.position // BS - 2
+    assert before.position == 6 * BS + 6  # the first turn's state: the same rows where both have them
+    for mine, theirs in zip(got.mla_blocks, before.mla_blocks, strict=False):
+        assert mine.start == theirs.start and torch.equal(mine.rows, theirs.rows)
+
+
+def test_victim_is_refused_for_an_engine_that_cannot_say_what_it_evicts():
+    from disagg.config import load_config
+
+    with pytest.raises(ValueError, match="transfer.host.victim needs engine.backend 'reference'"):
+        load_config({"engine": {"backend": "vllm"}, "transfer": {"host": {"victim": True}}})
