@@ -485,18 +485,22 @@ def test_victim_host_tiers_resume_from_a_node_mates_device():
     while a device of the node holds them, and the next turn, placed on the other worker of the
     node, resumes them from that device; written through, the host tier kept only the session's
     newest blocks and the turn recomputes. In P/D only the decode workers' devices count. Victim
-    host tiers need a host tier."""
+    host tiers need a host tier. "victim-own" (serving's ``transfer.host.victim``) keeps the same
+    tiers but reads no node mate's device, and tells the index of the host tier alone."""
     a0 = SimRequest("a", 0, 0, 0, 2048 + 100, 2, list(range(9)), 256)  # 8 full blocks
     a1 = SimRequest("a", 1, 0, 0, 3072 + 100, 2, list(range(13)), 256)  # extends a0's blocks
     got = {}
-    for write in ("through", "victim"):
+    for write in ("through", "victim", "victim-own"):
         cl = ClusterConfig(num_workers=2, workers_per_node=2, device_blocks=64, host_blocks=6,
                            checkpoint_every_blocks=0, host_write=write)
         sim = Simulator([a0, a1], "round_robin", cl, HAND, lanes=1)
         recs = sorted(sim.run().records, key=lambda r: r.turn)
         got[write] = [(r.decode_worker, r.cached_tokens) for r in recs]
+        if write.startswith("victim"):
+            assert (sim.victims["n0"].publish is None) == (write == "victim-own")
     assert got["through"] == [("w00", 0), ("w01", 0)]
     assert got["victim"] == [("w00", 0), ("w01", 2048)]
+    assert got["victim-own"] == [("w00", 0), ("w01", 0)], "the node mate's device is not read"
     # P/D: only decoding devices count; the prefill node's device holds the prompt, not the session
     r = SimRequest("s", 0, 0, 0, 4000, 5, list(range(16)), 256)
     sim = Simulator([r], "round_robin", ClusterConfig(num_prefill=1, num_decode=1, workers_per_node=1,

@@ -189,7 +189,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "to the device, and what a device evicts to the host tier (Simulator NOTE 6); "
                         "victim: through, but a full host tier lets go first of what a device of its node "
                         "holds, a device's evictions go back to it, and workers read their node's other "
-                        "devices (Simulator NOTE 12; not in serving yet)")
+                        "devices (Simulator NOTE 12; not in serving yet); victim-own: victim without reads of "
+                        "the node's other devices (serving's transfer.host.victim)")
     g.add_argument("--no-peer-reads", action="store_true",
                    help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
     g.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,

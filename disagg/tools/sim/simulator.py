@@ -140,7 +140,9 @@ NOTES
    issue's own trace at 16 workers, written through, the run loses 0.077 of the infinite
    cache's reuse to eviction while Belady on the pooled capacity loses 0.002; with the host
    tier enlarged by the devices' room the loss is gone, which is what this arrangement
-   reaches without more memory (docs/router.md, "Round 40").
+   reaches without more memory (docs/router.md, "Round 40"). "victim-own" is what serving's
+   ``transfer.host.victim`` does (``disagg.workers.holds``): the same tiers, but a worker reads
+   its own device and the host tier only, and the index is told of the host tier alone.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -178,7 +180,7 @@ from disagg.tools.sim.worker import SimJob, SimWorker
 from disagg.tools.sim.workload import DigestCache, SimRequest, tail_digest
 
 HOST_POLICIES = ("lru", "s3fifo", "arc")  # serving's host tier policies (transfer.host.policy)
-HOST_WRITES = ("through", "back", "victim")  # NOTE 6, NOTE 12
+HOST_WRITES = ("through", "back", "victim", "victim-own")  # NOTE 6, NOTE 12
 OUTPUT_HINTS = ("none", "exact")  # NOTE 9
 _K = b"K"  # an aligned checkpoint's key: "K" + the digest of the block it ends (disagg.tools.sim.state)
 
@@ -210,7 +212,7 @@ class ClusterConfig:
     host_policy: str = "lru"  # host tiers: "lru" (LRUTier, serving's default policy) or another of serving's
     # policies (cache.PolicyTier)
     host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6;
-    # "victim": NOTE 12
+    # "victim": NOTE 12; "victim-own": NOTE 12 without reads of node mates' devices (serving's transfer.host.victim)
     session_ends: bool = False  # clients mark each session's last turn (the API's session_end; retention)
     session_end_after: bool = False  # ... after its answer instead (DELETE /v1/sessions/{id}): written (NOTE 7)
     output_hint: str = "none"  # what clients tell the router of a request's output: OUTPUT_HINTS (NOTE 9)
@@ -234,8 +236,8 @@ class ClusterConfig:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}")
         if self.host_write not in HOST_WRITES:
             raise ValueError(f"host_write must be one of {HOST_WRITES}")
-        if self.host_write == "victim" and not self.host_blocks:
-            raise ValueError("host_write 'victim' needs a host tier (host_blocks > 0)")
+        if self.host_write.startswith("victim") and not self.host_blocks:
+            raise ValueError(f"host_write {self.host_write!r} needs a host tier (host_blocks > 0)")
         if self.session_ends and self.retention == "lru":
             raise ValueError("session_ends needs a retention that tracks sessions (checkpoints or session)")
         if self.output_hint not in OUTPUT_HINTS:
@@ -391,8 +393,9 @@ class Simulator:
         else:
             host = PolicyTier("host", c.host_blocks, c.host_policy, listener)
         self.host[node] = host
-        if c.host_write == "victim":  # NOTE 12
-            victim = self.victims[node] = VictimHost(host, self.state.size_of, self.state.listener("host", reporter))
+        if c.host_write.startswith("victim"):  # NOTE 12; the index told of the node's view only where workers read it
+            publish = self.state.listener("host", reporter) if c.host_write == "victim" else None
+            victim = self.victims[node] = VictimHost(host, self.state.size_of, publish)
             host.on_event = victim.host_listener(listener)
 
     def _node_tiers_of(self, w: SimWorker, node: str = "") -> tuple[LRUTier | NodeView | None, LRUTier | None]:
