@@ -8,8 +8,8 @@ its node's host tier so the two hold less twice:
     engine (step thread)            DeviceHolds                     node's host tier
     session kept resident  ------>  hold its keys (queued) ------>  held keys evicted first
     session taken by a request ---> unhold (queued) ------------->  refreshed as the newest
-    session evicted for memory ---> what the tier lacks: copied ->  written back, then unheld
-                                    out now, stored (queued)         (the newest)
+    session evicted for memory ---> unhold; what the tier lacks:    refreshed; written back
+                                    copied out now, stored (queued)  (the newest)
 
 NOTES
 1. A session's keys: its MLA blocks, and the KDA shards (with the tail, when unaligned) at
@@ -18,8 +18,10 @@ NOTES
 2. Eviction (``disagg.engine.reference.engine`` NOTE 9): on the step thread, one ``contains``
    round trip for the session's blocks and its furthest checkpoint; the state from the first
    block the tier lacks is gathered to host memory before the pages are freed, and stored on
-   this class's thread (``put_state``: what is present is refreshed, what is not is written).
-   Nothing missing: only the unhold (which refreshes). A write-back waiting behind more than
+   this class's thread (``put_state``: what is present is refreshed, what is not is written),
+   after the session's keys are released: stored while still held, each piece would go to the
+   head of the eviction order and the next piece's room would evict it. Nothing missing: only
+   the release (which refreshes). A write-back waiting behind more than
    ``max_pending_bytes`` is dropped and counted (the session is then recomputed or resumed from
    what the tier kept).
 3. Holds are the connection's (``kv_transfer.tiers.host_ipc``): a replica that dies drops
@@ -77,13 +79,16 @@ class DeviceHolds:
             self._queue.put(("unhold", change.resident_id))
         else:
             self._write_back(change)
-            self._queue.put(("unhold", change.resident_id))
 
     def _write_back(self, change) -> None:
         if not change.checkpoints:
+            self._queue.put(("unhold", change.resident_id))
             return
         position = change.checkpoints[-1]
         blocks, point = self._keys_of(change, position)
+        # released before the write-back: stored while still held, each piece would go to the head
+        # of the eviction order and the next piece's room would evict it (NOTE 2)
+        self._queue.put(("unhold", change.resident_id))
         present = self.store.contains_keys(blocks + point)
         first = next((i for i, ok in enumerate(present[: len(blocks)]) if not ok), len(blocks))
         if first == len(blocks) and all(present[len(blocks):]):

@@ -113,3 +113,50 @@ def test_victim_is_refused_for_an_engine_that_cannot_say_what_it_evicts():
 
     with pytest.raises(ValueError, match="transfer.host.victim needs engine.backend 'reference'"):
         load_config({"engine": {"backend": "vllm"}, "transfer": {"host": {"victim": True}}})
+
+
+def test_a_write_back_into_a_full_host_tier_keeps_every_piece(threads):  # noqa: F811
+    """``disagg.workers.holds`` NOTE 2: the evicted session's keys are released before its
+    write-back is stored, so into a host tier full of other objects every piece lands as the
+    newest; stored while still held, each would go to the head of the eviction order, where the
+    next store (another session's turn, in serving) evicts it."""
+    from disagg.config import load_config
+    from disagg.engine.factory import build_reference_engine
+    from disagg.workers.holds import DeviceHolds
+    from kv_transfer.keys import BlockHasher, KeyExtras
+    from kv_transfer.store import StateStore
+    from kv_transfer.tiers.host import HostTier
+
+    engine = build_reference_engine(load_config({"model": {"name": "tiny"}, "engine": {"cache_budget_mb": 9}}))
+    host = HostTier(8 << 20, slab_bytes=512 << 10)
+    store = StateStore([host], engine.layout)
+    hasher = BlockHasher(BS, KeyExtras(engine.model_id))
+    holds = DeviceHolds(store, hasher)
+    engine.on_resident = holds.on_change
+    prompt = ids(10 * BS + 20, 1)
+    engine.generate(EngineRequest("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True), keep_state=True))
+    ended = engine.computed_tokens("a")
+    store.put_state(ended, engine.export_state("a"), hasher)
+    engine.release("a")
+    assert holds.flush()
+    hashes = hasher.block_hashes(ended)
+    keys = store.block_keys(hashes) + store.checkpoint_keys(hasher.prefix_digest(ended, len(ended), hashes), True)
+    assert all(store.contains_keys(keys)) and host.num_held() >= len(keys)
+    sizes = [len(host.get_bytes(key)) for key in keys]
+    for key in keys:  # the host tier let them go while the device held them
+        assert host.delete(key)
+    i = 0
+    while host.stats()["num_evictions"] < len(keys):  # full of other objects of the same sizes, so every
+        assert host.put_bytes(f"filler{i}", bytes(sizes[i % len(sizes)]))  # piece evicts one
+        i += 1
+    held_at_put = []
+    put_state = store.put_state
+    store.put_state = lambda *a, **k: (held_at_put.append(host.num_held()), put_state(*a, **k))[1]
+    engine.generate(EngineRequest("c", ids(25 * BS, 9), SamplingParams(max_tokens=1, ignore_eos=True)))
+    assert holds.flush()
+    assert held_at_put == [0], "nothing was held when the write-back was stored (c is held after it)"
+    assert holds.stats()["evicted"] == 1 and holds.stats()["written_back"] == len(keys)
+    assert all(store.contains_keys(keys)), "every written-back piece is still in the host tier"
+    assert holds.stats()["residents_held"] == 1  # c's (a finished request stays resident), not a's
+    holds.close()
+    host.close()
