@@ -97,6 +97,7 @@ class NodeStoreActor:
         # a spill straight from the host tier passes demoted objects by (HostTier NOTE 6); the disk's
         # write-behind takes them, as it always has
         self.host = HostTier(cfg.host.capacity_mb << 20, eviction=cfg.host.policy, pin_memory=cfg.host.pin_memory,
+                             slab_bytes=(cfg.host.slab_kb << 10) or None,
                              on_evict=on_evict, hand_on_demoted=self.disk is not None, event_log=self.events,
                              worker_id=node_id)
         self.server = HostTierServer(self.host)

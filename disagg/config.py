@@ -101,6 +101,10 @@ class HostTierConfig(_Strict):
     capacity_mb: int = 1024  # hard byte capacity of the node's shared host tier
     policy: Literal["lru", "s3fifo", "arc"] = "lru"  # eviction policy (kv_transfer.tiers.eviction; docs/router.md "Round 14")
     pin_memory: bool = True  # page-lock for fast device copies where a GPU exists
+    # slab size of the arena's allocator (kv_transfer.tiers.allocator), KiB; 0: derived from the
+    # capacity (1/32 of it, at least 64 MiB where 4 such slabs fit). A small tier (tests, CPU
+    # benchmarks) with a few objects of several sizes wants more, smaller slabs
+    slab_kb: int = Field(default=0, ge=0)
     # a session's newest private KDA checkpoints kept in eviction order; older ones are evicted
     # first (disagg.reuse.retention); 0: off (recency alone)
     keep_checkpoints: int = Field(default=KEEP_CHECKPOINTS, ge=0)

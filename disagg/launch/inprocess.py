@@ -32,7 +32,7 @@ def make_local_store(cfg: AppConfig, layout):
         disk = DiskTier(cfg.transfer.disk.path, int(cfg.transfer.disk.capacity_gb * (1 << 30)),
                         admission=cfg.transfer.disk.admission)
     host = HostTier(cfg.transfer.host.capacity_mb << 20, eviction=cfg.transfer.host.policy,
-                    pin_memory=cfg.transfer.host.pin_memory)
+                    pin_memory=cfg.transfer.host.pin_memory, slab_bytes=(cfg.transfer.host.slab_kb << 10) or None)
     tiers.append(host)
     if disk is not None:
         tiers.append(disk)

@@ -240,7 +240,8 @@ class ProcessBackend:
             from kv_transfer.tiers.host import HostTier
             from kv_transfer.tiers.host_ipc import HostTierServer
 
-            self.host = HostTier(cfg.transfer.host.capacity_mb << 20, eviction=cfg.transfer.host.policy)
+            self.host = HostTier(cfg.transfer.host.capacity_mb << 20, eviction=cfg.transfer.host.policy,
+                                 slab_bytes=(cfg.transfer.host.slab_kb << 10) or None)
             self.host_server = HostTierServer(self.host, os.path.join(self._dir, "host.sock"))
         sock = lambda name: os.path.join(self._dir, f"{name}.sock")  # noqa: E731
         if pool_mb is None:  # the device hand-off's staging pool: room for a few 128K-token states on a GPU
