@@ -119,8 +119,9 @@ class HostTierConfig(_Strict):
     speculative_first: bool = False
     # the host tier as its node's devices' victim cache: it evicts first what a decoding device of
     # the node holds, and each device writes back what it evicts that the tier lacks (a full node
-    # keeps host plus devices, not host alone; disagg.workers.holds). Reference engine only; off by
-    # default: workers do not yet read their node mates' devices (docs/router.md "Round 41")
+    # keeps host plus devices, not host alone; disagg.workers.holds). Reference engine only. Off by
+    # default, and best left off: workers do not yet read their node mates' devices, so a prefix
+    # mates share goes first from the tier they read (docs/router.md "Round 41")
     victim: bool = False
 
     @field_validator("keep_turns", mode="before")

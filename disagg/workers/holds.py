@@ -16,7 +16,7 @@ NOTES
    each of its checkpoints (``kv_transfer.store.StateStore.block_keys`` / ``checkpoint_keys``),
    computed off the step thread when it is kept and remembered by the engine's resident id.
 2. Eviction (``disagg.engine.reference.engine`` NOTE 9): on the step thread, one ``contains``
-   round trip for the session's blocks and its furthest checkpoint; the state from the first
+   round trip to the host tier for the session's blocks and its furthest checkpoint; the state from the first
    block the tier lacks is gathered to host memory before the pages are freed, and stored on
    this class's thread (``put_state``: what is present is refreshed, what is not is written),
    after the session's keys are released: stored while still held, each piece would go to the
@@ -29,8 +29,11 @@ NOTES
 4. Only decoding devices hold (the simulator's Simulator NOTE 12): a P/D prefill device keeps
    prompts whose sessions live on their decode nodes.
 5. What serving does not do yet, and the simulator's ``--host-write victim`` does: a worker
-   reads its node mates' devices (the node's tier as the node reads it); here a session whose
-   host copy went first resumes from its own device, or is written back when evicted.
+   reads its node mates' devices (the node's tier as the node reads it). Here a session whose
+   host copy went first resumes from its own device, or is written back when evicted; a node
+   mate that wants it (a shared document, a session that moved) recomputes it. The simulator's
+   form of this (``--host-write victim-own``) loses to write-through in 7 of 8 held-out cells,
+   so ``transfer.host.victim`` stays off until the mates' reads exist (docs/router.md "Round 41").
 """
 
 from __future__ import annotations
@@ -81,15 +84,15 @@ class DeviceHolds:
             self._write_back(change)
 
     def _write_back(self, change) -> None:
-        if not change.checkpoints:
+        try:
+            position = change.checkpoints[-1] if change.checkpoints else None
+            blocks, point = self._keys_of(change, position) if position is not None else ([], [])
+        finally:  # released before the write-back is stored (NOTE 2), and whatever happens
             self._queue.put(("unhold", change.resident_id))
+        if position is None:
             return
-        position = change.checkpoints[-1]
-        blocks, point = self._keys_of(change, position)
-        # released before the write-back: stored while still held, each piece would go to the head
-        # of the eviction order and the next piece's room would evict it (NOTE 2)
-        self._queue.put(("unhold", change.resident_id))
-        present = self.store.contains_keys(blocks + point)
+        # the node's host tier alone (one socket round trip): a lower tier's lookup may be a Ray call
+        present = self.store.tiers[0].contains(blocks + point)
         first = next((i for i, ok in enumerate(present[: len(blocks)]) if not ok), len(blocks))
         if first == len(blocks) and all(present[len(blocks):]):
             self.counters["write_back_skipped"] += 1
