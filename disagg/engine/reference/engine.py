@@ -94,6 +94,7 @@ from kv_transfer.objects import KDACheckpoint, MLABlock, ResumeState
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(slots=True)
 class EngineOptions:
     """Scheduling and memory knobs of the reference engine."""
