@@ -138,6 +138,12 @@ class ResumeState:
         for k in self.kda:
             assert k.position == self.position, "KDA checkpoint must sit at the resume point"
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of state carried: the blocks' and the tail's rows, and every KDA shard."""
+        rows = sum(b.rows.nbytes for b in self.mla_blocks) + (self.tail.rows.nbytes if self.tail else 0)
+        return rows + sum(k.conv.nbytes + k.recurrent.nbytes for k in self.kda)
+
     def __repr__(self) -> str:
         return (
             f"ResumeState(position={self.position}, blocks={self.first_block}+{len(self.mla_blocks)}, "

@@ -98,8 +98,7 @@ class DeviceHolds:
             self.counters["write_back_skipped"] += 1
             return
         state = change.export(position, first)
-        nbytes = sum(b.rows.nbytes for b in state.mla_blocks) + (state.tail.rows.nbytes if state.tail else 0)
-        nbytes += sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
+        nbytes = state.nbytes
         with self._lock:
             if self._pending + nbytes > self.max_pending_bytes:
                 self.counters["write_back_dropped"] += 1

@@ -116,9 +116,7 @@ class TierState:
                 self.counters["peer_loads" if state is not None else "peer_load_failures"] += 1
         if state is None:
             return None
-        nbytes = sum(b.rows.nbytes for b in state.mla_blocks) + (state.tail.rows.nbytes if state.tail else 0)
-        nbytes += sum(k.conv.nbytes + k.recurrent.nbytes for k in state.kda)
-        return Resume(state, position, "host", nbytes, time.perf_counter() - t0)
+        return Resume(state, position, "host", state.nbytes, time.perf_counter() - t0)
 
     def _load(self, tokens: list[int], position: int, hasher: BlockHasher, node_id: str | None, first_block: int):
         store = self.peer_stores(node_id) if node_id is not None else None
