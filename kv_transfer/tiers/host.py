@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -115,6 +117,19 @@ class Reservation:
             self.abort_fn(self.reservation_id)
 
 
+class _Listener:
+    """A holder's recall listener on a ``HostTier`` of its own process (``HostTier.reconnect``)."""
+
+    def __init__(self, tier: HostTier, name: str):
+        self.tier, self.name = tier, name
+
+    def recalled(self, after: int, timeout_s: float) -> tuple[int, list[str]]:
+        return self.tier.recalled(self.name, after, timeout_s)
+
+    def close(self) -> None:
+        self.tier.forget_listener(self.name)
+
+
 class HostTier:
     """The owner of a host arena's index.
 
@@ -143,6 +158,15 @@ class HostTier:
        ``touch`` refreshes it like any other (a turn's store of a session's prefix). A key no
        device holds any more is refreshed as the newest: the last device let it go, and its
        holder writes back what the tier lacks before freeing it.
+    9. Recalls (the node's devices read as one tier with it, ``disagg.workers.holds`` NOTE 5):
+       a reader that misses keys some other device of the node holds asks for them back
+       (``recall``). The keys go on a list every listener (a holder, ``recalled``) reads; the
+       reader waits until every listener has come back for the list's next entries (it wrote
+       back what it could), nothing it asked for is held or stored any more, or the timeout.
+       While a recall waits, held keys stored are not put at the head (the reader is about to
+       load the write-back: its blocks, and the checkpoint it did not know to ask for). The
+       node's index events follow what the node can read: a held key this tier evicts stays
+       published (a recall brings it back) until its last holder lets it go unstored.
     """
 
     def __init__(
@@ -176,10 +200,19 @@ class HostTier:
         self._next_id = 1
         self._used_bytes = 0
         self._held: dict[str, int] = {}  # key -> holders (NOTE 8)
+        self._cond = threading.Condition(self._lock)  # recalls wait on it (NOTE 9)
+        self._recalls: deque[tuple[int, tuple[str, ...]]] = deque(maxlen=1024)  # (seq, keys) listeners read
+        self._recall_seq = 0
+        self._next_listener = 0
+        self._listeners: dict[str, int] = {}  # listener -> the last recall it answered
+        self._wanted: set[str] = set()  # recalled, not stored yet
+        self._recalls_open = 0  # recalls waiting: held keys stored meanwhile are not put first
+        self._withheld: set[str] = set()  # held keys evicted here whose eviction was not published (NOTE 9)
         self._counters = dict.fromkeys(
             ("num_puts", "num_duplicate_puts", "num_put_rejected", "num_hits", "num_misses",
              "num_evictions", "evicted_bytes", "num_deletes", "num_slab_reclaims", "num_evict_errors",
-             "num_demoted", "num_refreshed", "num_hold_demoted", "num_hold_released"), 0)
+             "num_demoted", "num_refreshed", "num_hold_demoted", "num_hold_released", "num_recalls",
+             "num_recalled_keys", "num_recalled_stored", "num_recall_timeouts", "num_withheld_evictions"), 0)
 
     # ---- writes --------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> Reservation | None:
@@ -217,7 +250,12 @@ class HostTier:
             self._index[key] = _Entry(alloc)
             self._used_bytes += alloc.nbytes
             self._policy.on_insert(key, alloc.nbytes)
-            if key in self._held:  # a device holds it: the node's copy goes first (NOTE 8)
+            self._withheld.discard(key)
+            if key in self._wanted:  # recalled: a reader waits for it (NOTE 9)
+                self._wanted.discard(key)
+                self._counters["num_recalled_stored"] += 1
+                self._cond.notify_all()
+            elif key in self._held and not self._recalls_open:  # the node's copy goes first (NOTE 8)
                 self._policy.demote(key)
                 self._counters["num_hold_demoted"] += 1
             self._counters["num_puts"] += 1
@@ -375,6 +413,7 @@ class HostTier:
         """One device fewer holds each of ``keys`` (NOTE 8); a key no device holds any more is
         refreshed as the newest where stored. Keys not held are ignored. Returns how many keys
         were released by their last holder."""
+        gone = []
         with self._lock:
             held, index = self._held, self._index
             n_free = 0
@@ -388,8 +427,82 @@ class HostTier:
                     if key in index:
                         index[key].demoted = False
                         self._policy.on_access(key)
+                    elif key in self._withheld:  # the node cannot read it any more (NOTE 9)
+                        self._withheld.discard(key)
+                        gone.append(key)
             self._counters["num_hold_released"] += n_free
-            return n_free
+            if n_free and self._wanted:
+                self._cond.notify_all()
+        for key in gone:
+            self._emit("evicted", key, 0)
+        return n_free
+
+    # ---- recalls (NOTE 9) ------------------------------------------------
+    def recall(self, keys: Sequence[str], timeout_s: float, exclude: Iterable[str] = ()) -> int:
+        """Ask the node's devices for ``keys`` this tier lacks and some device other than the
+        caller's (``exclude``: the keys it holds itself) holds, and wait for them (NOTE 9).
+        Returns how many of those were stored when the wait ended (0: nothing to ask)."""
+        exclude = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        with self._cond:
+            held, index = self._held, self._index
+            want = tuple(k for k in dict.fromkeys(keys) if k not in index and held.get(k, 0) > (k in exclude))
+            if not want:
+                return 0
+            self._recall_seq += 1
+            seq = self._recall_seq
+            self._recalls.append((seq, want))
+            self._wanted.update(want)
+            self._recalls_open += 1
+            listeners = list(self._listeners)
+            self._counters["num_recalls"] += 1
+            self._cond.notify_all()
+            deadline = time.monotonic() + timeout_s
+            try:
+                while True:
+                    if all(self._listeners.get(name, seq) >= seq for name in listeners):
+                        break  # every listener came back: it answered what it could
+                    if not any(k in index or k in held for k in want):
+                        break  # let go, and not written back: nothing is coming
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._counters["num_recall_timeouts"] += 1
+                        break
+                    self._cond.wait(left)
+            finally:
+                self._recalls_open -= 1
+            self._wanted.difference_update(want)
+            got = sum(k in index for k in want)
+            self._counters["num_recalled_keys"] += got
+            return got
+
+    def recalled(self, listener: str, after: int, timeout_s: float) -> tuple[int, list[str]]:
+        """A holder's wait for recalls (NOTE 9): having answered every recall up to ``after``, the
+        keys of those after it, and the last one's number; ``(after, [])`` at the timeout.
+        A listener that misses more than the list keeps gets the newest it has."""
+        with self._cond:
+            self._listeners[listener] = after
+            self._cond.notify_all()  # a recall may wait for this listener's answer
+            deadline = time.monotonic() + timeout_s
+            while self._recall_seq <= after:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return after, []
+                self._cond.wait(left)
+            keys = [k for seq, ks in self._recalls if seq > after for k in ks]
+            return self._recall_seq, list(dict.fromkeys(keys))
+
+    def reconnect(self) -> _Listener:
+        """Where a holder of this process listens for recalls (``recalled``, ``close``), as a
+        ``HostTierClient``'s connection of its own does."""
+        with self._lock:
+            self._next_listener += 1
+            return _Listener(self, f"local-{self._next_listener}")
+
+    def forget_listener(self, listener: str) -> None:
+        """A listener that is gone: recalls stop waiting for it."""
+        with self._cond:
+            if self._listeners.pop(listener, None) is not None:
+                self._cond.notify_all()
 
     def num_held(self) -> int:
         """Keys some device of the node holds (NOTE 8), stored here or not."""
@@ -447,8 +560,16 @@ class HostTier:
         return None
 
     def _after_evictions(self, evicted: list[tuple[str, bytes | None, int]]) -> None:
+        if evicted and self._held:
+            with self._lock:  # NOTE 9: what a device of the node holds, the node still reads
+                withheld = {key for key, _, _ in evicted if key in self._held}
+                self._withheld.update(withheld)
+                self._counters["num_withheld_evictions"] += len(withheld)
+        else:
+            withheld = ()
         for key, data, nbytes in evicted:
-            self._emit("evicted", key, nbytes)
+            if key not in withheld:
+                self._emit("evicted", key, nbytes)
             if self.on_evict is not None and data is not None:
                 try:  # a failing write-behind loses that object only, never the caller's put
                     self.on_evict(key, data)
@@ -482,6 +603,7 @@ class HostTier:
                 "num_pinned": sum(1 for e in self._index.values() if e.num_pins),
                 "num_leases": len(self._leases),
                 "num_held": len(self._held),
+                "num_recall_listeners": len(self._listeners),
                 "slab_bytes": self._alloc.slab_bytes,
                 "fragmentation": self._alloc.fragmentation(),
                 "pinned_memory": int(self.arena.pinned),

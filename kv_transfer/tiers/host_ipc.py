@@ -31,6 +31,8 @@ Protocol (little-endian), one request then one response per round trip:
     17  TOUCH_MANY    u32 n | n x str key                  u32 num_present   (``HostTier.touch``)
     18  HOLD_MANY     u32 n | n x str key                  u32 num_present   (``HostTier.hold``; of the keys newly held)
     19  UNHOLD_MANY   u32 n | n x str key                  u32 num_released  (``HostTier.unhold``)
+    20  RECALL_MANY   u32 timeout_ms | u32 n | n x str key u32 num_stored    (``HostTier.recall``; not of this connection's holds)
+    21  RECALLED      u64 after | u32 timeout_ms           u64 seq | u32 n | n x str key   (``HostTier.recalled``)
 
 The batch ops (10-14) answer in one round trip what their single forms answer
 per key: a state of 512 blocks is put in two round trips and loaded in two,
@@ -47,6 +49,9 @@ connection stays open.
 Leases, reservations and holds belong to the connection: when a client goes away
 its pins are released, its uncommitted regions freed and its holds dropped (a
 device that is gone holds nothing). A connection holds a key at most once.
+RECALL_MANY and RECALLED block the connection's server thread up to their
+timeout (a holder listens for recalls on a connection of its own); a listening
+connection that closes is forgotten, so no recall waits for it.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ log = logging.getLogger(__name__)
 
 HELLO, RESERVE, COMMIT, ABORT, GET, RELEASE, CONTAINS, DELETE, STATS = range(1, 10)
 RESERVE_MANY, COMMIT_MANY, ABORT_MANY, GET_MANY, RELEASE_MANY, SEAL_MANY, DEMOTE_MANY = range(10, 17)
-TOUCH_MANY, HOLD_MANY, UNHOLD_MANY = 17, 18, 19
+TOUCH_MANY, HOLD_MANY, UNHOLD_MANY, RECALL_MANY, RECALLED = 17, 18, 19, 20, 21
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
 ERROR = b"\xff"  # first byte of an error reply (statuses are 0-2; HostTierServer NOTE 2)
 
@@ -156,13 +161,14 @@ class HostTierServer:
         leases: set[int] = set()
         reservations: set[int] = set()
         holds: set[str] = set()
+        listener = f"conn-{id(conn)}"
         try:
             while True:
                 body = _recv_frame(conn)
                 if body is None:
                     return
                 try:
-                    reply = self._handle(_Reader(body), leases, reservations, holds)
+                    reply = self._handle(_Reader(body), leases, reservations, holds, listener)
                 except Exception as exc:  # noqa: BLE001 - NOTE 2: answer it, keep the connection
                     log.warning("host tier: bad request from a client: %r", exc)
                     reply = ERROR + repr(exc).encode()[:512]
@@ -176,6 +182,7 @@ class HostTierServer:
                 self.tier.abort(rid)
             if holds:
                 self.tier.unhold(list(holds))
+            self.tier.forget_listener(listener)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
@@ -213,7 +220,8 @@ class HostTierServer:
             leases.discard(lease_id)
             self.tier.release(lease_id)
 
-    def _handle(self, r: _Reader, leases: set[int], reservations: set[int], holds: set[str]) -> bytes:
+    def _handle(self, r: _Reader, leases: set[int], reservations: set[int], holds: set[str],
+                listener: str = "") -> bytes:
         op, tier = r.take(_U8), self.tier
         if op == RESERVE_MANY:
             n = r.take(_U32)
@@ -262,6 +270,14 @@ class HostTierServer:
             keys = [k for k in dict.fromkeys(r.str() for _ in range(r.take(_U32))) if k in holds]
             holds.difference_update(keys)
             return _U8.pack(1) + _U32.pack(tier.unhold(keys))
+        if op == RECALL_MANY:
+            timeout_s = r.take(_U32) / 1000
+            keys = [r.str() for _ in range(r.take(_U32))]
+            return _U8.pack(1) + _U32.pack(tier.recall(keys, timeout_s, exclude=holds))
+        if op == RECALLED:
+            after, timeout_s = r.take(_U64), r.take(_U32) / 1000
+            seq, keys = tier.recalled(listener, after, timeout_s)
+            return _U8.pack(1) + _U64.pack(seq) + _U32.pack(len(keys)) + b"".join(_pack_str(k) for k in keys)
         if op == STATS:
             return _U8.pack(1) + _pack_str(json.dumps(tier.stats()))
         raise ValueError(f"unknown op {op}")
@@ -294,6 +310,7 @@ class HostTierClient:
 
     def __init__(self, socket_path: str, name: str = "host"):
         self.name = name
+        self.socket_path = socket_path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(socket_path)
         self._lock = threading.Lock()
@@ -445,6 +462,30 @@ class HostTierClient:
         """``HostTier.unhold`` of keys this connection holds (one round trip): how many were
         released by their last holder."""
         return self._count_keys(UNHOLD_MANY, keys)
+
+    def recall(self, keys: Sequence[str], timeout_s: float) -> int:
+        """``HostTier.recall`` of the ``keys`` another device holds (this connection's own holds
+        excluded), waiting up to ``timeout_s``: how many of them were stored when it ended."""
+        if not keys:
+            return 0
+        ms = max(0, min(int(timeout_s * 1000), 0xFFFFFFFF))
+        r = self._call(_U8.pack(RECALL_MANY) + _U32.pack(ms) + _U32.pack(len(keys))
+                       + b"".join(_pack_str(k) for k in keys))
+        r.take(_U8)
+        return r.take(_U32)
+
+    def recalled(self, after: int, timeout_s: float) -> tuple[int, list[str]]:
+        """``HostTier.recalled`` for this connection (its listener; blocks the connection up to
+        ``timeout_s``: listen on a connection of its own, ``reconnect``)."""
+        ms = max(0, min(int(timeout_s * 1000), 0xFFFFFFFF))
+        r = self._call(_U8.pack(RECALLED) + _U64.pack(after) + _U32.pack(ms))
+        r.take(_U8)
+        seq, n = r.take(_U64), r.take(_U32)
+        return seq, [r.str() for _ in range(n)]
+
+    def reconnect(self) -> HostTierClient:
+        """Another client of the same tier, on a connection of its own."""
+        return HostTierClient(self.socket_path, self.name)
 
     def stats(self) -> dict:
         r = self._call(_U8.pack(STATS))

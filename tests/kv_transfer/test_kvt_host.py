@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -295,3 +296,65 @@ def test_held_keys_go_first_and_come_back_when_no_device_holds_them(eviction):
     assert stats["num_held"] == 2 and stats["num_hold_released"] == 1
     assert stats["num_hold_demoted"] == 3  # k3 and k4 at the hold, "late" when it was stored
     tier.close()
+
+
+def test_a_recall_waits_for_the_holder_and_its_write_back_is_not_put_first():
+    """NOTE 9: a reader recalls what another device holds and this tier lacks; the holder hears
+    it, writes back, and comes back for more, which ends the wait; what was written back while
+    the recall waited is not at the head of the eviction order (the reader is about to load it).
+    Keys nobody else holds are not asked for, and a holder that never comes back costs the
+    reader its timeout, no more."""
+    tier = HostTier(8 * 64 * KiB, slab_bytes=8 * 64 * KiB)
+    for i in range(6):
+        assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+    assert tier.hold(["doc0", "doc1", "ckpt", "mine"]) == 0  # a device holds a document the tier let go
+    listener, heard = tier.reconnect(), []
+
+    def holder():
+        seq, keys = listener.recalled(0, 5.0)
+        heard.append(keys)
+        for key in ("doc0", "doc1", "ckpt"):  # its blocks, and its checkpoint the reader did not name
+            assert tier.put_bytes(key, payload(key, 64 * KiB))
+        listener.recalled(seq, 0.0)  # back for more: the recall is answered
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert tier.recall(["k1", "doc0", "doc1", "mine", "nobody"], 5.0, exclude={"mine"}) == 2
+    t.join()
+    assert heard == [["doc0", "doc1"]], "only what another device holds and the tier lacks"
+    assert tier.put_bytes("k6", payload("k6", 64 * KiB))  # full: the oldest goes, not the write-back
+    assert tier.contains(["k0", "doc0", "doc1", "ckpt"]) == [False, True, True, True]
+    assert tier.recall(["k1", "k2"], 5.0) == 0  # stored: nothing to ask
+    stuck = tier.reconnect()
+    stuck.recalled(0, 0.0)  # a listener that will not come back
+    tier.hold(["gone"])
+    t0 = time.monotonic()
+    assert tier.recall(["gone"], 0.2) == 0
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    stuck.close()
+    listener.close()
+    t0 = time.monotonic()
+    assert tier.recall(["gone"], 5.0) == 0 and time.monotonic() - t0 < 1.0, "no listener left to wait for"
+    stats = tier.stats()
+    assert stats["num_recalls"] == 3 and stats["num_recalled_keys"] == 2 and stats["num_recall_timeouts"] == 1
+    tier.close()
+
+
+def test_a_held_key_evicted_stays_published_until_its_last_holder_lets_go():
+    """NOTE 9: the node's index events follow what the node reads: a key a device holds is still
+    readable (a recall brings it back) after this tier evicts it, so its eviction is published
+    when the last holder lets it go, not before."""
+    log = EventLog()
+    with HostTier(4 * 64 * KiB, slab_bytes=4 * 64 * KiB, event_log=log) as tier:
+        for i in range(4):
+            assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))
+        tier.hold(["k2"])
+        tier.hold(["k2"])  # two devices
+        for i in (4, 5):
+            assert tier.put_bytes(f"k{i}", payload(f"k{i}", 64 * KiB))  # k2 (held: first), then k0
+        assert [e.key for e in log.take() if e.kind == "evicted"] == ["k0"]
+        assert not tier.contains(["k2"])[0] and tier.stats()["num_withheld_evictions"] == 1
+        tier.unhold(["k2"])
+        assert not [e for e in log.take() if e.kind == "evicted"], "a device still holds it"
+        tier.unhold(["k2"])
+        assert [(e.kind, e.key) for e in log.take()] == [("evicted", "k2")]

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -212,4 +213,45 @@ def test_holds_belong_to_the_connection_and_go_with_it() -> None:
             assert a.unhold(["b", "zz"]) == 2 and tier.num_held() == 0
         finally:
             a.close()
+            server.close()
+
+
+def test_recalls_reach_the_holder_on_its_own_connection() -> None:
+    """RECALL_MANY / RECALLED (``HostTier`` NOTE 9) between two processes' connections: a reader
+    does not recall what its own connection holds; another's hold is recalled, its holder hears
+    it on a connection of its own, writes back and comes back, which ends the reader's wait;
+    a listening connection that closes is forgotten, so no recall waits for it."""
+    with HostTier(16 * 4 * KiB, slab_bytes=64 * KiB) as tier:
+        server = HostTierServer(tier)
+        holder, reader = HostTierClient(server.socket_path), HostTierClient(server.socket_path)
+        listener = holder.reconnect()
+        try:
+            holder.hold(["x", "y"])
+            reader.hold(["own"])
+            listener.recalled(0, 0.0)  # listening from now on
+            heard = []
+
+            def answer():
+                seq, keys = listener.recalled(0, 5.0)
+                heard.append(keys)
+                for key in keys:
+                    assert holder.put_bytes(key, bytes(4 * KiB))
+                listener.recalled(seq, 0.0)
+
+            t = threading.Thread(target=answer)
+            t.start()
+            assert reader.recall(["own", "x", "y", "z"], 5.0) == 2
+            t.join()
+            assert heard == [["x", "y"]], "the reader's own hold and an unheld key are not recalled"
+            listener.close()
+            deadline = time.monotonic() + 5
+            while tier.stats()["num_recall_listeners"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert tier.stats()["num_recall_listeners"] == 0
+            holder.hold(["w"])
+            t0 = time.monotonic()
+            assert reader.recall(["w"], 5.0) == 0 and time.monotonic() - t0 < 1.0
+        finally:
+            holder.close()
+            reader.close()
             server.close()
