@@ -145,7 +145,7 @@ class StateStore:
             ("num_put_objects", "num_put_skipped", "num_put_refused", "bytes_put", "num_loads",
              "num_load_hits", "num_load_misses", "num_missing_pieces", "num_corrupt_pieces",
              "num_promoted", "num_demoted", "num_demote_dropped", "num_retention_demoted",
-             "num_put_refreshed"), 0)
+             "num_put_refreshed", "num_recalls", "num_recalled"), 0)
         first = self.tiers[0]
         if write_behind and len(self.tiers) > 1 and getattr(first, "on_evict", False) is None:
             first.on_evict = self._demote
@@ -218,6 +218,24 @@ class StateStore:
         """The device lets ``keys`` go (``hold``'s reverse): how many no device holds any more."""
         names = [str(k) for k in keys]
         return sum(unhold(names) for tier in self.tiers if (unhold := getattr(tier, "unhold", None)) is not None)
+
+    def recall(self, tokens: Sequence[int], hasher: BlockHasher, from_position: int, max_position: int,
+               timeout_s: float) -> int:
+        """Ask the node's devices for the MLA blocks of ``tokens`` from the block holding
+        ``from_position`` to ``max_position`` that the first tier lacks (``HostTier`` NOTE 9),
+        waiting up to ``timeout_s``. Returns how many came back (then look up again)."""
+        recall = getattr(self.tiers[0], "recall", None) if self.tiers else None
+        bs = self.layout.block_size
+        lo, hi = from_position // bs, min(max_position, len(tokens)) // bs
+        if recall is None or hi <= lo:
+            return 0
+        hashes = hasher.block_hashes(tokens[: hi * bs])[lo:]
+        keys = [k for h in hashes for k in self._shards("mla", h)]
+        got = recall(keys, timeout_s)
+        with self._lock:
+            self._counters["num_recalls"] += 1
+            self._counters["num_recalled"] += got
+        return got
 
     def contains_keys(self, keys: Sequence[ObjectKey | str]) -> list[bool]:
         """Presence of each key in any tier (one ``contains`` call per tier)."""
