@@ -42,6 +42,7 @@ NOTES
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections import OrderedDict, deque
@@ -121,6 +122,12 @@ class AsyncEngine:
                 ok, value = True, fn(*args, **kwargs)
             except BaseException as exc:  # handed to the awaiting task, never raised here
                 ok, value = False, exc
+            if loop is None:  # call_blocking's
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+                continue
             try:
                 loop.call_soon_threadsafe(_settle, fut, ok, value)
             except RuntimeError:  # the caller's loop is gone
@@ -236,6 +243,19 @@ class AsyncEngine:
         with self._lock:
             self.engine.on_resident = fn
         return True
+
+    def call_blocking(self, fn: Callable[..., Any], *args, timeout_s: float | None = None, **kwargs) -> Any:
+        """``call`` from a thread that is not the event loop's (nor the stepping thread): blocks
+        until ``fn`` ran between two steps, or raises ``TimeoutError`` past ``timeout_s``."""
+        if not (self._thread.is_alive() and not self._stop):
+            with self._lock:
+                return fn(*args, **kwargs)
+        done = concurrent.futures.Future()
+        self._calls.append((fn, args, kwargs, None, done))
+        self._wake.set()
+        if not self._thread.is_alive():
+            self._drain_calls()
+        return done.result(timeout_s)
 
     async def export_state(self, request_id: str, position: int | None = None, first_block: int = 0,
                            on_device: bool = False):

@@ -475,6 +475,17 @@ class ReferenceEngine:
             raise ValueError(f"no KDA checkpoint at {position} (have {sorted(req.checkpoints)} and {req.num_computed})")
         return self._gather(req.block_table, (conv, rec), position, first_block, on_device)
 
+    def export_resident(self, resident_id: int, position: int, first_block: int = 0) -> ResumeState | None:
+        """State of resident session ``resident_id`` at its checkpoint ``position``, MLA blocks from
+        ``first_block`` on, in host memory (a node mate recalls it: ``disagg.workers.holds`` NOTE 5);
+        None once the session is no longer resident."""
+        res = self._residents.get(resident_id)
+        if res is None:
+            return None
+        if position not in res.checkpoints:
+            raise ValueError(f"no KDA checkpoint at {position} (have {sorted(res.checkpoints)})")
+        return self._gather(res.block_table, res.checkpoints[position], position, first_block)
+
     def _gather(self, block_table: list[int], kda: tuple[list[torch.Tensor], list[torch.Tensor]], position: int,
                 first_block: int = 0, on_device: bool = False) -> ResumeState:
         """The state at ``position`` of the rows in ``block_table`` and the KDA state ``kda``."""
