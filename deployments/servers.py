@@ -180,6 +180,9 @@ class _ServerBase:
             peers = getattr(self.worker, "peer_stores", None)
             if peers is not None:
                 peers.close()
+            holds = getattr(self.worker, "holds", None)  # transfer.host.victim: its threads
+            if holds is not None:
+                holds.close()
             self.engine.shutdown()
 
 

@@ -119,10 +119,13 @@ class HostTierConfig(_Strict):
     speculative_first: bool = False
     # the host tier as its node's devices' victim cache: it evicts first what a decoding device of
     # the node holds, and each device writes back what it evicts that the tier lacks (a full node
-    # keeps host plus devices, not host alone; disagg.workers.holds). Reference engine only. Off by
-    # default, and best left off: workers do not yet read their node mates' devices, so a prefix
-    # mates share goes first from the tier they read (docs/router.md "Round 41")
+    # keeps host plus devices, not host alone; disagg.workers.holds). A worker that misses blocks a
+    # node mate's device holds recalls them: the mate writes them back and the worker loads them
+    # (kv_transfer.tiers.host NOTE 9). Reference engine only. Off by default (docs/router.md "Round 42")
     victim: bool = False
+    # with victim: how long a lookup waits for node mates to write back what it recalled (then
+    # it resumes what came back, and computes the rest)
+    recall_ms: int = Field(default=250, ge=0)
 
     @field_validator("keep_turns", mode="before")
     @classmethod

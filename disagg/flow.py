@@ -150,6 +150,12 @@ NOTES
    looks idle, and the router sends it the next ones too (docs/router.md, "Round 20").
    A remote prefill that fails and runs here instead stops counting at once: it is in the
    engine's queue.
+16. Recalls (``recall_s`` > 0: ``transfer.host.victim``): when neither this engine's device
+   nor the node's tiers hold a full block of the prompt past what the plan resumes, the flow
+   asks the node's other devices for the rest (``FlowState.recall``; ``kv_transfer.tiers.host``
+   NOTE 9) within the lookup's deadline, and looks up again if any came back. A node mate
+   that holds them writes them back (``disagg.workers.holds`` NOTE 5); the lookup finds
+   nothing to recall in one round trip otherwise.
 """
 
 from __future__ import annotations
@@ -184,7 +190,8 @@ PoolFn = Callable[[PoolQuery], "PoolView | None"]  # the prefill pool for one re
 COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_failures", "load_timeouts",
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
             "publish_waits", "publish_waits_expired", "checkpoints_demoted", "peer_resumes", "peer_resume_misses",
-            "handed_over_demoted", "sessions_ended", "sessions_ended_later", "session_end_demoted")
+            "handed_over_demoted", "sessions_ended", "sessions_ended_later", "session_end_demoted",
+            "recalled_blocks", "recall_resumes")
 
 
 @dataclass(slots=True)
@@ -260,6 +267,11 @@ class FlowState(Protocol):
         some tier held."""
         ...
 
+    async def recall(self, tokens: list[int], hasher: BlockHasher, from_position: int, timeout_s: float) -> int:
+        """Ask the node's other devices for the blocks of ``tokens`` past ``from_position`` and
+        wait up to ``timeout_s`` (NOTE 16): how many came back (0: nothing to ask for)."""
+        ...
+
     async def demote_blocks(self, node_id: str, hashes: list[bytes]) -> int:
         """Have node ``node_id``'s tiers (another node's, NOTE 12, or this node's, NOTE 13) evict
         the MLA blocks ``hashes`` first, the first first: how many of them it held."""
@@ -279,19 +291,21 @@ class FlowOptions:
     keep_checkpoints: int = KEEP_CHECKPOINTS  # a session's newest private checkpoints not demoted (NOTE 9); 0: off
     keep_turns: int | str = KEEP_TURNS  # ... nor its newest turns' (0: no limit; "auto": learned; NOTE 9)
     speculative_first: bool = False  # a local prefill's speculative checkpoints demoted as they land (NOTE 9)
+    recall_s: float = 0.0  # a lookup's wait for node mates' devices to write back what it misses (NOTE 16); 0: off
 
     @classmethod
     def from_config(cls, app: AppConfig, **overrides) -> FlowOptions:
         """The options a Serve replica runs with: ``router`` (decider), ``transfer.load_deadline_s``,
-        ``engine.learned_checkpoints``, ``transfer.host.keep_checkpoints``, ``keep_turns`` and
-        ``speculative_first``;
+        ``engine.learned_checkpoints``, ``transfer.host.keep_checkpoints``, ``keep_turns``,
+        ``speculative_first`` and ``recall_ms`` (with ``victim``);
         ``overrides`` replace any field."""
         base = {"decider": DeciderConfig(**app.router.decider_params()),
                 "load_deadline_s": app.transfer.load_deadline_s,
                 "learned_checkpoints": app.engine.learned_checkpoints,
                 "keep_checkpoints": app.transfer.host.keep_checkpoints,
                 "keep_turns": app.transfer.host.keep_turns,
-                "speculative_first": app.transfer.host.speculative_first}
+                "speculative_first": app.transfer.host.speculative_first,
+                "recall_s": app.transfer.host.recall_ms / 1000 if app.transfer.host.victim else 0.0}
         return cls(**{**base, **overrides})
 
 
@@ -360,6 +374,10 @@ class RequestFlow:
         elif isinstance(point, BaseException):  # cancelled: not a failure of the state path
             raise point
         node_position = point.position if point is not None else 0
+        if self.options.recall_s > 0 and not failure:  # NOTE 16
+            have = max(device_len, node_position, blocks * self.engine.block_size)
+            if len(tokens) - 1 - have >= self.engine.block_size:
+                point, node_position = await self._recall(tokens, hasher, have, deadline, point, node_position)
         if params.state_position > max(device_len, node_position) and self._names_peer(params):  # NOTE 10
             got = await self.load(tokens, params.state_position, hasher, params, deadline,
                                   node_id=params.state_node, first_block=blocks)
@@ -375,6 +393,28 @@ class RequestFlow:
             failure = loaded.failure
         return Resume(None, device_len, "device" if device_len else "computed", failure=failure,
                       node_position=node_position, resident_blocks=blocks)
+
+    async def _recall(self, tokens: list[int], hasher: BlockHasher, have: int, deadline: float,
+                      point: ResumePoint | None, node_position: int) -> tuple[ResumePoint | None, int]:
+        """NOTE 16: the lookup again when node mates wrote back some of what it missed."""
+        budget = min(self.options.recall_s, deadline - time.monotonic())
+        if budget <= 0:
+            return point, node_position
+        try:
+            got = await asyncio.wait_for(self.state.recall(tokens, hasher, have, budget), budget + 0.5)
+            if not got:
+                return point, node_position
+            self.counters["recalled_blocks"] += got
+            again = await asyncio.wait_for(self.state.lookup(tokens, hasher), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return point, node_position
+        except Exception:  # noqa: BLE001 - a recall that fails is a miss (NOTE 3)
+            log.warning("recall from node mates failed", exc_info=True)
+            return point, node_position
+        if again is not None and again.position > node_position:
+            self.counters["recall_resumes"] += 1
+            return again, again.position
+        return point, node_position
 
     def _names_peer(self, params: GenerateParams) -> bool:
         """Whether ``params`` names another node's tiers to resume from (NOTE 10)."""

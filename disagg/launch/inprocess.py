@@ -102,6 +102,6 @@ class InProcessBackend:
         return merge_replica_stats(parts)
 
     def shutdown(self) -> None:
-        self.decode.engine.shutdown()
+        self.decode.shutdown()
         if self.prefill is not None:
-            self.prefill.engine.shutdown()
+            self.prefill.shutdown()

@@ -206,7 +206,7 @@ async def _serve_worker(cfg: AppConfig, spec: WorkerSpec, host_socket: str | Non
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, _wait_closed, control)  # the front closed the pipe: exit
     server.close()
-    worker.engine.shutdown()
+    worker.shutdown()
 
 
 def _wait_closed(conn) -> None:

@@ -28,12 +28,16 @@ NOTES
    what it held, and its node's tier goes back to write-through order for those keys.
 4. Only decoding devices hold (the simulator's Simulator NOTE 12): a P/D prefill device keeps
    prompts whose sessions live on their decode nodes.
-5. What serving does not do yet, and the simulator's ``--host-write victim`` does: a worker
-   reads its node mates' devices (the node's tier as the node reads it). Here a session whose
-   host copy went first resumes from its own device, or is written back when evicted; a node
-   mate that wants it (a shared document, a session that moved) recomputes it. The simulator's
-   form of this (``--host-write victim-own``) loses to write-through in 7 of 8 held-out cells,
-   so ``transfer.host.victim`` stays off until the mates' reads exist (docs/router.md "Round 41").
+5. Recalls (``HostTier`` NOTE 9): a node mate that misses blocks this device holds (a shared
+   document, a session that moved) asks the tier for them and waits; this class listens on a
+   connection of its own, and for each resident session whose blocks were asked for, writes
+   back from the first block asked for to the furthest checkpoint within the blocks asked for,
+   and the checkpoints in the block after them (a prompt's or turn's end, whose tail the asker
+   resumes where its prompt goes on the same way), taken from the engine between two steps
+   (``export_fn``). It keeps holding them. So the node's devices
+   and its host tier are read as one tier, as the simulator's ``--host-write victim`` reads
+   them; without it (``victim-own``) the held-out cells lost what workers share
+   (docs/router.md "Round 41").
 """
 
 from __future__ import annotations
@@ -41,9 +45,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kv_transfer.keys import BlockHasher
+
+if TYPE_CHECKING:
+    from kv_transfer.objects import ResumeState
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +64,33 @@ class DeviceHolds:
         store: the node's ``kv_transfer.store.StateStore`` (its first tier counts holds).
         hasher: the worker's key space (salted per session's tenant).
         max_pending_bytes: write-backs queued beyond this are dropped (NOTE 2).
+        export_fn: ``(resident id, position, first block) -> ResumeState | None``, the engine's
+            ``export_resident`` run between two steps; with it, this device answers recalls (NOTE 5).
     """
 
-    def __init__(self, store, hasher: BlockHasher, max_pending_bytes: int = 1 << 30):
+    def __init__(self, store, hasher: BlockHasher, max_pending_bytes: int = 1 << 30,
+                 export_fn: Callable[[int, int, int], ResumeState | None] | None = None):
         self.store = store
         self.hasher = hasher
         self.max_pending_bytes = max_pending_bytes
+        self.export_fn = export_fn
         self._keys: dict[int, tuple[list[str], list[str]]] = {}  # resident id -> (block keys, end point keys)
         self._held: dict[int, list[str]] = {}  # resident id -> keys held in the tier
+        self._residents: dict[int, tuple[str, list[int], tuple[int, ...], list[str]]] = {}  # NOTE 5: held
+        self._by_key: dict[str, int] = {}  # block key -> a held resident with it (NOTE 5)
         self._lock = threading.Lock()
         self._pending = 0  # bytes of queued write-backs
         self._queue: queue.Queue = queue.Queue()
+        self._closed = False
         self.counters = dict.fromkeys(("kept", "taken", "evicted", "held_keys", "written_back", "written_back_bytes",
-                                       "write_back_skipped", "write_back_dropped", "errors"), 0)
+                                       "write_back_skipped", "write_back_dropped", "errors", "recalls_heard",
+                                       "recalls_answered", "recalled_objects", "recalled_bytes"), 0)
         self._thread = threading.Thread(target=self._run, name="device-holds", daemon=True)
         self._thread.start()
+        self._listener = None
+        if export_fn is not None and hasattr(store.tiers[0], "recalled"):
+            self._listener = threading.Thread(target=self._listen, name="device-holds-recalls", daemon=True)
+            self._listener.start()
 
     # -- the engine's hook (step thread) ----------------------------------------------------
     def on_change(self, change) -> None:
@@ -153,12 +174,20 @@ class DeviceHolds:
                              for k in self._point_keys(hasher, change.tokens, p, hashes)] + end
             self.store.hold(keys)
             self._held[change.resident_id] = keys
+            with self._lock:  # NOTE 5: what recalls find
+                self._residents[change.resident_id] = (change.cache_salt, change.tokens, change.checkpoints, blocks)
+                self._by_key.update(dict.fromkeys(blocks, change.resident_id))
             self.counters["held_keys"] += len(keys)
         elif op == "unhold":
             rid = item[1]
             keys = self._held.pop(rid, None)
             with self._lock:
                 self._keys.pop(rid, None)
+                got = self._residents.pop(rid, None)
+                if got is not None:
+                    for k in got[3]:
+                        if self._by_key.get(k) == rid:
+                            del self._by_key[k]
             if keys:
                 self.store.unhold(keys)
         else:
@@ -172,6 +201,66 @@ class DeviceHolds:
                 with self._lock:
                     self._pending -= nbytes
 
+    # -- recalls (NOTE 5; this class's listener thread) ---------------------------------------
+    def _listen(self) -> None:
+        try:
+            tier = self.store.tiers[0].reconnect()
+        except Exception:  # noqa: BLE001 - no recalls answered: mates recompute
+            log.warning("device holds: cannot listen for recalls", exc_info=True)
+            return
+        seq = 0
+        try:
+            while not self._closed:
+                try:
+                    seq, keys = tier.recalled(seq, 0.5)
+                    if keys:
+                        self._answer(keys)
+                except Exception:  # noqa: BLE001 - a recall unanswered: the asker recomputes
+                    self.counters["errors"] += 1
+                    log.warning("device holds: answering a recall failed", exc_info=True)
+                    if self._closed:
+                        return
+                    time.sleep(0.1)
+        finally:
+            tier.close()
+
+    def _answer(self, keys: list[str]) -> None:
+        """Write back what the recalled ``keys`` name of this device's held sessions (NOTE 5)."""
+        self.counters["recalls_heard"] += 1
+        per_block = max(1, getattr(self.store, "dcp_size", 1))
+        asked: dict[int, set[str]] = {}
+        with self._lock:
+            for k in keys:
+                rid = self._by_key.get(k)
+                if rid is not None:
+                    asked.setdefault(rid, set()).add(k)
+            found = {rid: self._residents[rid] for rid in asked if rid in self._residents}
+        bs = self.hasher.block_size
+        for rid, (salt, tokens, checkpoints, blocks) in found.items():
+            wanted = asked[rid]
+            idx = [i for i, k in enumerate(blocks) if k in wanted]
+            first, n_match = idx[0] // per_block, idx[-1] // per_block + 1
+            # the furthest checkpoint within the blocks asked for, and those in the block after them
+            # (a prompt's or a turn's end: resumed from its tail where the asker's prompt goes on so)
+            points = {c for c in checkpoints if n_match * bs < c < (n_match + 1) * bs}
+            points.add(max((c for c in checkpoints if c <= n_match * bs), default=0))
+            points = sorted(points - {0}, reverse=True)
+            if not points:
+                continue
+            states = []
+            for i, p in enumerate(points):
+                state = self.export_fn(rid, p, min(first, p // bs) if i == 0 else p // bs)
+                if state is None:  # no longer resident: its eviction wrote it back, or it runs again
+                    break
+                states.append(state)
+            hasher = self.hasher.with_salt(salt)
+            for state in states:
+                result = self.store.put_state(tokens[: state.position], state, hasher)
+                self.counters["recalled_objects"] += result.num_stored
+                self.counters["recalled_bytes"] += result.bytes_stored
+            if states:
+                self.counters["recalls_answered"] += 1
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued hold, unhold and write-back is done (tests, a drain)."""
         done = threading.Event()
@@ -183,5 +272,6 @@ class DeviceHolds:
             return {**self.counters, "pending_bytes": self._pending, "residents_held": len(self._held)}
 
     def close(self) -> None:
+        self._closed = True
         self._queue.put(None)
 

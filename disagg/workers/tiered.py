@@ -103,6 +103,12 @@ class TierState:
     async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
         return await store_lookup(self.store, tokens, hasher, limit)
 
+    async def recall(self, tokens: list[int], hasher: BlockHasher, from_position: int, timeout_s: float) -> int:
+        """``disagg.flow`` NOTE 16 over the node's host tier (``HostTier`` NOTE 9)."""
+        if self.store is None:
+            return 0
+        return await asyncio.to_thread(self.store.recall, tokens, hasher, from_position, len(tokens) - 1, timeout_s)
+
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
                    node_id: str | None = None, first_block: int = 0) -> Resume | None:
         t0 = time.perf_counter()
@@ -268,7 +274,10 @@ class StatefulWorker:
         if device_holds and store is not None:
             from disagg.workers.holds import DeviceHolds
 
-            self.holds = DeviceHolds(store, self.hasher)
+            base = getattr(engine, "engine", None)  # the ReferenceEngine an AsyncEngine steps
+            export = getattr(base, "export_resident", None)
+            self.holds = DeviceHolds(store, self.hasher, export_fn=None if export is None else (
+                lambda rid, position, first: engine.call_blocking(export, rid, position, first, timeout_s=10.0)))
             if not engine.watch_residents(self.holds.on_change):
                 self.holds.close()
                 raise ValueError("transfer.host.victim needs an engine that reports its resident sessions "
@@ -335,6 +344,12 @@ class StatefulWorker:
         return PrefillHandle(len(tokens), last.new_token_ids[0], last.num_cached_tokens, last.cached_source,
                              self.replica_id, self.node_id, nbytes, pub_s, compute_s, shared, stored, plan.failure,
                              first_logprob=last.logprobs[0] if last.logprobs else None, computed_at=computed_at)
+
+    def shutdown(self) -> None:
+        """Stop the engine and the device holds' threads (their holds end with their connection)."""
+        if self.holds is not None:
+            self.holds.close()
+        self.engine.shutdown()
 
     async def drain(self) -> None:
         """Wait for background publishes, and the device holds' queue (graceful shutdown, tests)."""

@@ -94,10 +94,17 @@ def test_the_engine_tells_of_residents_kept_taken_and_evicted_with_their_state(t
     before = engine.export_state("a", None, 2)
     engine.release("a")
     assert seen == [("kept", 0, 6 * BS + 6)]
+    resident = engine.export_resident(0, 6 * BS + 6, 2)  # a node mate's recall (holds NOTE 5)
+    assert resident.position == before.position and resident.first_block == 2
+    for mine, theirs in zip(resident.mla_blocks, before.mla_blocks, strict=True):
+        assert torch.equal(mine.rows, theirs.rows)
+    with pytest.raises(ValueError, match="no KDA checkpoint at 7"):
+        engine.export_resident(0, 7)
     follow = prompt + ids(40, 8)  # extends the resident: adopts it
     engine.generate(EngineRequest("b", follow, SamplingParams(max_tokens=2, ignore_eos=True), keep_state=True))
     engine.release("b")
     assert seen[1] == ("taken", 0, 6 * BS + 6) and seen[2][0] == "kept"
+    assert engine.export_resident(0, 6 * BS + 6) is None, "taken back: no longer resident"
     engine.generate(EngineRequest("c", ids(25 * BS, 9), SamplingParams(max_tokens=1, ignore_eos=True)))
     assert seen[3][0] == "evicted" and seen[3][1] == seen[2][1]
     assert "no KDA checkpoint at 1" in exported["refused"]
@@ -160,3 +167,49 @@ def test_a_write_back_into_a_full_host_tier_keeps_every_piece(threads):  # noqa:
     assert holds.stats()["residents_held"] == 1  # c's (a finished request stays resident), not a's
     holds.close()
     host.close()
+
+
+@pytest.mark.parametrize("case", ["shared", "moved", "off"])
+def test_a_node_mate_resumes_what_another_device_holds(threads, case):  # noqa: F811
+    """``disagg.flow`` NOTE 16, ``disagg.workers.holds`` NOTE 5: two workers of one node (each its
+    own engine, one host tier). A's session is resident on A's device and the host tier let its
+    blocks go. B's prompt shares A's document ("shared": a new question on it) or is A's session's
+    next turn ("moved": the router sent it to B): B recalls the blocks, A writes them back from
+    its device, and B resumes them (at the document's end, or at A's turn end), token-exact
+    against a run that never stored anything. Without recalls ("off") B computes it all."""
+    from disagg.launch.inprocess import InProcessBackend
+
+    over = {"deployment": {"mode": "aggregated"}, "engine": {"cache_budget_mb": 9},
+            "transfer": {"host": {"capacity_mb": 256, "pin_memory": False, "victim": True,
+                                  "recall_ms": 0 if case == "off" else 5000}}}
+    a = backend(**over)
+    b = InProcessBackend(a.config, store=a.store)
+    host = a.store.tiers[0]
+    doc = ids(10 * BS + 20, 1)
+    try:
+        async def go():
+            out1, _ = await send(a, "a1", doc, "A")
+            ended = doc + out1[:-1]
+            for key in host.keys():  # the host tier let A's session go; A's device holds it
+                host.delete(key)
+            prompt = doc + ids(30, 5) if case != "moved" else ended + out1[-1:] + ids(30, 6)
+            out2, last2 = await send(b, "b1", prompt, "B" if case == "shared" else "A")
+            return ended, prompt, out2, last2
+
+        ended, prompt, out2, last2 = asyncio.run(go())
+        holds = a.decode.holds.stats()
+    finally:
+        a.shutdown()
+        b.shutdown()
+    if case == "off":
+        assert last2.num_cached_tokens == 0 and holds["recalls_heard"] == 0
+    else:
+        want = len(doc) if case == "shared" else len(ended)
+        assert last2.num_cached_tokens == want and last2.cached_source == "host"
+        assert holds["recalls_answered"] == 1 and holds["recalled_objects"] >= 10
+    ref = backend(deployment={"mode": "aggregated"})
+    try:
+        out_ref, last_ref = asyncio.run(send(ref, "r", prompt, "x"))
+    finally:
+        ref.shutdown()
+    assert last_ref.num_cached_tokens == 0 and out2 == out_ref
