@@ -222,15 +222,17 @@ class StateStore:
     def recall(self, tokens: Sequence[int], hasher: BlockHasher, from_position: int, max_position: int,
                timeout_s: float) -> int:
         """Ask the node's devices for the MLA blocks of ``tokens`` from the block holding
-        ``from_position`` to ``max_position`` that the first tier lacks (``HostTier`` NOTE 9),
-        waiting up to ``timeout_s``. Returns how many came back (then look up again)."""
+        ``from_position`` to ``max_position``, and the KDA checkpoints at their ends, that the
+        first tier lacks (``HostTier`` NOTE 9), waiting up to ``timeout_s``. Returns how many
+        came back (then look up again)."""
         recall = getattr(self.tiers[0], "recall", None) if self.tiers else None
         bs = self.layout.block_size
         lo, hi = from_position // bs, min(max_position, len(tokens)) // bs
         if recall is None or hi <= lo:
             return 0
         hashes = hasher.block_hashes(tokens[: hi * bs])[lo:]
-        keys = [k for h in hashes for k in self._shards("mla", h)]
+        # each block, and the KDA state at its end (a checkpoint there, if a device has one)
+        keys = [k for h in hashes for k in self._shards("mla", h) + self._shards("kda", h)]
         got = recall(keys, timeout_s)
         with self._lock:
             self._counters["num_recalls"] += 1

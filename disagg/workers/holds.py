@@ -10,6 +10,8 @@ its node's host tier so the two hold less twice:
     session taken by a request ---> unhold (queued) ------------->  refreshed as the newest
     session evicted for memory ---> unhold; what the tier lacks:    refreshed; written back
                                     copied out now, stored (queued)  (the newest)
+    a node mate recalls its keys    listener: exported between two   written back (not first)
+                                    steps, stored, still held        <- the mate loads it
 
 NOTES
 1. A session's keys: its MLA blocks, and the KDA shards (with the tail, when unaligned) at
@@ -28,16 +30,16 @@ NOTES
    what it held, and its node's tier goes back to write-through order for those keys.
 4. Only decoding devices hold (the simulator's Simulator NOTE 12): a P/D prefill device keeps
    prompts whose sessions live on their decode nodes.
-5. Recalls (``HostTier`` NOTE 9): a node mate that misses blocks this device holds (a shared
-   document, a session that moved) asks the tier for them and waits; this class listens on a
-   connection of its own, and for each resident session whose blocks were asked for, writes
-   back from the first block asked for to the furthest checkpoint within the blocks asked for,
-   and the checkpoints in the block after them (a prompt's or turn's end, whose tail the asker
-   resumes where its prompt goes on the same way), taken from the engine between two steps
-   (``export_fn``). It keeps holding them. So the node's devices
-   and its host tier are read as one tier, as the simulator's ``--host-write victim`` reads
-   them; without it (``victim-own``) the held-out cells lost what workers share
-   (docs/router.md "Round 41").
+5. Recalls (``HostTier`` NOTE 9): a node mate that misses blocks this device holds, or the
+   checkpoint at a block's end (a shared document, a session that moved), asks the tier for
+   them and waits. This class listens on a connection of its own; for each held session asked
+   about it writes back, from the first block asked for, the state at the furthest checkpoint
+   within the blocks asked for and at the checkpoints in the block after them (a prompt's or a
+   turn's end, whose tail the asker resumes where its prompt goes on the same way), exported
+   from the engine between two steps (``export_fn``), and keeps holding them. So the node's
+   devices and its host tier are read as one tier, as the simulator's ``--host-write victim``
+   reads them; without it (``recall_ms`` 0, the simulator's ``victim-own``) the held-out cells
+   lost what workers share (docs/router.md "Round 41").
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ class DeviceHolds:
         self.export_fn = export_fn
         self._keys: dict[int, tuple[list[str], list[str]]] = {}  # resident id -> (block keys, end point keys)
         self._held: dict[int, list[str]] = {}  # resident id -> keys held in the tier
-        self._residents: dict[int, tuple[str, list[int], tuple[int, ...], list[str]]] = {}  # NOTE 5: held
-        self._by_key: dict[str, int] = {}  # block key -> a held resident with it (NOTE 5)
+        # NOTE 5: held resident -> (tenant, tokens, checkpoints, every key held, block keys)
+        self._residents: dict[int, tuple[str, list[int], tuple[int, ...], list[str], list[str]]] = {}
+        self._by_key: dict[str, tuple[int, int]] = {}  # block or aligned point key -> (resident, blocks reached)
         self._lock = threading.Lock()
         self._pending = 0  # bytes of queued write-backs
         self._queue: queue.Queue = queue.Queue()
@@ -170,13 +173,19 @@ class DeviceHolds:
             change = item[1]
             blocks, end, hashes = self._compute(change)
             hasher = self.hasher.with_salt(change.cache_salt)
-            keys = blocks + [k for p in change.checkpoints[:-1]
-                             for k in self._point_keys(hasher, change.tokens, p, hashes)] + end
+            points = {p: self._point_keys(hasher, change.tokens, p, hashes) for p in change.checkpoints[:-1]}
+            keys = blocks + [k for ks in points.values() for k in ks] + end
             self.store.hold(keys)
             self._held[change.resident_id] = keys
-            with self._lock:  # NOTE 5: what recalls find
-                self._residents[change.resident_id] = (change.cache_salt, change.tokens, change.checkpoints, blocks)
-                self._by_key.update(dict.fromkeys(blocks, change.resident_id))
+            if change.checkpoints:
+                points[change.checkpoints[-1]] = end
+            per_block = max(1, len(blocks) // max(1, len(hashes)))
+            with self._lock:  # NOTE 5: what recalls find, as (resident, the blocks it reaches)
+                rid = change.resident_id
+                self._residents[rid] = (change.cache_salt, change.tokens, change.checkpoints, keys, blocks)
+                self._by_key.update({k: (rid, i // per_block + 1) for i, k in enumerate(blocks)})
+                bs = self.hasher.block_size
+                self._by_key.update({k: (rid, p // bs) for p, ks in points.items() for k in ks if p % bs == 0})
             self.counters["held_keys"] += len(keys)
         elif op == "unhold":
             rid = item[1]
@@ -186,7 +195,7 @@ class DeviceHolds:
                 got = self._residents.pop(rid, None)
                 if got is not None:
                     for k in got[3]:
-                        if self._by_key.get(k) == rid:
+                        if self._by_key.get(k, (None,))[0] == rid:
                             del self._by_key[k]
             if keys:
                 self.store.unhold(keys)
@@ -227,19 +236,25 @@ class DeviceHolds:
     def _answer(self, keys: list[str]) -> None:
         """Write back what the recalled ``keys`` name of this device's held sessions (NOTE 5)."""
         self.counters["recalls_heard"] += 1
-        per_block = max(1, getattr(self.store, "dcp_size", 1))
-        asked: dict[int, set[str]] = {}
+        asked: dict[int, tuple[int, int]] = {}  # resident -> (first block asked for, blocks reached)
         with self._lock:
             for k in keys:
-                rid = self._by_key.get(k)
-                if rid is not None:
-                    asked.setdefault(rid, set()).add(k)
+                got = self._by_key.get(k)
+                if got is None:
+                    continue
+                rid, reach = got
+                lo, hi = asked.get(rid, (reach, 0))
+                first = reach - 1 if not k.startswith("kda") else reach  # a checkpoint needs no block
+                asked[rid] = (min(lo, first), max(hi, reach))
             found = {rid: self._residents[rid] for rid in asked if rid in self._residents}
         bs = self.hasher.block_size
-        for rid, (salt, tokens, checkpoints, blocks) in found.items():
-            wanted = asked[rid]
-            idx = [i for i, k in enumerate(blocks) if k in wanted]
-            first, n_match = idx[0] // per_block, idx[-1] // per_block + 1
+        tier = self.store.tiers[0]
+        for rid, (salt, tokens, checkpoints, _, blocks) in found.items():
+            first, n_match = asked[rid]
+            per_block = max(1, len(blocks) // max(1, len(tokens) // bs))
+            if first < n_match:  # the asker named blocks the tier may still hold: from the first it lacks
+                present = tier.contains(blocks[first * per_block : n_match * per_block])
+                first += next((i for i, ok in enumerate(present) if not ok), len(present)) // per_block
             # the furthest checkpoint within the blocks asked for, and those in the block after them
             # (a prompt's or a turn's end: resumed from its tail where the asker's prompt goes on so)
             points = {c for c in checkpoints if n_match * bs < c < (n_match + 1) * bs}

@@ -440,17 +440,20 @@ class HostTier:
     # ---- recalls (NOTE 9) ------------------------------------------------
     def recall(self, keys: Sequence[str], timeout_s: float, exclude: Iterable[str] = ()) -> int:
         """Ask the node's devices for ``keys`` this tier lacks and some device other than the
-        caller's (``exclude``: the keys it holds itself) holds, and wait for them (NOTE 9).
-        Returns how many of those were stored when the wait ended (0: nothing to ask)."""
+        caller's (``exclude``: the keys it holds itself) holds, and wait for them (NOTE 9). The
+        listeners hear every key of ``keys`` another device holds, stored here or not (how far
+        the reader's prefix matches theirs). Returns how many of the missing ones were stored
+        when the wait ended (0: nothing to ask)."""
         exclude = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
         with self._cond:
             held, index = self._held, self._index
-            want = tuple(k for k in dict.fromkeys(keys) if k not in index and held.get(k, 0) > (k in exclude))
+            theirs = tuple(k for k in dict.fromkeys(keys) if held.get(k, 0) > (k in exclude))
+            want = tuple(k for k in theirs if k not in index)
             if not want:
                 return 0
             self._recall_seq += 1
             seq = self._recall_seq
-            self._recalls.append((seq, want))
+            self._recalls.append((seq, theirs))  # what they hold of it: how far the reader's prefix goes
             self._wanted.update(want)
             self._recalls_open += 1
             listeners = list(self._listeners)
