@@ -189,8 +189,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "to the device, and what a device evicts to the host tier (Simulator NOTE 6); "
                         "victim: through, but a full host tier lets go first of what a device of its node "
                         "holds, a device's evictions go back to it, and workers read their node's other "
-                        "devices (Simulator NOTE 12; not in serving yet); victim-own: victim without reads of "
-                        "the node's other devices (serving's transfer.host.victim)")
+                        "devices (Simulator NOTE 12; serving's transfer.host.victim, whose replicas recall "
+                        "what a node mate's device holds); victim-own: victim without reads of the node's "
+                        "other devices (serving's transfer.host.victim with recall_ms 0)")
     g.add_argument("--no-peer-reads", action="store_true",
                    help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
     g.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,

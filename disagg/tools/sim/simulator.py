@@ -123,7 +123,7 @@ NOTES
    it. Only the device: the host tier is written when the prefill ends. The reference engine
    caches a prefill when it ends, so serving on it is the default; the engine profiles of
    vLLM engines (``h200-small``, ``mi355x-k3``) are closer with it.
-12. Victim host tiers (``ClusterConfig.host_write`` "victim"; not what serving does yet): stores
+12. Victim host tiers (``ClusterConfig.host_write`` "victim"; serving's ``transfer.host.victim``): stores
    write through as in serving, but a node's host tier lets go first of what a device of the
    node holds, and what the last device holding an object evicts goes back to the host tier
    (cache NOTE 5), so a full node keeps about its host tier plus its devices, not its host
@@ -140,9 +140,12 @@ NOTES
    issue's own trace at 16 workers, written through, the run loses 0.077 of the infinite
    cache's reuse to eviction while Belady on the pooled capacity loses 0.002; with the host
    tier enlarged by the devices' room the loss is gone, which is what this arrangement
-   reaches without more memory (docs/router.md, "Round 40"). "victim-own" is what serving's
-   ``transfer.host.victim`` does (``disagg.workers.holds``): the same tiers, but a worker reads
-   its own device and the host tier only, and the index is told of the host tier alone.
+   reaches without more memory (docs/router.md, "Round 40"). Serving reads a node mate's device
+   by recalling it (``kv_transfer.tiers.host`` NOTE 9: the mate writes it back into the host tier,
+   the reader loads it there), and keeps a held key's eviction from the index until its last
+   holder lets it go; the wait for the write-back is not modelled here. "victim-own" is serving
+   with ``transfer.host.recall_ms`` 0 (``disagg.workers.holds``): the same tiers, but a worker
+   reads its own device and the host tier only, and the index is told of the host tier alone.
 
 Garbage collection: the event loop runs with Python's cyclic collector
 paused (reference counting still frees everything at once). A run allocates
@@ -212,7 +215,8 @@ class ClusterConfig:
     host_policy: str = "lru"  # host tiers: "lru" (LRUTier, serving's default policy) or another of serving's
     # policies (cache.PolicyTier)
     host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6;
-    # "victim": NOTE 12; "victim-own": NOTE 12 without reads of node mates' devices (serving's transfer.host.victim)
+    # "victim": NOTE 12 (serving's transfer.host.victim); "victim-own": NOTE 12 without reads of node
+    # mates' devices (serving's with recall_ms 0)
     session_ends: bool = False  # clients mark each session's last turn (the API's session_end; retention)
     session_end_after: bool = False  # ... after its answer instead (DELETE /v1/sessions/{id}): written (NOTE 7)
     output_hint: str = "none"  # what clients tell the router of a request's output: OUTPUT_HINTS (NOTE 9)
