@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import pytest
@@ -180,3 +181,47 @@ def test_retention_demotes_through_the_node_store_process():
     points, objects = decode["worker"]["checkpoints_demoted"], decode["store"]["num_retention_demoted"]
     assert points > 0 and objects > points  # unaligned points' tails (put by the prefill process) too
     assert decode["store"]["tier:host"]["num_demoted"] >= objects  # a demote may land between the two reads
+
+
+def test_a_worker_process_recalls_what_the_other_ones_device_holds():
+    """``transfer.host.victim`` across processes (``kv_transfer.tiers.host`` NOTE 9 over the node's
+    socket): worker X's device holds a document the node's host tier let go; a question on it
+    from a session placed on worker Y recalls it, X writes it back between two of its steps, and
+    Y resumes the whole document from the host tier, token-exact against an unshared run."""
+    cfg = load_config({
+        "model": {"name": "tiny"},
+        "engine": {"cache_budget_mb": 64, "max_num_batched_tokens": 512, "num_threads": 1},
+        "transfer": {"host": {"capacity_mb": 64, "pin_memory": False, "victim": True, "recall_ms": 5000}},
+        "deployment": {"mode": "aggregated"},
+    })
+    doc, question = _ids(6 * 64 + 20, 31), _ids(30, 32)  # 6 blocks and a tail
+    backend = ProcessBackend(cfg, ["cpu", "cpu"], layout="aggregated")
+    try:
+        def pick(session):
+            return backend._pick(GenerateParams("x", [1], SamplingParams(), session_id=session))
+
+        x = pick("s0")
+        other = next(f"s{i}" for i in range(1, 64) if pick(f"s{i}") != x)
+
+        async def go():
+            await _run(backend, doc, max_tokens=3, session="s0", rid="first")
+            deadline = time.monotonic() + 30  # X holds its resident session's keys just after the turn
+            while backend.host.num_held() < 6 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            for key in backend.host.keys():  # the tier let it go; X's device holds it
+                backend.host.delete(key)
+            params = GenerateParams("second", doc + question, SamplingParams(max_tokens=8, ignore_eos=True),
+                                    session_id=other)
+            out, last = [], None
+            async for chunk in backend.stream(params):
+                assert chunk.error is None, chunk.error
+                out += chunk.token_ids
+                last = chunk
+            return out, last
+
+        out, last = asyncio.run(go())
+        assert last.num_cached_tokens == len(doc) and last.cached_source == "host"
+        assert backend.host.stats()["num_recalled_keys"] >= 6
+    finally:
+        backend.shutdown()
+    assert out == _reference([doc + question])[0][:8]  # greedy: the first 8 of its 12 tokens
