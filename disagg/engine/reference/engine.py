@@ -39,7 +39,9 @@ NOTES
    blocks and a KDA state exist: at a block boundary. So a ``keep_state``
    prefill stops its chunk at the prompt's last block boundary and keeps the
    KDA state there too (one slot copy; an uninterrupted run stops at the same
-   place, so resumed arithmetic stays exact).
+   place, so resumed arithmetic stays exact). A request admitted at such a point
+   (resumed from a loaded state or a resident session) keeps it as well: it is
+   where the next prompt on the same prefix resumes from this device.
 6. Preemption (as vLLM's scheduler does it): running requests are planned
    oldest first, and one that cannot get its next blocks (after evicting
    resident sessions) preempts the newest running request, never one already
@@ -646,6 +648,8 @@ class ReferenceEngine:
                 self._adopt_resident(req)
         else:
             self._adopt_resident(req)
+        if req.num_computed:  # resumed at a point a computed run keeps (NOTE 5, NOTE 7): keep it too
+            self._maybe_checkpoint(req)
         return True
 
     def _preempt(self, victim: _Request) -> None:

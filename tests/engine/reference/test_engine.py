@@ -374,3 +374,28 @@ def test_queued_requests_resuming_from_one_resident_all_get_it(model):
             last[out.request_id] = out
     assert [(last[f"f{i}"].num_cached_tokens, last[f"f{i}"].cached_source) for i in range(2)] == [(256, "device")] * 2
     assert all(tokens[:300] != p for _, tokens, _ in eng.resident_contents())  # the last one took it over
+
+
+@pytest.mark.parametrize("source", ["host", "device"])
+def test_a_resumed_request_keeps_the_checkpoint_a_computed_one_would(model, source):
+    """A request resumed at its prompt's last block boundary (from a loaded state, or from a
+    resident session by adoption) keeps the KDA state there, as NOTE 5 has a computed one keep it:
+    without it a third prompt on the same document found no resident checkpoint at the
+    document's end and computed it (two workers answering questions on shared documents in
+    turn: ``benchmarks/mates_replay.py``)."""
+    doc = prompt(8 * BS, seed=5)
+    eng = make_engine(model, checkpoint_interval=0)
+    run(eng, "a", doc + prompt(40, seed=6), 1, keep_state=True)
+    assert 8 * BS in eng.checkpoint_positions("a")  # computed: NOTE 5's aligned point
+    state = eng.export_state("a", 8 * BS)
+    eng.release("a", keep_resident=source == "device")
+    _, last, _ = run(eng, "b", doc + prompt(40, seed=7), 1, keep_state=True,
+                     **({"resume": state} if source == "host" else {}))
+    assert last.num_cached_tokens == 8 * BS and last.cached_source == source
+    assert 8 * BS in eng.checkpoint_positions("b"), "resumed there: the checkpoint is kept"
+    eng.release("b")
+    third = doc + prompt(40, seed=8)
+    tokens, last, _ = run(eng, "c", third, 4)
+    assert last.num_cached_tokens == 8 * BS and last.cached_source == "device"
+    ref, _, _ = run(make_engine(model, resident_sessions=False), "ref", third, 4)
+    assert tokens == ref
