@@ -222,17 +222,28 @@ class StateStore:
     def recall(self, tokens: Sequence[int], hasher: BlockHasher, from_position: int, max_position: int,
                timeout_s: float) -> int:
         """Ask the node's devices for the MLA blocks of ``tokens`` from the block holding
-        ``from_position`` to ``max_position``, and the KDA checkpoints at their ends, that the
-        first tier lacks (``HostTier`` NOTE 9), waiting up to ``timeout_s``. Returns how many
-        came back (then look up again)."""
+        ``from_position`` to ``max_position``, the KDA checkpoints at their ends and the resume
+        points inside the first block the first tier lacks (a turn's end), that the first tier
+        lacks (``HostTier`` NOTE 9), waiting up to ``timeout_s``. Returns how many came back
+        (then look up again)."""
         recall = getattr(self.tiers[0], "recall", None) if self.tiers else None
         bs = self.layout.block_size
         lo, hi = from_position // bs, min(max_position, len(tokens)) // bs
         if recall is None or hi <= lo:
             return 0
-        hashes = hasher.block_hashes(tokens[: hi * bs])[lo:]
+        every = hasher.block_hashes(tokens[: hi * bs])
+        hashes = every[lo:]
         # each block, and the KDA state at its end (a checkpoint there, if a device has one)
         keys = [k for h in hashes for k in self._shards("mla", h) + self._shards("kda", h)]
+        # and every tail in the first block the tier lacks, where a turn's end sits (as
+        # resumable_length probes it): a node mate's session that this prompt goes on from
+        present = self.tiers[0].contains([self._shards("mla", h)[0] for h in hashes])
+        n_avail = lo + next((i for i, ok in enumerate(present) if not ok), len(present))
+        start, end = n_avail * bs, min(max_position, len(tokens), n_avail * bs + bs - 1)
+        if end > start:
+            parent = every[n_avail - 1] if n_avail else hasher.root
+            keys += [k for d in hasher.tail_digests(parent, tokens[start:end])
+                     for k in self._shards("kda", d) + self._shards("tail", d)]
         got = recall(keys, timeout_s)
         with self._lock:
             self._counters["num_recalls"] += 1
@@ -453,15 +464,18 @@ class StateStore:
 
     # ---- lookup --------------------------------------------------------
     def resumable_length(self, tokens: Sequence[int], hasher: BlockHasher,
-                         max_position: int | None = None) -> ResumePoint:
-        """The furthest resume point <= max_position (default len(tokens))."""
+                         max_position: int | None = None, held_blocks: int = 0) -> ResumePoint:
+        """The furthest resume point <= max_position (default len(tokens)); ``held_blocks``: the
+        leading blocks the caller holds itself (its device: a delta load skips them), taken as
+        present."""
         bs = self.layout.block_size
         assert hasher.block_size == bs, "hasher and layout disagree on block size"
         max_p = len(tokens) if max_position is None else min(max_position, len(tokens))
         hashes = hasher.block_hashes(tokens[: max_p // bs * bs])
         block_keys = [self._shards("mla", h) for h in hashes]
-        where = self._locate([k for ks in block_keys for k in ks])
-        n_avail = 0
+        held = min(held_blocks, len(block_keys))
+        where = self._locate([k for ks in block_keys[held:] for k in ks])
+        n_avail = held
         while n_avail < len(block_keys) and all(k in where for k in block_keys[n_avail]):
             n_avail += 1
         # candidates: (position, pieces at the point: kda shards + tail shards)
@@ -500,7 +514,7 @@ class StateStore:
                         self._forget_tail(digest)
             for p, kda, tail, _ in batch:
                 if all(k in where for k in kda + tail):
-                    pieces = [k for ks in block_keys[: p // bs] for k in ks] + tail + kda
+                    pieces = [k for ks in block_keys[held : p // bs] for k in ks] + tail + kda
                     tiers = {k: self.tiers[where[k]].name for k in pieces}
                     slowest = self.tiers[max(where[k] for k in pieces)].name
                     return ResumePoint(p, p // bs, bool(tail), tiers, slowest)

@@ -80,7 +80,7 @@ class DeviceHolds:
         self._held: dict[int, list[str]] = {}  # resident id -> keys held in the tier
         # NOTE 5: held resident -> (tenant, tokens, checkpoints, every key held, block keys)
         self._residents: dict[int, tuple[str, list[int], tuple[int, ...], list[str], list[str]]] = {}
-        self._by_key: dict[str, tuple[int, int]] = {}  # block or aligned point key -> (resident, blocks reached)
+        self._by_key: dict[str, tuple[int, int]] = {}  # block or point key -> (resident, blocks it reaches)
         self._lock = threading.Lock()
         self._pending = 0  # bytes of queued write-backs
         self._queue: queue.Queue = queue.Queue()
@@ -185,7 +185,7 @@ class DeviceHolds:
                 self._residents[rid] = (change.cache_salt, change.tokens, change.checkpoints, keys, blocks)
                 self._by_key.update({k: (rid, i // per_block + 1) for i, k in enumerate(blocks)})
                 bs = self.hasher.block_size
-                self._by_key.update({k: (rid, p // bs) for p, ks in points.items() for k in ks if p % bs == 0})
+                self._by_key.update({k: (rid, p // bs) for p, ks in points.items() for k in ks})
             self.counters["held_keys"] += len(keys)
         elif op == "unhold":
             rid = item[1]
@@ -244,7 +244,7 @@ class DeviceHolds:
                     continue
                 rid, reach = got
                 lo, hi = asked.get(rid, (reach, 0))
-                first = reach - 1 if not k.startswith("kda") else reach  # a checkpoint needs no block
+                first = reach - 1 if k.startswith("mla") else reach  # a checkpoint needs no block of its own
                 asked[rid] = (min(lo, first), max(hi, reach))
             found = {rid: self._residents[rid] for rid in asked if rid in self._residents}
         bs = self.hasher.block_size
