@@ -378,8 +378,8 @@ class FaultyState:
     async def demote_blocks(self, node_id, hashes):
         return await self.inner.demote_blocks(node_id, hashes)
 
-    async def recall(self, tokens, hasher, from_position, timeout_s):
-        return await self.inner.recall(tokens, hasher, from_position, timeout_s)
+    async def recall(self, tokens, hasher, from_position, timeout_s, held_blocks=0):
+        return await self.inner.recall(tokens, hasher, from_position, timeout_s, held_blocks)
 
     async def _faulted(self, params, work: Callable):
         fault = self.faults.on_load(params)

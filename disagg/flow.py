@@ -153,7 +153,8 @@ NOTES
 16. Recalls (``recall_s`` > 0: ``transfer.host.victim``): when neither this engine's device
    nor the node's tiers hold a full block of the prompt past what the plan resumes, the flow
    asks the node's other devices for the rest (``FlowState.recall``; ``kv_transfer.tiers.host``
-   NOTE 9) within the lookup's deadline, and looks up again if any came back. A node mate
+   NOTE 9) within the lookup's deadline, and looks up again if any came back, the blocks the
+   engine holds resident counted as present (the load skips them, NOTE 11). A node mate
    that holds them writes them back (``disagg.workers.holds`` NOTE 5); the lookup finds
    nothing to recall in one round trip otherwise.
 """
@@ -191,7 +192,7 @@ COUNTERS = ("prefills", "decodes", "remote_prefills", "local_prefills", "load_fa
             "prefill_failures", "published_bytes", "resumed_requests", "peer_loads", "peer_load_failures",
             "publish_waits", "publish_waits_expired", "checkpoints_demoted", "peer_resumes", "peer_resume_misses",
             "handed_over_demoted", "sessions_ended", "sessions_ended_later", "session_end_demoted",
-            "recalled_blocks", "recall_resumes")
+            "recalls", "recall_resumes")
 
 
 @dataclass(slots=True)
@@ -267,9 +268,11 @@ class FlowState(Protocol):
         some tier held."""
         ...
 
-    async def recall(self, tokens: list[int], hasher: BlockHasher, from_position: int, timeout_s: float) -> int:
-        """Ask the node's other devices for the blocks of ``tokens`` past ``from_position`` and
-        wait up to ``timeout_s`` (NOTE 16): how many came back (0: nothing to ask for)."""
+    async def recall(self, tokens: list[int], hasher: BlockHasher, from_position: int, timeout_s: float,
+                     held_blocks: int = 0) -> ResumePoint | None:
+        """Ask the node's other devices for the blocks of ``tokens`` past ``from_position``, wait
+        up to ``timeout_s`` and look up again, the first ``held_blocks`` taken as this engine's
+        (NOTE 16): the resume point then, None when nothing came back."""
         ...
 
     async def demote_blocks(self, node_id: str, hashes: list[bytes]) -> int:
@@ -377,7 +380,8 @@ class RequestFlow:
         if self.options.recall_s > 0 and not failure:  # NOTE 16
             have = max(device_len, node_position, blocks * self.engine.block_size)
             if len(tokens) - 1 - have >= self.engine.block_size:
-                point, node_position = await self._recall(tokens, hasher, have, deadline, point, node_position)
+                point, node_position = await self._recall(tokens, hasher, have, blocks, deadline, point,
+                                                          node_position)
         if params.state_position > max(device_len, node_position) and self._names_peer(params):  # NOTE 10
             got = await self.load(tokens, params.state_position, hasher, params, deadline,
                                   node_id=params.state_node, first_block=blocks)
@@ -394,24 +398,25 @@ class RequestFlow:
         return Resume(None, device_len, "device" if device_len else "computed", failure=failure,
                       node_position=node_position, resident_blocks=blocks)
 
-    async def _recall(self, tokens: list[int], hasher: BlockHasher, have: int, deadline: float,
+    async def _recall(self, tokens: list[int], hasher: BlockHasher, have: int, blocks: int, deadline: float,
                       point: ResumePoint | None, node_position: int) -> tuple[ResumePoint | None, int]:
-        """NOTE 16: the lookup again when node mates wrote back some of what it missed."""
+        """NOTE 16: the lookup again when node mates wrote back some of what it missed (the
+        engine's ``blocks`` leading resident blocks count as present: the load skips them)."""
         budget = min(self.options.recall_s, deadline - time.monotonic())
         if budget <= 0:
             return point, node_position
         try:
-            got = await asyncio.wait_for(self.state.recall(tokens, hasher, have, budget), budget + 0.5)
-            if not got:
-                return point, node_position
-            self.counters["recalled_blocks"] += got
-            again = await asyncio.wait_for(self.state.lookup(tokens, hasher), max(0.0, deadline - time.monotonic()))
+            again = await asyncio.wait_for(self.state.recall(tokens, hasher, have, budget, blocks),
+                                           max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             return point, node_position
         except Exception:  # noqa: BLE001 - a recall that fails is a miss (NOTE 3)
             log.warning("recall from node mates failed", exc_info=True)
             return point, node_position
-        if again is not None and again.position > node_position:
+        if again is None:
+            return point, node_position
+        self.counters["recalls"] += 1
+        if again.position > node_position:
             self.counters["recall_resumes"] += 1
             return again, again.position
         return point, node_position

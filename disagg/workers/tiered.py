@@ -103,11 +103,19 @@ class TierState:
     async def lookup(self, tokens: list[int], hasher: BlockHasher, limit: int | None = None) -> ResumePoint | None:
         return await store_lookup(self.store, tokens, hasher, limit)
 
-    async def recall(self, tokens: list[int], hasher: BlockHasher, from_position: int, timeout_s: float) -> int:
+    async def recall(self, tokens: list[int], hasher: BlockHasher, from_position: int, timeout_s: float,
+                     held_blocks: int = 0) -> ResumePoint | None:
         """``disagg.flow`` NOTE 16 over the node's host tier (``HostTier`` NOTE 9)."""
         if self.store is None:
-            return 0
-        return await asyncio.to_thread(self.store.recall, tokens, hasher, from_position, len(tokens) - 1, timeout_s)
+            return None
+        return await asyncio.to_thread(self._recall, tokens, hasher, from_position, timeout_s, held_blocks)
+
+    def _recall(self, tokens: list[int], hasher: BlockHasher, from_position: int, timeout_s: float,
+                held_blocks: int) -> ResumePoint | None:
+        if not self.store.recall(tokens, hasher, from_position, len(tokens) - 1, timeout_s):
+            return None
+        point = self.store.resumable_length(tokens, hasher, len(tokens) - 1, held_blocks)
+        return ResumePoint(point.position, point.slowest_tier)
 
     async def load(self, tokens: list[int], position: int, hasher: BlockHasher, params: GenerateParams,
                    node_id: str | None = None, first_block: int = 0) -> Resume | None:

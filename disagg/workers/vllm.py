@@ -81,8 +81,9 @@ class ConnectorState:
         await engine.release(request_id)  # the connector saves (the engine keeps no finished request for export)
         return 0, ()
 
-    async def recall(self, tokens: list[int], hasher, from_position: int, timeout_s: float) -> int:
-        return 0  # vLLM's block pool does not say what it holds (transfer.host.victim is refused)
+    async def recall(self, tokens: list[int], hasher, from_position: int, timeout_s: float,
+                     held_blocks: int = 0) -> None:
+        return None  # vLLM's block pool does not say what it holds (transfer.host.victim is refused)
 
     async def demote(self, points: list) -> int:
         return 0  # the connector's saves are not this flow's publishes: nothing of them is demoted here

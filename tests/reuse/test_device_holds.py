@@ -220,3 +220,41 @@ def test_a_node_mate_resumes_what_another_device_holds(threads, case):  # noqa: 
     finally:
         ref.shutdown()
     assert last_ref.num_cached_tokens == 0 and out2 == out_ref
+
+
+def test_a_session_back_on_its_first_worker_joins_its_device_to_a_mates_turn(threads):  # noqa: F811
+    """``disagg.flow`` NOTE 16 with NOTE 11: a session's turn 1 ran on A, turn 2 on B, and turn 3
+    comes back to A; the host tier let both go. A's device holds turn 1's blocks, B's device turn
+    2's end: A recalls only what lies past its own blocks, looks up with its blocks counted as
+    present, and resumes at turn 2's end (A's rows, then B's written back), token-exact."""
+    from disagg.launch.inprocess import InProcessBackend
+
+    over = {"deployment": {"mode": "aggregated"}, "engine": {"cache_budget_mb": 9},
+            "transfer": {"host": {"capacity_mb": 256, "pin_memory": False, "victim": True, "recall_ms": 5000}}}
+    a = backend(**over)
+    b = InProcessBackend(a.config, store=a.store)
+    host = a.store.tiers[0]
+    turn1 = ids(6 * BS + 20, 11)
+    try:
+        async def go():
+            out1, _ = await send(a, "t1", turn1, "S")
+            turn2 = turn1 + out1 + ids(90, 12)
+            out2, _ = await send(b, "t2", turn2, "S")
+            for key in host.keys():
+                host.delete(key)
+            turn3 = turn2 + out2 + ids(50, 13)
+            out3, last3 = await send(a, "t3", turn3, "S")
+            return turn2 + out2[:-1], turn3, out3, last3
+
+        ended2, turn3, out3, last3 = asyncio.run(go())
+        recalls = a.decode.stats()["worker"]["recall_resumes"]
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert recalls == 1 and last3.num_cached_tokens == len(ended2) and last3.cached_source == "host"
+    ref = backend(deployment={"mode": "aggregated"})
+    try:
+        out_ref, _ = asyncio.run(send(ref, "r", turn3, "x"))
+    finally:
+        ref.shutdown()
+    assert out3 == out_ref
