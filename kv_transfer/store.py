@@ -221,10 +221,10 @@ class StateStore:
 
     def recall(self, tokens: Sequence[int], hasher: BlockHasher, from_position: int, max_position: int,
                timeout_s: float) -> int:
-        """Ask the node's devices for the MLA blocks of ``tokens`` from the block holding
-        ``from_position`` to ``max_position``, the KDA checkpoints at their ends and the resume
-        points inside the first block the first tier lacks (a turn's end), that the first tier
-        lacks (``HostTier`` NOTE 9), waiting up to ``timeout_s``. Returns how many came back
+        """Ask the node's devices (``HostTier`` NOTE 9) for what the first tier lacks of: the MLA
+        blocks of ``tokens`` from the block holding ``from_position`` to ``max_position``, the KDA
+        checkpoints at their ends, and the resume points inside the first of those blocks the
+        tier lacks (where a turn ended); wait up to ``timeout_s``. Returns how many came back
         (then look up again)."""
         recall = getattr(self.tiers[0], "recall", None) if self.tiers else None
         bs = self.layout.block_size
