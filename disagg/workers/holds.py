@@ -33,8 +33,8 @@ NOTES
 5. Recalls (``HostTier`` NOTE 9): a node mate that misses blocks this device holds, or the
    checkpoint at a block's end (a shared document, a session that moved), asks the tier for
    them and waits. This class listens on a connection of its own; for each held session asked
-   about it writes back, from the first block asked for, the state at the furthest checkpoint
-   within the blocks asked for and at the checkpoints in the block after them (a prompt's or a
+   about it writes back, from the first of its blocks the tier lacks, the state at the furthest
+   checkpoint within the blocks asked for and at the checkpoints in the block after them (a prompt's or a
    turn's end, whose tail the asker resumes where its prompt goes on the same way), exported
    from the engine between two steps (``export_fn``), and keeps holding them. So the node's
    devices and its host tier are read as one tier, as the simulator's ``--host-write victim``
