@@ -78,8 +78,8 @@ class DeviceHolds:
         self.export_fn = export_fn
         self._keys: dict[int, tuple[list[str], list[str]]] = {}  # resident id -> (block keys, end point keys)
         self._held: dict[int, list[str]] = {}  # resident id -> keys held in the tier
-        # NOTE 5: held resident -> (tenant, tokens, checkpoints, every key held, block keys)
-        self._residents: dict[int, tuple[str, list[int], tuple[int, ...], list[str], list[str]]] = {}
+        # NOTE 5: held resident -> (tenant, tokens, checkpoints, block keys); its held keys: _held
+        self._residents: dict[int, tuple[str, list[int], tuple[int, ...], list[str]]] = {}
         self._by_key: dict[str, tuple[int, int]] = {}  # block or point key -> (resident, blocks it reaches)
         self._lock = threading.Lock()
         self._pending = 0  # bytes of queued write-backs
@@ -182,7 +182,7 @@ class DeviceHolds:
             per_block = max(1, len(blocks) // max(1, len(hashes)))
             with self._lock:  # NOTE 5: what recalls find, as (resident, the blocks it reaches)
                 rid = change.resident_id
-                self._residents[rid] = (change.cache_salt, change.tokens, change.checkpoints, keys, blocks)
+                self._residents[rid] = (change.cache_salt, change.tokens, change.checkpoints, blocks)
                 self._by_key.update({k: (rid, i // per_block + 1) for i, k in enumerate(blocks)})
                 bs = self.hasher.block_size
                 self._by_key.update({k: (rid, p // bs) for p, ks in points.items() for k in ks})
@@ -192,9 +192,8 @@ class DeviceHolds:
             keys = self._held.pop(rid, None)
             with self._lock:
                 self._keys.pop(rid, None)
-                got = self._residents.pop(rid, None)
-                if got is not None:
-                    for k in got[3]:
+                if self._residents.pop(rid, None) is not None:
+                    for k in keys:  # what _by_key maps of it is among what it held
                         if self._by_key.get(k, (None,))[0] == rid:
                             del self._by_key[k]
             if keys:
@@ -249,7 +248,7 @@ class DeviceHolds:
             found = {rid: self._residents[rid] for rid in asked if rid in self._residents}
         bs = self.hasher.block_size
         tier = self.store.tiers[0]
-        for rid, (salt, tokens, checkpoints, _, blocks) in found.items():
+        for rid, (salt, tokens, checkpoints, blocks) in found.items():
             first, n_match = asked[rid]
             per_block = max(1, len(blocks) // max(1, len(tokens) // bs))
             if first < n_match:  # the asker named blocks the tier may still hold: from the first it lacks

@@ -21,6 +21,15 @@ def victim_backend(victim: bool):
                    transfer={"host": {"capacity_mb": 256, "pin_memory": False, "victim": victim}})
 
 
+def uninterrupted(prompt: list[int]):
+    """(tokens, last chunk) of ``prompt`` on a fresh worker that never stored anything."""
+    ref = backend(deployment={"mode": "aggregated"})
+    try:
+        return asyncio.run(send(ref, "r", prompt, "x"))
+    finally:
+        ref.shutdown()
+
+
 def _block_keys(b, tokens: list[int]) -> list[str]:
     hasher = b.decode.hasher
     return b.store.block_keys(hasher.block_hashes(tokens))
@@ -61,11 +70,7 @@ def test_an_evicted_session_is_written_back_where_the_host_tier_let_it_go(thread
         assert last2.num_cached_tokens == len(ended) and last2.cached_source == "host"
     else:
         assert last2.num_cached_tokens < 10 * BS, "write-through alone lost the session's blocks"
-    ref = backend(deployment={"mode": "aggregated"})
-    try:
-        out_ref, last_ref = asyncio.run(send(ref, "r", second, "x"))
-    finally:
-        ref.shutdown()
+    out_ref, last_ref = uninterrupted(second)
     assert last_ref.num_cached_tokens == 0 and out2 == out_ref
 
 
@@ -214,11 +219,7 @@ def test_a_node_mate_resumes_what_another_device_holds(threads, case):  # noqa: 
             assert 0 < holds["recalled_objects"] < 10, "checkpoints only: the blocks were there"
         else:
             assert holds["recalled_objects"] >= 10
-    ref = backend(deployment={"mode": "aggregated"})
-    try:
-        out_ref, last_ref = asyncio.run(send(ref, "r", prompt, "x"))
-    finally:
-        ref.shutdown()
+    out_ref, last_ref = uninterrupted(prompt)
     assert last_ref.num_cached_tokens == 0 and out2 == out_ref
 
 
@@ -252,9 +253,5 @@ def test_a_session_back_on_its_first_worker_joins_its_device_to_a_mates_turn(thr
         a.shutdown()
         b.shutdown()
     assert recalls == 1 and last3.num_cached_tokens == len(ended2) and last3.cached_source == "host"
-    ref = backend(deployment={"mode": "aggregated"})
-    try:
-        out_ref, _ = asyncio.run(send(ref, "r", turn3, "x"))
-    finally:
-        ref.shutdown()
+    out_ref, _ = uninterrupted(turn3)
     assert out3 == out_ref
