@@ -36,7 +36,9 @@ NOTES
    about it writes back, from the first of its blocks the tier lacks, the state at the furthest
    checkpoint within the blocks asked for and at the checkpoints in the block after them (a prompt's or a
    turn's end, whose tail the asker resumes where its prompt goes on the same way), exported
-   from the engine between two steps (``export_fn``), and keeps holding them. So the node's
+   from the engine between two steps (``export_fn``), and keeps holding them. Residents that
+   copied a shared prefix each hold its keys; a key asked for is written back once, by the
+   resident that reaches furthest (the newest of equals), and stays found while any holds it. So the node's
    devices and its host tier are read as one tier, as the simulator's ``--host-write victim``
    reads them; without it (``recall_ms`` 0, the simulator's ``victim-own``) the held-out cells
    lost what workers share (docs/router.md "Round 41").
@@ -80,7 +82,7 @@ class DeviceHolds:
         self._held: dict[int, list[str]] = {}  # resident id -> keys held in the tier
         # NOTE 5: held resident -> (tenant, tokens, checkpoints, block keys); its held keys: _held
         self._residents: dict[int, tuple[str, list[int], tuple[int, ...], list[str]]] = {}
-        self._by_key: dict[str, tuple[int, int]] = {}  # block or point key -> (resident, blocks it reaches)
+        self._by_key: dict[str, dict[int, int]] = {}  # block or point key -> {resident: blocks it reaches}
         self._lock = threading.Lock()
         self._pending = 0  # bytes of queued write-backs
         self._queue: queue.Queue = queue.Queue()
@@ -183,9 +185,12 @@ class DeviceHolds:
             with self._lock:  # NOTE 5: what recalls find, as (resident, the blocks it reaches)
                 rid = change.resident_id
                 self._residents[rid] = (change.cache_salt, change.tokens, change.checkpoints, blocks)
-                self._by_key.update({k: (rid, i // per_block + 1) for i, k in enumerate(blocks)})
-                bs = self.hasher.block_size
-                self._by_key.update({k: (rid, p // bs) for p, ks in points.items() for k in ks})
+                by_key, bs = self._by_key, self.hasher.block_size
+                for i, k in enumerate(blocks):  # residents that copied a shared prefix hold its keys each
+                    by_key.setdefault(k, {})[rid] = i // per_block + 1
+                for p, ks in points.items():
+                    for k in ks:
+                        by_key.setdefault(k, {})[rid] = p // bs
             self.counters["held_keys"] += len(keys)
         elif op == "unhold":
             rid = item[1]
@@ -194,7 +199,8 @@ class DeviceHolds:
                 self._keys.pop(rid, None)
                 if self._residents.pop(rid, None) is not None:
                     for k in keys:  # what _by_key maps of it is among what it held
-                        if self._by_key.get(k, (None,))[0] == rid:
+                        holders = self._by_key.get(k)
+                        if holders is not None and holders.pop(rid, None) is not None and not holders:
                             del self._by_key[k]
             if keys:
                 self.store.unhold(keys)
@@ -236,16 +242,22 @@ class DeviceHolds:
         """Write back what the recalled ``keys`` name of this device's held sessions (NOTE 5)."""
         self.counters["recalls_heard"] += 1
         asked: dict[int, tuple[int, int]] = {}  # resident -> (first block asked for, blocks reached)
+        named: dict[int, set[str]] = {}  # resident -> the keys asked for that it holds
         with self._lock:
             for k in keys:
-                got = self._by_key.get(k)
-                if got is None:
-                    continue
-                rid, reach = got
-                lo, hi = asked.get(rid, (reach, 0))
-                first = reach - 1 if k.startswith("mla") else reach  # a checkpoint needs no block of its own
-                asked[rid] = (min(lo, first), max(hi, reach))
-            found = {rid: self._residents[rid] for rid in asked if rid in self._residents}
+                for rid, reach in self._by_key.get(k, {}).items():
+                    lo, hi = asked.get(rid, (reach, 0))
+                    first = reach - 1 if k.startswith("mla") else reach  # a checkpoint needs no block of its own
+                    asked[rid] = (min(lo, first), max(hi, reach))
+                    named.setdefault(rid, set()).add(k)
+            # one export per key: the furthest-reaching residents first (the newest of equals); a
+            # resident whose every key asked for a chosen one holds too adds nothing
+            covered: set[str] = set()
+            found = {}
+            for rid in sorted(asked, key=lambda r: (asked[r][1], r), reverse=True):
+                if rid in self._residents and not named[rid] <= covered:
+                    found[rid] = self._residents[rid]
+                    covered |= named[rid]
         bs = self.hasher.block_size
         tier = self.store.tiers[0]
         for rid, (salt, tokens, checkpoints, blocks) in found.items():

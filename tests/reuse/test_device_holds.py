@@ -6,6 +6,7 @@ the host tier token-exact, where write-through alone recomputes it."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -255,3 +256,50 @@ def test_a_session_back_on_its_first_worker_joins_its_device_to_a_mates_turn(thr
     assert recalls == 1 and last3.num_cached_tokens == len(ended2) and last3.cached_source == "host"
     out_ref, _ = uninterrupted(turn3)
     assert out3 == out_ref
+
+
+def test_a_recall_finds_a_shared_prefix_while_any_resident_holds_it():
+    """``disagg.workers.holds`` NOTE 5: two residents that each copied a shared prefix both hold
+    its keys. A node mate's recall of the prefix is answered once, by the newest of them; when
+    that one is taken back, the other still answers it (the key map had kept one resident per
+    key and forgot the prefix with it). The engine's export is replaced by a recorder: which
+    resident is asked is what this test is about."""
+    from disagg.config import load_config
+    from disagg.engine.factory import build_reference_engine
+    from disagg.engine.reference.engine import ResidentChange
+    from disagg.workers.holds import DeviceHolds
+    from kv_transfer.keys import BlockHasher, KeyExtras
+    from kv_transfer.store import StateStore
+    from kv_transfer.tiers.host import HostTier
+
+    engine = build_reference_engine(load_config({"model": {"name": "tiny"}}))
+    host = HostTier(8 << 20, slab_bytes=512 << 10)
+    store = StateStore([host], engine.layout)
+    hasher = BlockHasher(BS, KeyExtras(engine.model_id))
+    asked = []
+    holds = DeviceHolds(store, hasher, export_fn=lambda rid, position, first: asked.append(rid))
+    shared = ids(4 * BS, 21)
+    x, y = shared + ids(6 * BS + 10, 22), shared + ids(BS + 10, 23)
+    holds.on_change(ResidentChange("kept", 1, "", x, (4 * BS, 10 * BS)))
+    holds.on_change(ResidentChange("kept", 2, "", y, (4 * BS, 5 * BS)))
+    assert holds.flush()
+    for _ in range(200):  # the listener has joined the tier: a recall waits for its answer
+        if host.stats()["num_recall_listeners"]:
+            break
+        time.sleep(0.01)
+    asker = shared + ids(2 * BS, 24)
+
+    def recall() -> list[int]:
+        asked.clear()
+        store.recall(asker, hasher, 0, len(asker), 5.0)
+        return asked
+
+    try:
+        assert recall() == [2], "both hold the prefix: the newest writes it back, once"
+        holds.on_change(ResidentChange("taken", 2, "", y, (4 * BS, 5 * BS)))
+        assert holds.flush()
+        assert recall() == [1], "the prefix is still held, by the first resident"
+        assert host.stats()["num_recall_timeouts"] == 0
+    finally:
+        holds.close()
+        host.close()
