@@ -124,7 +124,8 @@ class HostTierConfig(_Strict):
     # (kv_transfer.tiers.host NOTE 9). Reference engine only. Off by default (docs/router.md "Round 42")
     victim: bool = False
     # with victim: how long a lookup waits for node mates to write back what it recalled (then
-    # it resumes what came back, and computes the rest)
+    # it resumes what came back, and computes the rest); with router.engine_profile, as long as
+    # the profile says computing what it recalled takes, when longer (disagg.flow NOTE 16)
     recall_ms: int = Field(default=250, ge=0)
 
     @field_validator("keep_turns", mode="before")

@@ -156,7 +156,11 @@ NOTES
    NOTE 9) within the lookup's deadline, and looks up again if any came back, the blocks the
    engine holds resident counted as present (the load skips them, NOTE 11). A node mate
    that holds them writes them back (``disagg.workers.holds`` NOTE 5); the lookup finds
-   nothing to recall in one round trip otherwise.
+   nothing to recall in one round trip otherwise. The wait ends when the mates have answered;
+   its limit is ``transfer.host.recall_ms``, or, with ``router.engine_profile``, as long as the
+   profile says computing the tokens asked for takes, when longer: a write-back of a long
+   context at K3's bytes a token takes longer than the default (about 0.8 s at 128K on one
+   H100, docs/router.md "Round 42"), and a recall that stops short of it computes them all.
 """
 
 from __future__ import annotations
@@ -170,6 +174,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from disagg.config import KEEP_CHECKPOINTS, KEEP_TURNS
+from disagg.costs import cost_profile
 from disagg.engine.protocol import EngineRequest, SamplingParams, TokenOutput
 from disagg.messages import GenerateParams, PrefillHandle, StreamChunk
 from disagg.reuse.accounting import ReuseAccounting, ReuseTicket
@@ -182,6 +187,7 @@ from kv_transfer.keys import BlockHasher
 
 if TYPE_CHECKING:
     from disagg.config import AppConfig
+    from disagg.costs import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -295,21 +301,33 @@ class FlowOptions:
     keep_turns: int | str = KEEP_TURNS  # ... nor its newest turns' (0: no limit; "auto": learned; NOTE 9)
     speculative_first: bool = False  # a local prefill's speculative checkpoints demoted as they land (NOTE 9)
     recall_s: float = 0.0  # a lookup's wait for node mates' devices to write back what it misses (NOTE 16); 0: off
+    recall_costs: CostModel | None = None  # ... or longer, as long as computing it would take (NOTE 16)
 
     @classmethod
     def from_config(cls, app: AppConfig, **overrides) -> FlowOptions:
         """The options a Serve replica runs with: ``router`` (decider), ``transfer.load_deadline_s``,
         ``engine.learned_checkpoints``, ``transfer.host.keep_checkpoints``, ``keep_turns``,
-        ``speculative_first`` and ``recall_ms`` (with ``victim``);
+        ``speculative_first`` and ``recall_ms`` (with ``victim``, priced by ``router.engine_profile``);
         ``overrides`` replace any field."""
+        victim, profile = app.transfer.host.victim, app.router.engine_profile
         base = {"decider": DeciderConfig(**app.router.decider_params()),
                 "load_deadline_s": app.transfer.load_deadline_s,
                 "learned_checkpoints": app.engine.learned_checkpoints,
                 "keep_checkpoints": app.transfer.host.keep_checkpoints,
                 "keep_turns": app.transfer.host.keep_turns,
                 "speculative_first": app.transfer.host.speculative_first,
-                "recall_s": app.transfer.host.recall_ms / 1000 if app.transfer.host.victim else 0.0}
+                "recall_s": app.transfer.host.recall_ms / 1000 if victim else 0.0,
+                "recall_costs": cost_profile(profile) if victim and profile else None}
         return cls(**{**base, **overrides})
+
+    def recall_wait_s(self, new_tokens: int, context: int) -> float:
+        """How long a recall of ``new_tokens`` past ``context`` waits (NOTE 16): ``recall_s``, or
+        what the engine profile says computing them takes, when longer (0: recalls off)."""
+        if self.recall_s <= 0:
+            return 0.0
+        if self.recall_costs is None:
+            return self.recall_s
+        return max(self.recall_s, self.recall_costs.prefill_time(new_tokens, context))
 
 
 class RequestFlow:
@@ -402,7 +420,7 @@ class RequestFlow:
                       point: ResumePoint | None, node_position: int) -> tuple[ResumePoint | None, int]:
         """NOTE 16: the lookup again when node mates wrote back some of what it missed (the
         engine's ``blocks`` leading resident blocks count as present: the load skips them)."""
-        budget = min(self.options.recall_s, deadline - time.monotonic())
+        budget = min(self.options.recall_wait_s(len(tokens) - have, have), deadline - time.monotonic())
         if budget <= 0:
             return point, node_position
         try:

@@ -303,3 +303,22 @@ def test_a_recall_finds_a_shared_prefix_while_any_resident_holds_it():
     finally:
         holds.close()
         host.close()
+
+
+def test_a_recall_waits_as_long_as_computing_what_it_asks_for_would_take():
+    """``disagg.flow`` NOTE 16: ``recall_ms`` bounds a recall's wait; with an engine profile the
+    bound is what the profile says computing the recalled tokens takes, when longer (a long
+    context's write-back at K3's bytes a token takes longer than the default 250 ms)."""
+    from disagg.config import load_config
+    from disagg.costs import cost_profile
+    from disagg.flow import FlowOptions
+
+    def options(**router):
+        return FlowOptions.from_config(load_config({"router": router, "transfer": {"host": {"victim": True}}}))
+
+    plain, k3 = options(), options(engine_profile="mi355x-k3")
+    assert plain.recall_wait_s(131072, 0) == plain.recall_wait_s(1024, 0) == 0.25
+    long = cost_profile("mi355x-k3").prefill_time(131072, 0)
+    assert long > 1.0 and k3.recall_wait_s(131072, 0) == long
+    assert k3.recall_wait_s(1024, 0) == 0.25, "a short recall keeps recall_ms"
+    assert FlowOptions.from_config(load_config({"router": {"engine_profile": "mi355x-k3"}})).recall_wait_s(131072, 0) == 0
