@@ -23,9 +23,10 @@ NOTES
    this class's thread (``put_state``: what is present is refreshed, what is not is written),
    after the session's keys are released: stored while still held, each piece would go to the
    head of the eviction order and the next piece's room would evict it. Nothing missing: only
-   the release (which refreshes). A write-back waiting behind more than
-   ``max_pending_bytes`` is dropped and counted (the session is then recomputed or resumed from
-   what the tier kept).
+   the release (which refreshes). A write-back that would queue past ``max_pending_bytes``
+   behind others is dropped and counted (the session is then recomputed or resumed from what
+   the tier kept); one with nothing ahead of it is always queued, whatever its size (a K3
+   session of 128K tokens holds about 1.9 GB).
 3. Holds are the connection's (``kv_transfer.tiers.host_ipc``): a replica that dies drops
    what it held, and its node's tier goes back to write-through order for those keys.
 4. Only decoding devices hold (the simulator's Simulator NOTE 12): a P/D prefill device keeps
@@ -67,7 +68,7 @@ class DeviceHolds:
     Args:
         store: the node's ``kv_transfer.store.StateStore`` (its first tier counts holds).
         hasher: the worker's key space (salted per session's tenant).
-        max_pending_bytes: write-backs queued beyond this are dropped (NOTE 2).
+        max_pending_bytes: write-backs that would queue beyond this behind others are dropped (NOTE 2).
         export_fn: ``(resident id, position, first block) -> ResumeState | None``, the engine's
             ``export_resident`` run between two steps; with it, this device answers recalls (NOTE 5).
     """
@@ -126,7 +127,7 @@ class DeviceHolds:
         state = change.export(position, first)
         nbytes = state.nbytes
         with self._lock:
-            if self._pending + nbytes > self.max_pending_bytes:
+            if self._pending and self._pending + nbytes > self.max_pending_bytes:
                 self.counters["write_back_dropped"] += 1
                 return
             self._pending += nbytes

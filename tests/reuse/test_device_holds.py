@@ -6,6 +6,7 @@ the host tier token-exact, where write-through alone recomputes it."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -322,3 +323,49 @@ def test_a_recall_waits_as_long_as_computing_what_it_asks_for_would_take():
     assert long > 1.0 and k3.recall_wait_s(131072, 0) == long
     assert k3.recall_wait_s(1024, 0) == 0.25, "a short recall keeps recall_ms"
     assert FlowOptions.from_config(load_config({"router": {"engine_profile": "mi355x-k3"}})).recall_wait_s(131072, 0) == 0
+
+
+def test_a_write_back_past_the_queue_cap_is_queued_when_nothing_is_ahead_of_it():
+    """``disagg.workers.holds`` NOTE 2: the cap on queued write-backs drops one that would wait
+    behind others past it, never one alone (a K3 session of 128K tokens, about 1.9 GB, was
+    dropped whole by the 1 GiB cap). The store's put is replaced by one that waits for the test
+    (a slow host tier), and the engine's export by states that only have a size."""
+    from types import SimpleNamespace
+
+    from disagg.config import load_config
+    from disagg.engine.factory import build_reference_engine
+    from disagg.engine.reference.engine import ResidentChange
+    from disagg.workers.holds import DeviceHolds
+    from kv_transfer.keys import BlockHasher, KeyExtras
+    from kv_transfer.store import StateStore
+    from kv_transfer.tiers.host import HostTier
+
+    engine = build_reference_engine(load_config({"model": {"name": "tiny"}}))
+    host = HostTier(8 << 20, slab_bytes=512 << 10)
+    store = StateStore([host], engine.layout)
+    gate, stored = threading.Event(), []
+
+    def slow_put(tokens, state, hasher):
+        gate.wait(10)
+        stored.append(state.position)
+        return SimpleNamespace(num_stored=1, bytes_stored=state.nbytes)
+
+    store.put_state = slow_put
+    holds = DeviceHolds(store, BlockHasher(BS, KeyExtras(engine.model_id)), max_pending_bytes=1000)
+
+    def evicted(rid: int, seed: int) -> ResidentChange:
+        return ResidentChange("evicted", rid, "", ids(3 * BS, seed), (2 * BS,),
+                              export=lambda position, first: SimpleNamespace(nbytes=5000, position=position))
+
+    try:
+        holds.on_change(evicted(1, 31))  # five times the cap, nothing queued: queued
+        holds.on_change(evicted(2, 32))  # behind it, past the cap: dropped
+        gate.set()
+        assert holds.flush()
+        stats = holds.stats()
+        assert stored == [2 * BS] and stats["written_back"] == 1 and stats["write_back_dropped"] == 1
+        assert stats["pending_bytes"] == 0
+    finally:
+        gate.set()
+        holds.close()
+        host.close()
