@@ -6,7 +6,7 @@ import pytest
 
 from disagg.costs.model import CostModel
 from disagg.router.index import PrefixIndex
-from disagg.tools.sim.cache import LRUTier
+from disagg.tools.sim.cache import LRUTier, NodeView
 from disagg.tools.sim.state import CheckpointPolicy, PromptState, StateModel
 from disagg.tools.sim.workload import extend_digests, tail_digest
 
@@ -131,3 +131,25 @@ def test_extra_positions_join_the_policy_checkpoints_in_position_order():
     keys = sm.checkpoint_keys(ps, 64, extra=(0, 64, 128, 256, 300, 9 * 64 + 5, 9 * 64))
     # 128 (learned), 256 (learned and periodic), 512 (periodic), 576 (last full block and learned)
     assert keys == [b"K" + ps.digests[i] for i in (1, 3, 7, 8)]
+
+
+def test_a_read_from_a_node_mates_device_is_charged_its_write_back_too():
+    """Simulator NOTE 12: what a worker resumes from a node mate's device (``NodeView``), and not
+    from the host tier, serving gets by a recall: the mate writes it back into the host tier, then
+    the worker reads it. So it costs a host transfer more than the same read from the host tier;
+    what the host tier holds costs the read alone."""
+    sm = model(CheckpointPolicy(every_blocks=2, last_full_block=False))
+    first = prompt(list(range(5)), 5 * BS)
+    nxt = prompt(list(range(5)) + [50, 51], 7 * BS)
+    mate, host = LRUTier("device", 100), LRUTier("host", 100)
+    sm.store(first, 0, mate, host)  # blocks 0..4 and checkpoints at 2 and 4 blocks, on both
+    from_host = sm.resume(nxt, LRUTier("device", 100), host, None, dry=True)
+    read = 4 * BS * 100.0 + COST.checkpoint_bytes
+    assert (from_host.tokens, from_host.load_s) == (4 * BS, pytest.approx(read / 1e9))
+    view = NodeView(host, [mate])
+    assert sm.resume(nxt, LRUTier("device", 100), view, None, dry=True).load_s == pytest.approx(read / 1e9)
+    for key in host.keys()[:]:  # the host tier let them go; the mate's device still holds them
+        host.discard(key)
+    recalled = sm.resume(nxt, LRUTier("device", 100), view, None, dry=True)
+    assert (recalled.tokens, recalled.tier) == (4 * BS, "host")
+    assert recalled.load_s == pytest.approx(2 * read / 1e9), "written back, then read"

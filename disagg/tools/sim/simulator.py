@@ -143,7 +143,9 @@ NOTES
    reaches without more memory (docs/router.md, "Round 40"). Serving reads a node mate's device
    by recalling it (``kv_transfer.tiers.host`` NOTE 9: the mate writes it back into the host tier,
    the reader loads it there), and keeps a held key's eviction from the index until its last
-   holder lets it go; the wait for the write-back is not modelled here. "victim-own" is serving
+   holder lets it go; here what a worker reads from a mate's device (not from the host tier)
+   costs a host-tier transfer more, the write-back before the read (``StateModel.resume``), and
+   the wait for the holder's step to end is not modelled. "victim-own" is serving
    with ``transfer.host.recall_ms`` 0 (``disagg.workers.holds``): the same tiers, but a worker
    reads its own device and the host tier only, and the index is told of the host tier alone.
 

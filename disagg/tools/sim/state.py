@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from disagg.costs.model import CostModel
 from disagg.router.types import TailProbe
-from disagg.tools.sim.cache import LRUTier
+from disagg.tools.sim.cache import LRUTier, NodeView
 from disagg.tools.sim.workload import tail_digest
 
 if TYPE_CHECKING:
@@ -223,10 +223,15 @@ class StateModel:
         slowest = 0
         nbytes_tier = [0.0, 0.0, 0.0]
         missing = m - sum(on_dev)
+        mates = isinstance(host, NodeView)  # Simulator NOTE 12: a mate writes back what the host tier lacks
+        recalled = 0.0
         if missing:
             if host is not None:
                 on_host = flags[1][:m]
                 from_host = sum(map(gt, on_host, on_dev))  # on the host, not on the device (bools)
+                if from_host and mates:  # on a mate's device only
+                    own = host.host.present(full[:m]) if host.host is not None else [False] * m
+                    recalled = sum(map(gt, on_host, map(or_, own, on_dev))) * self.block_bytes
             else:
                 from_host = 0
             from_disk = missing - from_host
@@ -237,8 +242,12 @@ class StateModel:
         if ck_tier:
             nbytes_tier[ck_tier] += self.cost.checkpoint_bytes
             slowest = max(slowest, ck_tier)
+            if ck_tier == 1 and mates and (host.host is None or best_key not in host.host):
+                recalled += self.cost.checkpoint_bytes
         names = ("device", "remote", "disk") if remote else TIER_NAMES
         load_s = sum(self.cost.transfer_time(nb, names[i]) for i, nb in enumerate(nbytes_tier) if nb)
+        if recalled:  # written back into the mate's node's host tier first, then read
+            load_s += self.cost.transfer_time(recalled, "host")
         if dry:
             return Resume(best_p, names[slowest], load_s, sum(nbytes_tier), best_key)
         read = [k for k, on in zip(full[:m], on_dev, strict=True) if not on]  # what the device lacked
