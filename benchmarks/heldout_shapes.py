@@ -82,6 +82,12 @@ those earlier runs into OUT left there, replacing the ones it ran again) and ``O
     python benchmarks/heldout_shapes.py --out results/heldout2 --shapes second --modes agg,pd --seed-offset 1000
     python benchmarks/heldout_shapes.py --out results/variant --shapes all --router-config CFG \
         --reuse-baselines results/heldout                    # the router alone, against stored baselines
+    python benchmarks/heldout_shapes.py --out results/all --shapes all --modes agg,pd --jobs 16 --split-policies
+
+``--split-policies`` runs each policy of a cell as a process of its own (``--policy P``, whose row
+is the same as ``--policy all``'s but for its wall time), for a machine with more cores than
+cells; each row is kept in ``OUT/rows/`` as it ends, and a run into the same OUT takes the rows
+already there, so a run stopped part way goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from disagg.tools.sim.cli import keep_turns_arg
+from disagg.tools.sim.cli import POLICIES, keep_turns_arg
 from disagg.tools.sim.simulator import HOST_POLICIES, HOST_WRITES, OUTPUT_HINTS, ROUTER_COSTS
 
 BLOCK = 64
@@ -339,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="added to every shape's seed: other traces of the same shapes (files and cells are "
                          "named <shape>+N)")
+    ap.add_argument("--split-policies", action="store_true",
+                    help="each policy of a cell its own process (module docstring); rows kept in OUT/rows/ "
+                         "and taken from there by a later run into OUT")
     ap.add_argument("--reuse-baselines", metavar="DIR",
                     help="take the baselines' rows from DIR (an earlier run of the same shapes and flags) and "
                          "run only the state-aware router")
@@ -378,17 +387,42 @@ def main(argv: list[str] | None = None) -> int:
         tag = traces[name].stem
         return f"{tag}/{mode}" if workers == 16 else f"{tag}/{workers}/{mode}"
 
-    def one(cell: tuple[str, int, str]) -> list[dict]:
-        name, workers, mode = cell
+    def stored_baselines(cell: tuple[str, int, str]) -> list[dict] | None:
         stored = Path(args.reuse_baselines or "") / f"{label_of(*cell).replace('/', '_')}.json"
         if args.reuse_baselines and stored.exists():  # the baselines as they ran; the router's row is new
-            baselines = [r for r in json.loads(stored.read_text()) if r["policy"] != "state_aware"]
+            return [r for r in json.loads(stored.read_text()) if r["policy"] != "state_aware"]
+        return None
+
+    def one(cell: tuple[str, int, str]) -> list[dict]:
+        name, workers, mode = cell
+        baselines = stored_baselines(cell)
+        if baselines is not None:
             return run(traces[name], mode, extra, workers, policy="state_aware") + baselines
         return run(traces[name], mode, extra, workers)
 
+    def one_policy(task: tuple[tuple[str, int, str], str]) -> dict:
+        (name, workers, mode), policy = task
+        kept = out / "rows" / f"{label_of(name, workers, mode).replace('/', '_')}.{policy}.json"
+        if kept.exists():
+            return json.loads(kept.read_text())
+        (row,) = run(traces[name], mode, extra, workers, policy=policy)
+        kept.parent.mkdir(exist_ok=True)
+        kept.write_text(json.dumps(row))
+        return row
+
+    def by_cell(pool: ThreadPoolExecutor):
+        """Each cell's rows, in the cells' order (``--split-policies``: a task per policy)."""
+        if not args.split_policies:
+            yield from pool.map(one, cells)
+            return
+        mine = {cell: ["state_aware"] if stored_baselines(cell) is not None else POLICIES for cell in cells}
+        rows = pool.map(one_policy, [(cell, p) for cell in cells for p in mine[cell]])
+        for cell in cells:
+            yield [next(rows) for _ in mine[cell]] + (stored_baselines(cell) or [])
+
     summary: dict[str, dict] = {}
-    with ThreadPoolExecutor(args.jobs) as pool:  # each cell is its own ``disagg sim run`` process
-        done = tqdm(pool.map(one, cells), total=len(cells), desc="held-out shapes", unit="cell", file=sys.stderr)
+    with ThreadPoolExecutor(args.jobs) as pool:  # each cell (or policy of a cell) its own ``disagg sim run``
+        done = tqdm(by_cell(pool), total=len(cells), desc="held-out shapes", unit="cell", file=sys.stderr)
         for cell, rows in zip(cells, done, strict=True):  # printed in the cells' order
             label = label_of(*cell)
             (out / f"{label.replace('/', '_')}.json").write_text(json.dumps(rows, indent=1))

@@ -61,6 +61,30 @@ def test_heldout_reuse_gives_the_full_runs_rows(bench, tmp_path: Path, monkeypat
     assert "rush/agg" in capsys.readouterr().out  # its figures moved, so the cell is printed
 
 
+def test_heldout_split_policies_gives_the_full_runs_rows_and_goes_on_where_it_stopped(
+        bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--split-policies``: a process per policy gives the rows ``--policy all`` gives (but for
+    wall time), each kept as it ends; a row already kept is taken, not run again."""
+    held, _, _ = bench
+    monkeypatch.setitem(held.SHAPES, "rush", dataclasses.replace(held.SHAPES["rush"], sessions=10, turns=(2, 4)))
+    cli = ["--shapes", "rush", "--modes", "agg"]
+    assert held.main(["--out", str(tmp_path / "full"), *cli]) == 0
+    split = tmp_path / "split"
+    assert held.main(["--out", str(split), *cli, "--split-policies", "--jobs", "2"]) == 0
+
+    def rows(d: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "wall_s"} for r in json.loads((d / "rush_agg.json").read_text())]
+
+    assert rows(split) == rows(tmp_path / "full")
+    kept = sorted(p.name for p in (split / "rows").iterdir())
+    assert len(kept) == len(rows(split)) and "rush_agg.state_aware.json" in kept
+    marked = json.loads((split / "rows" / "rush_agg.round_robin.json").read_text()) | {"wall_s": -1.0}
+    (split / "rows" / "rush_agg.round_robin.json").write_text(json.dumps(marked))
+    assert held.main(["--out", str(split), *cli, "--split-policies"]) == 0
+    again = json.loads((split / "rush_agg.json").read_text())
+    assert [r["wall_s"] for r in again if r["policy"] == "round_robin"] == [-1.0], "taken, not run again"
+
+
 def test_mooncake_reuse_gives_the_full_runs_rows(bench, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _, mc, ab = bench
     cli = ["--seeds", "32", "--clusters", "agg16", "--modes", "open"]  # 86 requests
