@@ -39,10 +39,10 @@ NOTES
    turn's end, whose tail the asker resumes where its prompt goes on the same way), exported
    from the engine between two steps (``export_fn``), and keeps holding them. Residents that
    copied a shared prefix each hold its keys; a key asked for is written back once, by the
-   resident that reaches furthest (the newest of equals), and stays found while any holds it. So the node's
-   devices and its host tier are read as one tier, as the simulator's ``--host-write victim``
-   reads them; without it (``recall_ms`` 0, the simulator's ``victim-own``) the held-out cells
-   lost what workers share (docs/router.md "Round 41").
+   resident that reaches furthest (the newest of equals), and stays found while any holds it.
+   So the node's devices and its host tier are read as one tier, as the simulator's
+   ``--host-write victim`` reads them; without it (``recall_ms`` 0, the simulator's
+   ``victim-own``) the held-out cells lost what workers share (docs/router.md "Round 41").
 """
 
 from __future__ import annotations
