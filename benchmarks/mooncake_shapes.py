@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                          "than its newest N (every policy; default: the CLI's, 0, no limit)")
     ap.add_argument("--host-write", choices=HOST_WRITES,
                     help="passed to disagg sim run: how stores reach the node's host tier (every policy; "
-                         "default: the CLI's, through)")
+                         "default: the CLI's, victim)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once (each a disagg sim run process)")
     args = ap.parse_args(argv)
     if args.jobs < 1:

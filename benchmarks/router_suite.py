@@ -105,7 +105,7 @@ class Scale:
     seed_offset: int = 0  # added to every member's seed (0: the suite's own traces)
     spill_to_pool: bool = True  # ClusterConfig.spill_to_pool (Simulator NOTE 4)
     checkpoints: str = "serving"  # CHECKPOINT_MODELS: where prefills keep KDA checkpoints
-    host_write: str = "through"  # ClusterConfig.host_write (Simulator NOTE 6)
+    host_write: str = "victim"  # ClusterConfig.host_write (Simulator NOTE 12; NOTE 6)
     session_ends: str = ""  # "turn" | "after" (ClusterConfig.session_ends, session_end_after): clients say when
     # a session ends, with its last turn or after its answer; "": they do not
     output_hint: str = "none"  # ClusterConfig.output_hint (Simulator NOTE 9); no baseline reads it
@@ -116,7 +116,7 @@ class Scale:
         key = f"{self.tokens}/{self.turns}/{self.sessions_per_worker}/{self.lanes_per_worker}/{self.retention}"
         key = f"{key}/seed+{self.seed_offset}" if self.seed_offset else key
         key = f"{key}/spill" if self.spill_to_pool else key
-        key = f"{key}/write-{self.host_write}" if self.host_write != "through" else key
+        key = f"{key}/write-{self.host_write}" if self.host_write != "victim" else key
         key = f"{key}/session-ends" if self.session_ends else key
         key = f"{key}-after" if self.session_ends == "after" else key
         key = f"{key}/turns-{self.keep_turns}" if self.keep_turns != 0 else key
@@ -283,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", default="serving", choices=list(CHECKPOINT_MODELS),
                     help="where prefills keep KDA checkpoints: serving's placement, or every 16 blocks "
                          "(rounds 1-9)")
-    ap.add_argument("--host-write", default="through", choices=HOST_WRITES,
-                    help="host tiers written through by every store (serving), back by device evictions "
-                         "(Simulator NOTE 6), or through with the node's devices' evictions written back "
-                         "(victim, NOTE 12)")
+    ap.add_argument("--host-write", default="victim", choices=HOST_WRITES,
+                    help="host tiers as their node's devices' victim cache (serving's default; Simulator "
+                         "NOTE 12), written through by every store alone (through: rounds 1-42), back by "
+                         "device evictions (NOTE 6), or victim without reads of node mates' devices")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     args = ap.parse_args(argv)
     members, policies, rc = suite_selection(ap, args)

@@ -121,8 +121,10 @@ class HostTierConfig(_Strict):
     # the node holds, and each device writes back what it evicts that the tier lacks (a full node
     # keeps host plus devices, not host alone; disagg.workers.holds). A worker that misses blocks a
     # node mate's device holds recalls them: the mate writes them back and the worker loads them
-    # (kv_transfer.tiers.host NOTE 9). Reference engine only. Off by default (docs/router.md "Round 42")
-    victim: bool = False
+    # (kv_transfer.tiers.host NOTE 9). Unset (the default): on for the reference engine, off for an
+    # engine that cannot say what it evicts (vLLM's block pool); true needs the reference engine
+    # (docs/router.md "Round 43")
+    victim: bool | None = None
     # with victim: how long a lookup waits for node mates to write back what it recalled (then
     # it resumes what came back, and computes the rest); with router.engine_profile, as long as
     # the profile says computing what it recalled takes, when longer (disagg.flow NOTE 16)
@@ -357,7 +359,10 @@ class AppConfig(_Strict):
                 f"http.max_inflight + http.max_queued + {INGRESS_HEADROOM} = {need}: requests would queue in "
                 "Serve, out of sight of the admission gate, instead of being shed with 503; raise it or leave "
                 "it unset (derived)")
-        if self.transfer.host.victim and self.engine.backend != "reference":
+        host = self.transfer.host
+        if host.victim is None:  # the default: wherever the engine can say what it evicts
+            host.victim = self.engine.backend == "reference"
+        elif host.victim and self.engine.backend != "reference":
             raise ValueError("transfer.host.victim needs engine.backend 'reference': the engine must say which "
                              f"sessions it evicts before it frees them ({self.engine.backend!r} does not)")
         return self

@@ -122,9 +122,14 @@ def test_the_engine_tells_of_residents_kept_taken_and_evicted_with_their_state(t
         assert mine.start == theirs.start and torch.equal(mine.rows, theirs.rows)
 
 
-def test_victim_is_refused_for_an_engine_that_cannot_say_what_it_evicts():
+def test_victim_is_the_default_where_the_engine_says_what_it_evicts_and_refused_elsewhere():
+    """``transfer.host.victim`` unset: on for the reference engine, off for vLLM (its block pool
+    does not say what it evicts); asked for with vLLM, an error."""
     from disagg.config import load_config
 
+    assert load_config({}).transfer.host.victim is True
+    assert load_config({"engine": {"backend": "vllm"}}).transfer.host.victim is False
+    assert load_config({"transfer": {"host": {"victim": False}}}).transfer.host.victim is False
     with pytest.raises(ValueError, match="transfer.host.victim needs engine.backend 'reference'"):
         load_config({"engine": {"backend": "vllm"}, "transfer": {"host": {"victim": True}}})
 
@@ -322,7 +327,9 @@ def test_a_recall_waits_as_long_as_computing_what_it_asks_for_would_take():
     long = cost_profile("mi355x-k3").prefill_time(131072, 0)
     assert long > 1.0 and k3.recall_wait_s(131072, 0) == long
     assert k3.recall_wait_s(1024, 0) == 0.25, "a short recall keeps recall_ms"
-    assert FlowOptions.from_config(load_config({"router": {"engine_profile": "mi355x-k3"}})).recall_wait_s(131072, 0) == 0
+    off = {"router": {"engine_profile": "mi355x-k3"}, "transfer": {"host": {"victim": False}}}
+    assert FlowOptions.from_config(load_config(off)).recall_wait_s(131072, 0) == 0, "no recalls without victim"
+    assert FlowOptions.from_config(load_config({})).recall_s == 0.25, "victim is the reference engine's default"
 
 
 def test_a_write_back_past_the_queue_cap_is_queued_when_nothing_is_ahead_of_it():

@@ -193,7 +193,9 @@ def test_bad_configuration():
 def test_session_ends_raise_the_hit_under_serving_retention():
     """The run of the test below under policy "checkpoints": with clients that say when their
     sessions end, ended sessions stop crowding out live ones and the hit rises; an LRU retention
-    cannot take the signal (nothing tracks sessions)."""
+    cannot take the signal (nothing tracks sessions). Written through: victim host tiers (the
+    default) keep the devices' sessions besides the host tier's, and on this run the signal
+    then moves nothing (the same hit, 0.737, with and without it)."""
     from disagg.tools.bench.family import SUITE, member_trace
     from disagg.tools.sim.driver import ReplayConfig
     from disagg.tools.sim.simulator import ClusterConfig, Simulator
@@ -203,7 +205,7 @@ def test_session_ends_raise_the_hit_under_serving_retention():
     hits = {}
     for ends in (False, True):
         cluster = ClusterConfig(num_workers=2, device_blocks=256, host_blocks=2048, retention="checkpoints",
-                                session_ends=ends)
+                                session_ends=ends, host_write="through")
         res = Simulator(reqs, "dynamo_cost", cluster, replay=ReplayConfig(concurrency=4, think_scale=0.25)).run()
         assert res.summary["requests"] == len(reqs)
         hits[ends] = res.summary["hit_rate"]
@@ -218,6 +220,7 @@ def test_session_retention_raises_the_hit_under_capacity_pressure():
     """Long sessions on two small workers: superseded checkpoints no longer crowd out live sessions.
 
     A baseline router places the requests, so the tiers' policy is what the test compares.
+    Written through, as the test above.
     """
     from disagg.tools.bench.family import SUITE, member_trace
     from disagg.tools.sim.driver import ReplayConfig
@@ -227,7 +230,8 @@ def test_session_retention_raises_the_hit_under_capacity_pressure():
     reqs = from_trace_records(member_trace(SUITE["long_agentic"], 8, block_size=64, scale=0.25), 64)
     hits = {}
     for policy in ("lru", "checkpoints", "session"):
-        cluster = ClusterConfig(num_workers=2, device_blocks=256, host_blocks=2048, retention=policy)
+        cluster = ClusterConfig(num_workers=2, device_blocks=256, host_blocks=2048, retention=policy,
+                                host_write="through")
         res = Simulator(reqs, "dynamo_cost", cluster, replay=ReplayConfig(concurrency=4, think_scale=0.25)).run()
         assert res.summary["requests"] == len(reqs)
         hits[policy] = res.summary["hit_rate"]

@@ -330,9 +330,10 @@ def test_spill_to_pool_moves_a_decode_nodes_evictions_to_a_prefill_nodes_host_ti
     """``spill_to_pool`` (Simulator NOTE 4): the pool on n0, decode workers on n1 and n2. What n1's
     host tier evicts lands in n0's host tier, where the index sees it and a prefill worker there
     resumes it from its own node (tier "host"); without the flag it is gone. The pool's own host
-    tier keeps plain eviction."""
+    tier keeps plain eviction. Written through: with victim host tiers (the default) the pool's
+    node mate would read the session from the device the first resume loaded it into."""
     for spill in (True, False):
-        sim, ps = _pd_sim(host_blocks=128, spill_to_pool=spill)
+        sim, ps = _pd_sim(host_blocks=128, spill_to_pool=spill, host_write="through")
         p, d = sim.workers["w00"], sim.workers["w02"]
         bs = sim.block_size
         sim.state.store(ps, 0, LRUTier("device", 64), sim.host[d.node_id])  # 8 blocks + a checkpoint on n1
@@ -484,8 +485,8 @@ def test_victim_host_tiers_resume_from_a_node_mates_device():
     """NOTE 12: with ``host_write="victim"`` a host tier too small for a session lets its blocks go
     while a device of the node holds them, and the next turn, placed on the other worker of the
     node, resumes them from that device; written through, the host tier kept only the session's
-    newest blocks and the turn recomputes. In P/D only the decode workers' devices count. Victim
-    host tiers need a host tier. "victim-own" (serving's ``transfer.host.victim``) keeps the same
+    newest blocks and the turn recomputes. In P/D only the decode workers' devices count. Without
+    a host tier, victim (the default) is through. "victim-own" (serving's ``transfer.host.victim``) keeps the same
     tiers but reads no node mate's device, and tells the index of the host tier alone."""
     a0 = SimRequest("a", 0, 0, 0, 2048 + 100, 2, list(range(9)), 256)  # 8 full blocks
     a1 = SimRequest("a", 1, 0, 0, 3072 + 100, 2, list(range(13)), 256)  # extends a0's blocks
@@ -510,8 +511,8 @@ def test_victim_host_tiers_resume_from_a_node_mates_device():
     assert all(sim.workers["w00"].device.present(full)) and all(sim.workers["w01"].device.present(full))
     assert not any(k in sim.victims["n0"].held for k in full)
     assert all(sim.victims["n1"].held[k] == 1 for k in full)
-    with pytest.raises(ValueError, match="host tier"):
-        ClusterConfig(host_write="victim", host_blocks=0)
+    assert ClusterConfig(host_blocks=0).host_write == "through", "no host tier to keep apart: through"
+    assert ClusterConfig().host_write == "victim", "the default, as serving's on the reference engine"
 
 
 def _sharing_pair(gap_ms: float, busy: bool = False) -> list[SimRequest]:

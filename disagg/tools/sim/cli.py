@@ -184,14 +184,16 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="host tiers' eviction order: lru (serving's default, transfer.host.policy; here "
                         "refreshed by each turn's store too), or serving's s3fifo or arc (its own classes, "
                         "refreshed by reads)")
-    g.add_argument("--host-write", default="through", choices=list(HOST_WRITES),
-                   help="through: every store writes the node's host tier too (serving); back: stores go "
-                        "to the device, and what a device evicts to the host tier (Simulator NOTE 6); "
-                        "victim: through, but a full host tier lets go first of what a device of its node "
-                        "holds, a device's evictions go back to it, and workers read their node's other "
-                        "devices (Simulator NOTE 12; serving's transfer.host.victim, whose replicas recall "
-                        "what a node mate's device holds); victim-own: victim without reads of the node's "
-                        "other devices (serving's transfer.host.victim with recall_ms 0)")
+    g.add_argument("--host-write", default="victim", choices=list(HOST_WRITES),
+                   help="victim (default): stores write the node's host tier too, but a full host tier lets "
+                        "go first of what a device of its node holds, a device's evictions go back to it, and "
+                        "workers read their node's other devices (Simulator NOTE 12; serving's "
+                        "transfer.host.victim, whose replicas recall what a node mate's device holds; without "
+                        "a host tier, through); through: every store writes the node's host tier too, and "
+                        "nothing more (serving with transfer.host.victim false; rounds 1-42 of "
+                        "docs/router.md); back: stores go to the device, and what a device evicts to the host "
+                        "tier (Simulator NOTE 6); victim-own: victim without reads of the node's other devices "
+                        "(serving's transfer.host.victim with recall_ms 0)")
     g.add_argument("--no-peer-reads", action="store_true",
                    help="P/D: a prefill reads only its own node's tiers, not its decode worker's node's")
     g.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,

@@ -123,7 +123,8 @@ NOTES
    it. Only the device: the host tier is written when the prefill ends. The reference engine
    caches a prefill when it ends, so serving on it is the default; the engine profiles of
    vLLM engines (``h200-small``, ``mi355x-k3``) are closer with it.
-12. Victim host tiers (``ClusterConfig.host_write`` "victim"; serving's ``transfer.host.victim``): stores
+12. Victim host tiers (``ClusterConfig.host_write`` "victim", the default where nodes have a host tier;
+   serving's ``transfer.host.victim``, its default on the reference engine): stores
    write through as in serving, but a node's host tier lets go first of what a device of the
    node holds, and what the last device holding an object evicts goes back to the host tier
    (cache NOTE 5), so a full node keeps about its host tier plus its devices, not its host
@@ -216,9 +217,9 @@ class ClusterConfig:
     keep_turns: int | str = KEEP_TURNS  # serving's transfer.host.keep_turns: 0, N or "auto" (retention NOTE 4)
     host_policy: str = "lru"  # host tiers: "lru" (LRUTier, serving's default policy) or another of serving's
     # policies (cache.PolicyTier)
-    host_write: str = "through"  # "through": every store writes the host tier too (serving); "back": NOTE 6;
-    # "victim": NOTE 12 (serving's transfer.host.victim); "victim-own": NOTE 12 without reads of node
-    # mates' devices (serving's with recall_ms 0)
+    host_write: str = "victim"  # "victim" (default): NOTE 12 (serving's transfer.host.victim), where the
+    # node has a host tier (without one, "through"); "through": every store writes the host tier too;
+    # "back": NOTE 6; "victim-own": NOTE 12 without reads of node mates' devices (serving's with recall_ms 0)
     session_ends: bool = False  # clients mark each session's last turn (the API's session_end; retention)
     session_end_after: bool = False  # ... after its answer instead (DELETE /v1/sessions/{id}): written (NOTE 7)
     output_hint: str = "none"  # what clients tell the router of a request's output: OUTPUT_HINTS (NOTE 9)
@@ -243,7 +244,7 @@ class ClusterConfig:
         if self.host_write not in HOST_WRITES:
             raise ValueError(f"host_write must be one of {HOST_WRITES}")
         if self.host_write.startswith("victim") and not self.host_blocks:
-            raise ValueError(f"host_write {self.host_write!r} needs a host tier (host_blocks > 0)")
+            self.host_write = "through"  # NOTE 12 keeps a host tier apart from the devices: none here
         if self.session_ends and self.retention == "lru":
             raise ValueError("session_ends needs a retention that tracks sessions (checkpoints or session)")
         if self.output_hint not in OUTPUT_HINTS:
