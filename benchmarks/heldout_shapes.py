@@ -415,10 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.split_policies:
             yield from pool.map(one, cells)
             return
-        mine = {cell: ["state_aware"] if stored_baselines(cell) is not None else POLICIES for cell in cells}
+        stored = {cell: stored_baselines(cell) for cell in cells}  # read once a cell
+        mine = {cell: POLICIES if stored[cell] is None else ["state_aware"] for cell in cells}
         rows = pool.map(one_policy, [(cell, p) for cell in cells for p in mine[cell]])
         for cell in cells:
-            yield [next(rows) for _ in mine[cell]] + (stored_baselines(cell) or [])
+            yield [next(rows) for _ in mine[cell]] + (stored[cell] or [])
 
     summary: dict[str, dict] = {}
     with ThreadPoolExecutor(args.jobs) as pool:  # each cell (or policy of a cell) its own ``disagg sim run``

@@ -13,7 +13,8 @@ device holds is often wanted by the other:
 
 Modes, each with the same engine cache and host tier:
 
-- ``through``: turns written through to the host tier (the default);
+- ``through``: turns written through to the host tier (``transfer.host.victim: false``; the
+  default until docs/router.md "Round 43");
 - ``victim-own``: ``transfer.host.victim`` without recalls (``recall_ms: 0``): the tier lets go
   first what a device holds, so the mate that wants it computes it (docs/router.md "Round 41");
 - ``victim``: with recalls (``kv_transfer.tiers.host`` NOTE 9): the mate asks, the holder writes

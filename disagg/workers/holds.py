@@ -35,11 +35,12 @@ NOTES
    checkpoint at a block's end (a shared document, a session that moved), asks the tier for
    them and waits. This class listens on a connection of its own; for each held session asked
    about it writes back, from the first of its blocks the tier lacks, the state at the furthest
-   checkpoint within the blocks asked for and at the checkpoints in the block after them (a prompt's or a
-   turn's end, whose tail the asker resumes where its prompt goes on the same way), exported
-   from the engine between two steps (``export_fn``), and keeps holding them. Residents that
-   copied a shared prefix each hold its keys; a key asked for is written back once, by the
-   resident that reaches furthest (the newest of equals), and stays found while any holds it.
+   checkpoint within the blocks asked for and at the checkpoints in the block after them (a
+   prompt's or a turn's end, whose tail the asker resumes where its prompt goes on the same
+   way), exported from the engine between two steps (``export_fn``), and keeps holding them.
+   Residents that copied a shared prefix each hold its keys; a key asked for is written back
+   once, by the resident that reaches furthest (the newest of equals), and stays found while
+   any holds it.
    So the node's devices and its host tier are read as one tier, as the simulator's
    ``--host-write victim`` reads them; without it (``recall_ms`` 0, the simulator's
    ``victim-own``) the held-out cells lost what workers share (docs/router.md "Round 41").
@@ -255,8 +256,8 @@ class DeviceHolds:
             # resident whose every key asked for a chosen one holds too adds nothing
             covered: set[str] = set()
             found = {}
-            for rid in sorted(asked, key=lambda r: (asked[r][1], r), reverse=True):
-                if rid in self._residents and not named[rid] <= covered:
+            for rid in sorted(asked, key=lambda r: (asked[r][1], r), reverse=True):  # all held (_by_key)
+                if not named[rid] <= covered:
                     found[rid] = self._residents[rid]
                     covered |= named[rid]
         bs = self.hasher.block_size
