@@ -515,6 +515,26 @@ def test_victim_host_tiers_resume_from_a_node_mates_device():
     assert ClusterConfig().host_write == "victim", "the default, as serving's on the reference engine"
 
 
+def test_victim_host_tiers_read_no_prefill_mates_device():
+    """NOTE 12: a P/D prefill worker's device answers no recall (serving's ``disagg.workers.holds``
+    NOTE 4), so a prefill worker does not resume what its prefill mate's device holds: two documents'
+    questions, the second sent to the other prefill worker of the node, recompute the document there
+    when the node's host tier cannot keep it (the decode worker on another node, peer reads off)."""
+    doc = list(range(16))  # 16 blocks of 256 shared by both prompts
+    q0 = SimRequest("q0", 0, 0, 0, 16 * 256 + 300, 2, doc + [100, 101], 256)
+    q1 = SimRequest("q1", 0, 0, 0, 16 * 256 + 300, 2, doc + [200, 201], 256)
+    cl = ClusterConfig(num_prefill=2, num_decode=1, workers_per_node=2, device_blocks=512, host_blocks=1,
+                       peer_reads=False, host_write="victim")
+    sim = Simulator([q0, q1], "round_robin", cl, HAND, lanes=1)  # q1 is sent when q0 has ended
+    recs = sorted(sim.run().records, key=lambda r: r.arrival)
+    assert [r.prefill_worker for r in recs] == ["w00", "w01"]
+    shared = sim.digests.digests("q0", 0, q0.hash_ids, 256)[:16]
+    assert all(sim.workers["w00"].device.present(shared)), "the first prefill's device still holds the document"
+    assert [r.cached_tokens for r in recs] == [0, 0], "not read from the prefill mate's device"
+    host, _ = sim._node_tiers_of(sim.workers["w01"])
+    assert host.devices == [], "the node's only other device is a prefill worker's"
+
+
 def _sharing_pair(gap_ms: float, busy: bool = False) -> list[SimRequest]:
     """Two sessions whose first prompts share 16 blocks of 256 (a periodic checkpoint at 4096),
     the second sent ``gap_ms`` after the first; ``busy``: behind a third session's prompt."""

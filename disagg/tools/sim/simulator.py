@@ -134,7 +134,10 @@ NOTES
    workers: hit/bound 0.915 with them counted, 0.960 without). A worker resumes from its
    node's other devices too, over the node's links (``NodeView``; charged as host-tier reads,
    and as remote ones for a peer read of another node), as serving's device hand-off reads a
-   peer GPU of its host (``disagg.workers.tiered`` NOTE 1). The router's index sees the node's
+   peer GPU of its host (``disagg.workers.tiered`` NOTE 1). Those are its decoding devices: a
+   P/D prefill device answers no recall in serving (``disagg.workers.holds`` NOTE 4), and read
+   here it gave every policy reuse serving has not (the held-out `rag/pd`: `round_robin`'s TTFT
+   P90 0.066 s read so, 0.610 s without; docs/router.md "Round 44"). The router's index sees the node's
    host tier as the node reads it: an object stays published there while a decoding device of
    the node holds it (without that, on the held-out `docqa/agg` the router sent questions away from the
    node mates of the devices holding their documents: placement lost 0.024 of the reuse). On the
@@ -407,11 +410,11 @@ class Simulator:
 
     def _node_tiers_of(self, w: SimWorker, node: str = "") -> tuple[LRUTier | NodeView | None, LRUTier | None]:
         """The host and disk tiers ``w`` reads on ``node`` (default: its own); with victim host tiers
-        (NOTE 12) the host tier is read with the node's devices, ``w``'s own aside."""
+        (NOTE 12) the host tier is read with the node's decoding devices, ``w``'s own aside."""
         node = node or w.node_id
         host = self.host[node]
         if self.cluster.host_write == "victim":
-            host = NodeView(host, [o.device for o in self._node_workers[node] if o is not w])
+            host = NodeView(host, [o.device for o in self._node_workers[node] if o is not w and o.role != "prefill"])
         return host, self.disk[node]
 
     def _spill_targets(self, roles: list[str]) -> dict[str, LRUTier]:
