@@ -19,6 +19,10 @@ per figure; a cell counts as missed once::
 
     python benchmarks/standing.py suite+0=results/suite_agg results/heldout results/mooncake
     python benchmarks/standing.py held=results/heldout --by-mode     # aggregated and P/D cells apart
+    python benchmarks/standing.py --by-mode "suite=results/old:agg" "suite=results/new:pd"   # a mode of each
+
+A run ending in ``:agg`` or ``:pd`` counts that kind of cluster's cells alone (a
+family whose P/D cells were run again apart from its aggregated ones).
 """
 
 from __future__ import annotations
@@ -69,12 +73,27 @@ def mode_of(label: str) -> str:
     return "P/D" if any(part.startswith("pd") for part in label.split("/")) else "agg"
 
 
-def standing(runs: list[tuple[str, Path]], served: float = 0.9, tie: float = 0.001, by_mode: bool = False) -> str:
+def run_spec(text: str) -> tuple[str, Path, str]:
+    """``[NAME=]DIR[:agg|:pd]`` -> (name, directory, the mode kept: "agg", "P/D" or "" for both)."""
+    name, eq, rest = text.partition("=")
+    if not eq:
+        name, rest = "", text
+    path, colon, mode = rest.rpartition(":")
+    if not colon or mode not in ("agg", "pd"):
+        path, mode = rest, ""
+    name = name or path
+    return name, Path(path), {"agg": "agg", "pd": "P/D", "": ""}[mode]
+
+
+def standing(runs: list[tuple[str, Path] | tuple[str, Path, str]], served: float = 0.9, tie: float = 0.001,
+             by_mode: bool = False) -> str:
     head = ["| run | cells meeting every figure | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 2) + "|"]
     detail = []
     parts = []
-    for name, out in runs:
+    for name, out, *keep in runs:
         cells = load(out)
+        if keep and keep[0]:
+            cells = {label: c for label, c in cells.items() if mode_of(label) == keep[0]}
         if not by_mode:
             parts.append((name, cells))
             continue
@@ -97,13 +116,14 @@ def standing(runs: list[tuple[str, Path]], served: float = 0.9, tie: float = 0.0
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", help="output directories, each DIR or NAME=DIR")
+    ap.add_argument("runs", nargs="+", help="output directories, each DIR or NAME=DIR, with :agg or :pd to keep "
+                                            "that kind of cluster's cells alone")
     ap.add_argument("--served", type=float, default=0.9,
                     help="a baseline ahead at no more than this share of our tok/s/GPU served less")
     ap.add_argument("--tie", type=float, default=0.001, help="a miss within this of the cut is a tie")
     ap.add_argument("--by-mode", action="store_true", help="a row per run and cluster kind (aggregated, P/D)")
     args = ap.parse_args(argv)
-    runs = [(s.partition("=")[0], Path(s.partition("=")[2])) if "=" in s else (s, Path(s)) for s in args.runs]
+    runs = [run_spec(s) for s in args.runs]
     print(standing(runs, args.served, args.tie, args.by_mode))
     return 0
 

@@ -60,6 +60,14 @@ def test_heldout_reuse_gives_the_full_runs_rows(bench, tmp_path: Path, monkeypat
     assert ab.main([str(tmp_path / "full"), str(tmp_path / "greedy")]) == 0
     assert "rush/agg" in capsys.readouterr().out  # its figures moved, so the cell is printed
 
+    import standing  # a run's P/D cells alone (``DIR:pd``), beside its aggregated ones from another run
+
+    both = standing.standing([standing.run_spec(f"r={tmp_path / 'full'}")], by_mode=True)
+    pd = standing.standing([standing.run_spec(f"r={tmp_path / 'full'}:pd"),
+                            standing.run_spec(f"r={tmp_path / 'greedy'}:agg")], by_mode=True)
+    assert "| r agg | " in both and "| r P/D | " in both
+    assert [line.split(" | ")[0] for line in pd.splitlines() if line.startswith("| r ")] == ["| r P/D", "| r agg"]
+
 
 def test_heldout_split_policies_gives_the_full_runs_rows_and_goes_on_where_it_stopped(
         bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,3 +172,7 @@ def test_standing_tells_pd_cells_from_aggregated_ones(monkeypatch: pytest.Monkey
 
     assert [standing.mode_of(x) for x in ("fanout/16/pd", "issue/pd", "issue+1000/64/pd", "3/pd16/open")] == ["P/D"] * 4
     assert [standing.mode_of(x) for x in ("fanout/16/agg", "issue/agg", "3/agg64/closed")] == ["agg"] * 3
+    assert standing.run_spec("suite +0=results/a:pd") == ("suite +0", Path("results/a"), "P/D")
+    assert standing.run_spec("results/a:agg") == ("results/a", Path("results/a"), "agg")
+    assert standing.run_spec("x=results/a") == ("x", Path("results/a"), "")
+    assert standing.run_spec("x=results/a:b") == ("x", Path("results/a:b"), ""), "not a mode: part of the path"
