@@ -37,6 +37,7 @@ except a session's end from clients that send ``session_end`` on its last turn
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 from collections import defaultdict
@@ -70,8 +71,9 @@ def know(sim: Simulator, parts: set[str]) -> None:
 def watch(sim: Simulator) -> None:
     """Have ``sim`` measure, as it places each request, the furthest any worker could resume its
     prompt (a dry resume on every worker's device and node tiers: ``RequestRecord.reach_tokens``,
-    Simulator NOTE 10, what ``disagg sim run --explain-misses`` reports)."""
-    sim.cluster.explain_misses = True
+    Simulator NOTE 10, what ``disagg sim run --explain-misses`` reports). The simulator gets a
+    config of its own: the caller's, which other runs may share, is left as it was."""
+    sim.cluster = dataclasses.replace(sim.cluster, explain_misses=True)
 
 
 def split(sim: Simulator, lanes: int) -> dict:

@@ -164,8 +164,8 @@ def spread_decodes(sim: Simulator, by: str = "unfinished") -> None:
     owner: dict[str, str] = {}
     outputs: dict[str, int] = {}  # "overlap": each unfinished request's output length
     route, finish, note = sim.router.route, sim.finish, sim.router.on_routed
-    if by == "overlap":  # the trace's output lengths reach the oracle, not the policy
-        sim.cluster.output_hint = "exact"
+    if by == "overlap":  # the trace's output lengths reach the oracle, not the policy (a config of the
+        sim.cluster = dataclasses.replace(sim.cluster, output_hint="exact")  # simulator's own: the caller's stays)
 
         def noted(req, d):
             note(dataclasses.replace(req, output_len_hint=0), d)

@@ -52,7 +52,9 @@ def test_the_split_adds_up_to_the_bound(tmp_path: Path, hit_loss) -> None:
     assert roomy["requests"] == 80
     assert roomy["eviction_loss"] == pytest.approx(0.0, abs=1e-9)  # default tiers hold the whole trace
     sim = pd_itl.trace_sim(str(trace), TIGHT.split(), "state_aware", None)
+    given = sim.cluster
     hit_loss.watch(sim)
+    assert sim.cluster.explain_misses and not given.explain_misses, "the caller's config is left as it was"
     res = sim.run()
     done = sorted((r for r in res.records if r.finish >= 0), key=lambda r: r.arrival)
     assert capacity_bound(sim.requests, res.records, sim.cluster, sim.cost, 4) > 0

@@ -162,7 +162,9 @@ def test_oracle_spread_by_overlap_hides_outputs_from_the_policy(tmp_path: Path,
         inner_note(req, d)
 
     sim.router.route, sim.router.on_routed = route, note
+    given = sim.cluster
     pd_itl.spread_decodes(sim, "overlap")
+    assert sim.cluster.output_hint == "exact" and given.output_hint == "none", "the caller's config stays"
     oracle_route, oracle_finish = sim.router.route, sim.finish
     output = {}  # request id -> output length, as the trace gives it
     where: dict[str, str] = {}
