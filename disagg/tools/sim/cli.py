@@ -187,7 +187,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-write", default="victim", choices=list(HOST_WRITES),
                    help="victim (default): stores write the node's host tier too, but a full host tier lets "
                         "go first of what a device of its node holds, a device's evictions go back to it, and "
-                        "workers read their node's other devices (Simulator NOTE 12; serving's "
+                        "workers read their node's other decoding devices (Simulator NOTE 12; serving's "
                         "transfer.host.victim, whose replicas recall what a node mate's device holds; without "
                         "a host tier, through); through: every store writes the node's host tier too, and "
                         "nothing more (serving with transfer.host.victim false; rounds 1-42 of "
