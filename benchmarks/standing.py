@@ -22,7 +22,8 @@ per figure; a cell counts as missed once::
     python benchmarks/standing.py --by-mode "suite=results/old:agg" "suite=results/new:pd"   # a mode of each
 
 A run ending in ``:agg`` or ``:pd`` counts that kind of cluster's cells alone (a
-family whose P/D cells were run again apart from its aggregated ones).
+family whose P/D cells were run again apart from its aggregated ones); runs of one
+name make one row (a family run in pieces).
 """
 
 from __future__ import annotations
@@ -89,19 +90,19 @@ def standing(runs: list[tuple[str, Path] | tuple[str, Path, str]], served: float
              by_mode: bool = False) -> str:
     head = ["| run | cells meeting every figure | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 2) + "|"]
     detail = []
-    parts = []
+    parts: dict[str, dict] = {}  # a row per name (and mode): runs of one name add their cells to it
     for name, out, *keep in runs:
         cells = load(out)
         if keep and keep[0]:
             cells = {label: c for label, c in cells.items() if mode_of(label) == keep[0]}
         if not by_mode:
-            parts.append((name, cells))
+            parts.setdefault(name, {}).update(cells)
             continue
         for mode in ("agg", "P/D"):
             some = {label: c for label, c in cells.items() if mode_of(label) == mode}
             if some:
-                parts.append((f"{name} {mode}", some))
-    for name, cells in parts:
+                parts.setdefault(f"{name} {mode}", {}).update(some)
+    for name, cells in parts.items():
         counts = dict.fromkeys(KINDS, 0)
         for label, (v, rows) in cells.items():
             found = misses(v, rows, served, tie)

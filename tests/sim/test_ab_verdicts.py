@@ -67,6 +67,10 @@ def test_heldout_reuse_gives_the_full_runs_rows(bench, tmp_path: Path, monkeypat
                             standing.run_spec(f"r={tmp_path / 'greedy'}:agg")], by_mode=True)
     assert "| r agg | " in both and "| r P/D | " in both
     assert [line.split(" | ")[0] for line in pd.splitlines() if line.startswith("| r ")] == ["| r P/D", "| r agg"]
+    one = standing.standing([standing.run_spec(f"r={tmp_path / 'full'}:agg"),
+                             standing.run_spec(f"r={tmp_path / 'full'}:pd")])  # one name: one row, both cells
+    rows = [line.split(" | ") for line in one.splitlines() if line.startswith("| r ")]
+    assert len(rows) == 1 and rows[0][1].endswith(" of 2")
 
 
 def test_heldout_split_policies_gives_the_full_runs_rows_and_goes_on_where_it_stopped(
