@@ -517,9 +517,10 @@ def test_victim_host_tiers_resume_from_a_node_mates_device():
 
 def test_victim_host_tiers_read_no_prefill_mates_device():
     """NOTE 12: a P/D prefill worker's device answers no recall (serving's ``disagg.workers.holds``
-    NOTE 4), so a prefill worker does not resume what its prefill mate's device holds: two documents'
-    questions, the second sent to the other prefill worker of the node, recompute the document there
-    when the node's host tier cannot keep it (the decode worker on another node, peer reads off)."""
+    NOTE 4), so a prefill worker does not resume what its prefill mate's device holds: of two
+    questions on one document, the second, sent to the other prefill worker of the node, recomputes
+    the document there when the node's host tier cannot keep it (the decode worker on another node,
+    peer reads off)."""
     doc = list(range(16))  # 16 blocks of 256 shared by both prompts
     q0 = SimRequest("q0", 0, 0, 0, 16 * 256 + 300, 2, doc + [100, 101], 256)
     q1 = SimRequest("q1", 0, 0, 0, 16 * 256 + 300, 2, doc + [200, 201], 256)

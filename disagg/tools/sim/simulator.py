@@ -136,8 +136,8 @@ NOTES
    and as remote ones for a peer read of another node), as serving's device hand-off reads a
    peer GPU of its host (``disagg.workers.tiered`` NOTE 1). Those are its decoding devices: a
    P/D prefill device answers no recall in serving (``disagg.workers.holds`` NOTE 4), and read
-   here it gave every policy reuse serving has not (the held-out `rag/pd`: `round_robin`'s TTFT
-   P90 0.066 s read so, 0.610 s without; docs/router.md "Round 44"). The router's index sees the node's
+   here it gave the policies that spread load reuse serving has not (the held-out `rag/pd`:
+   `round_robin`'s TTFT P90 0.066 s read so, 0.610 s without; docs/router.md "Round 44"). The router's index sees the node's
    host tier as the node reads it: an object stays published there while a decoding device of
    the node holds it (without that, on the held-out `docqa/agg` the router sent questions away from the
    node mates of the devices holding their documents: placement lost 0.024 of the reuse). On the
