@@ -33,6 +33,13 @@ run's summary and each cell's verdict), ``table.txt`` and ``suite.png``
 
     python benchmarks/router_suite.py --out results/rs2 --reuse-baselines results/router_suite
 
+``--resume`` takes the runs an earlier run into the same ``--out`` left in its ``runs.jsonl``
+(same scale and cells, and for the state-aware router's the same config and output hint; a
+line cut short by a stop is run again), so a run stopped part way
+(a time limit, a machine taken back) goes on where it stopped:
+
+    python benchmarks/router_suite.py --out results/router_suite --jobs 16 --resume
+
 ``--seed-offset K`` re-seeds every member (same shapes, other sessions): the held-out check
 of a change tuned on the suite's own traces. Every policy runs with the simulator's spill of
 decode nodes' evictions to the prefill nodes' host tiers (Simulator NOTE 4; serving's
@@ -122,6 +129,10 @@ class Scale:
         key = f"{key}/turns-{self.keep_turns}" if self.keep_turns != 0 else key
         return key if self.checkpoints == "periodic" else f"{key}/ckpt-{self.checkpoints}"
 
+    def router_key(self) -> str:
+        """What the state-aware run depends on besides ``key``: its config and what it is told."""
+        return f"{self.router_config}|hint-{self.output_hint}"
+
 
 @lru_cache(maxsize=8)
 def _trace(member: str, sessions: int, scale: float, turn_scale: float, seed_offset: int = 0
@@ -161,6 +172,7 @@ def run_one(task: tuple[Cell, str, Scale]) -> dict:
     out = {"cell": cell.label, "policy": policy, "scale": sc.key(), "wall_s": time.perf_counter() - t0,
            **res.summary}
     if policy == "state_aware":  # the bound, on this run's arrival order
+        out["router_key"] = sc.router_key()
         out["bound_tokens"] = capacity_bound(reqs, res.records, cluster, cost, lanes)
         out["theoretical_tokens"] = sum(r.theoretical_tokens for r in res.records if r.finish >= 0)
     out["cached_tokens"] = sum(r.cached_tokens for r in res.records if r.finish >= 0)
@@ -277,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     add_suite_args(ap)
     ap.add_argument("--lanes-per-worker", type=float, default=2.0)
     ap.add_argument("--reuse-baselines", metavar="DIR", help="baseline runs from DIR/runs.jsonl (same scale)")
+    ap.add_argument("--resume", action="store_true",
+                    help="take the runs OUT/runs.jsonl holds from an earlier run (same scale); run the rest")
     ap.add_argument("--spill-to-pool", action=argparse.BooleanOptionalAction, default=True,
                     help="P/D: decode nodes' evictions go to the prefill nodes' host tiers (every policy; "
                          "--no-spill-to-pool: rounds 1-7's runs)")
@@ -304,6 +318,18 @@ def main(argv: list[str] | None = None) -> int:
             if r["policy"] != "state_aware" and r["cell"] in labels and r["scale"] == sc.key():
                 results.append(r)
     have = {(r["cell"], r["policy"]) for r in results}
+    if args.resume and (out / "runs.jsonl").exists():
+        labels = {c.label for c in cells}
+        for line in (out / "runs.jsonl").read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:  # the line a stop cut short: run it again
+                continue
+            key = (r.get("cell"), r.get("policy"))
+            same = r.get("scale") == sc.key() and (key[1] != "state_aware" or r.get("router_key") == sc.router_key())
+            if key[0] in labels and key[1] in policies and same and key not in have:
+                results.append(r)
+                have.add(key)
     tasks = [(c, p, sc) for c in cells for p in policies if (c.label, p) not in have]
     log = (out / "runs.jsonl").open("w")
     for r in results:

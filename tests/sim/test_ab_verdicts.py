@@ -180,3 +180,38 @@ def test_standing_tells_pd_cells_from_aggregated_ones(monkeypatch: pytest.Monkey
     assert standing.run_spec("results/a:agg") == ("results/a", Path("results/a"), "agg")
     assert standing.run_spec("x=results/a") == ("x", Path("results/a"), "")
     assert standing.run_spec("x=results/a:b") == ("x", Path("results/a:b"), ""), "not a mode: part of the path"
+
+
+def test_router_suite_resume_goes_on_where_a_run_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``router_suite.py --resume``: the runs an earlier run into the same ``--out`` left are taken,
+    a line a stop cut short is run again, and the state-aware router's run only under the same
+    config (a baseline's does not depend on it)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import router_suite
+
+    out = tmp_path / "suite"
+    cli = ["--out", str(out), "--members", "chat_burst", "--workers", "16", "--modes", "agg",
+           "--policies", "state_aware,round_robin"]
+    assert router_suite.main(cli) == 0
+    full = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert sorted(r["policy"] for r in full) == ["round_robin", "state_aware"]
+    first, second = full
+    (out / "runs.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(second)[:40])  # stopped mid-line
+    ran: list[str] = []
+    inner = router_suite.run_one
+
+    def counted(task):
+        ran.append(task[1])
+        return inner(task)
+
+    monkeypatch.setattr(router_suite, "run_one", counted)
+    assert router_suite.main([*cli, "--resume"]) == 0
+    assert ran == [second["policy"]], "only the run the stop cut short"
+    again = {r["policy"]: r for r in map(json.loads, (out / "runs.jsonl").read_text().splitlines())}
+    assert {k: v for k, v in again[second["policy"]].items() if k != "wall_s"} == \
+        {k: v for k, v in second.items() if k != "wall_s"}
+    ran.clear()
+    assert router_suite.main([*cli, "--resume", "--router-config", GREEDY]) == 0
+    assert ran == ["state_aware"], "another config: the router runs again, the baseline is kept"
+    capsys.readouterr()
