@@ -57,6 +57,7 @@ import math
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -154,6 +155,20 @@ def cluster_of(cell: Cell, sc: Scale) -> ClusterConfig:
                          session_ends=bool(sc.session_ends), session_end_after=sc.session_ends == "after",
                          output_hint=sc.output_hint, keep_turns=sc.keep_turns,
                          **CHECKPOINT_MODELS[sc.checkpoints])
+
+
+def stored_runs(out: Path, labels: set[str], keep: Callable[[dict], bool]) -> list[dict]:
+    """The runs ``out/runs.jsonl`` holds of the cells ``labels`` that ``keep`` takes (``--reuse-baselines``,
+    ``--resume``); a line a stop cut short is left out, to be run again."""
+    runs = []
+    for line in (out / "runs.jsonl").read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r["cell"] in labels and keep(r):
+            runs.append(r)
+    return runs
 
 
 def run_one(task: tuple[Cell, str, Scale]) -> dict:
@@ -310,26 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     cells = [Cell(m, w, mode) for m in members for w in args.workers for mode in args.modes]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    labels = {c.label for c in cells}
     results: list[dict] = []
     if args.reuse_baselines:
-        labels = {c.label for c in cells}
-        for line in (Path(args.reuse_baselines) / "runs.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            if r["policy"] != "state_aware" and r["cell"] in labels and r["scale"] == sc.key():
-                results.append(r)
+        results += stored_runs(Path(args.reuse_baselines), labels,
+                               lambda r: r["policy"] != "state_aware" and r["scale"] == sc.key())
     have = {(r["cell"], r["policy"]) for r in results}
     if args.resume and (out / "runs.jsonl").exists():
-        labels = {c.label for c in cells}
-        for line in (out / "runs.jsonl").read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:  # the line a stop cut short: run it again
-                continue
-            key = (r.get("cell"), r.get("policy"))
-            same = r.get("scale") == sc.key() and (key[1] != "state_aware" or r.get("router_key") == sc.router_key())
-            if key[0] in labels and key[1] in policies and same and key not in have:
+        for r in stored_runs(out, labels, lambda r: r["policy"] in policies and r["scale"] == sc.key() and (
+                r["policy"] != "state_aware" or r.get("router_key") == sc.router_key())):
+            if (r["cell"], r["policy"]) not in have:
                 results.append(r)
-                have.add(key)
+                have.add((r["cell"], r["policy"]))
     tasks = [(c, p, sc) for c in cells for p in policies if (c.label, p) not in have]
     log = (out / "runs.jsonl").open("w")
     for r in results:
