@@ -21,6 +21,18 @@ the divergence::
 A follow-up that diverged before the window (a compaction, a rewrite) is past
 ``max_blocks_back`` and would not be learned anyway (placement ``observe``).
 
+Sessions that never come back (one-turn questions on shared documents, one-shot
+calls) teach nothing, and until a follow-up is learned a decision names no
+distances, so every decode-side worker keeps its placement's cold-start back
+prior: three extra KDA checkpoints a prompt (each one KDA state, ~143 MiB for
+K3), none ever resumed. The router sees every session start: once
+``one_turn_after`` sessions have started and none has sent a follow-up, its
+decisions name no distances (``()``: no back points), until a follow-up comes.
+A worker cannot tell so itself: a session that moved to it looks new there.
+Measured on the held-out ``rag/pd`` (1,200 one-turn questions on four
+documents): the prior's points filled the prefill pool's devices and pushed
+the documents' checkpoints out (docs/router.md, "Round 45").
+
 Cost: ``observe`` is one binary search (log2 W ~ 7 digest compares), a join of
 W 8-byte slices and the placement's update (at most ``max_blocks_back + 1``
 bins); ``hint`` is cached between observations. Memory: at most ``max_sessions``
@@ -40,8 +52,12 @@ _PREFIX = 8  # bytes of a block digest kept per window entry
 class DivergenceLearner:
     """The router's ``CheckpointPlacement``, fed from the sessions it routes (module docstring)."""
 
-    def __init__(self, max_sessions: int = 1 << 15):
+    def __init__(self, max_sessions: int = 1 << 15, one_turn_after: int = 256):
+        if one_turn_after < 1:
+            raise ValueError("one_turn_after must be >= 1")
         self.placement: CheckpointPlacement | None = None  # made at the first session's request (its block size)
+        self.one_turn_after = one_turn_after  # sessions started with no follow-up: the prior goes (docstring)
+        self.sessions_started = 0  # prompts of a session not seen before (or forgotten: ``max_sessions``)
         self._prev = _Lru(max_sessions)  # session -> (prompt length, full blocks, window), oldest evicted first
         self._hint: tuple[int, ...] | None = None  # cached ``hint()`` (None: recompute)
 
@@ -55,8 +71,11 @@ class DivergenceLearner:
             pl = self.placement = CheckpointPlacement(block_size)
             self._prev.clear()
             self._hint = None
+            self.sessions_started = 0
         prev = self._prev.pop(session, None)
-        if prev is not None:
+        if prev is None:
+            self.sessions_started += 1
+        else:
             shared = _shared_blocks(hashes, prev[1], prev[2])
             if shared is not None:
                 before = pl.num_observed
@@ -69,10 +88,13 @@ class DivergenceLearner:
 
     def hint(self) -> tuple[int, ...] | None:
         """Where prompts keep their learned checkpoints, in tokens back from their last full block
-        (``CheckpointPlacement.distances``, ranked); None until a follow-up was learned."""
+        (``CheckpointPlacement.distances``, ranked); None (each worker's own, its prior) until a
+        follow-up was learned, or ``()`` (none) once ``one_turn_after`` sessions started without one."""
         pl = self.placement
-        if pl is None or not pl.num_observed:
+        if pl is None:
             return None
+        if not pl.num_observed:
+            return () if self.sessions_started >= self.one_turn_after else None
         if self._hint is None:
             self._hint = tuple(b * pl.block_size for b in pl.distances())
         return self._hint

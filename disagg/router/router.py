@@ -39,7 +39,8 @@ Per request:
     5. the decision names where the prompt's prefill keeps extra KDA checkpoints
        (``checkpoint_back``): the distances back from a prompt's end at which the
        sessions' follow-ups diverge, learned from every session the router routes
-       (``disagg.router.divergence``; a worker learns from its own sessions only)
+       (``disagg.router.divergence``; a worker learns from its own sessions only),
+       or none (``()``) once ``one_turn_after`` sessions started and none came back
 
 Effective loads (live stats + in-flight predictions, active sessions and a
 time-averaged queue per worker) come from ``disagg.router.loads``.
@@ -96,6 +97,7 @@ class RouterConfig:
     area_tau_s: float = math.inf  # decay of the booked prefill area (inf: none)
     peer_reads: bool = False  # P/D: credit the pool with the decode worker's node tiers (3b)
     checkpoint_hints: bool = True  # learn where follow-ups diverge and name it in each decision (step 5)
+    one_turn_after: int = 256  # ... and name none once this many sessions started without a follow-up
     pending_credit: bool = False  # credit prefixes routed and not stored yet where waiting pays (step 1b)
     pending_ttl_s: float = 120.0  # ... forgotten this long after routing, if never finished
     pending_step_tokens: int = 8192  # ... an engine step's prefill budget (``disagg.router.pending`` NOTE 4)
@@ -108,6 +110,8 @@ class RouterConfig:
             raise ValueError("time constants must be positive")
         if self.pending_step_tokens < 0:
             raise ValueError("pending_step_tokens must be >= 0")
+        if self.one_turn_after < 1:
+            raise ValueError("one_turn_after must be >= 1")
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> RouterConfig:
@@ -147,7 +151,7 @@ class StateAwareRouter:
         self._to_decode: dict[str, int] = {}  # decode worker -> routed there, not finished
         self._ending: dict[str, str] = {}  # request id -> the session it ends (RouteRequest.session_end)
         self._known: list[str] = []  # worker ids registered by the last route() call
-        self.divergence = DivergenceLearner()  # where follow-ups diverge (step 5)
+        self.divergence = DivergenceLearner(one_turn_after=self.config.one_turn_after)  # step 5
         self.outputs = OutputPredictor()  # what requests generate (step 0)
         self.pending = (PendingPrefixes(ttl_s=cfg.pending_ttl_s, step_tokens=cfg.pending_step_tokens)
                         if cfg.pending_credit else None)  # prompts routed, not stored yet (step 1b)

@@ -89,3 +89,39 @@ def test_decisions_carry_what_the_router_learned():
         router.on_routed(follow, router.route(follow, ws))
         other = req(chain(9, "o"), sid="s2", rid="c")
         assert router.route(other, ws).checkpoint_back == expect
+
+
+def test_sessions_that_never_come_back_end_the_back_prior():
+    """One-turn sessions teach nothing: until ``one_turn_after`` sessions started the hint is None
+    (each worker keeps its own placement's cold-start prior), from then on ``()`` (no back points:
+    the worker's placement keeps none, CheckpointPlacement.positions with back=[]); the first
+    follow-up learned brings the learned distances back, whatever came before."""
+    dl = DivergenceLearner(one_turn_after=3)
+    for s in range(2):
+        dl.observe(f"q{s}", chain(10, "doc") + chain(2, f"q{s}"), 12 * BS + 1, BS)
+        assert dl.hint() is None
+    dl.observe("q2", chain(10, "doc") + chain(2, "q2"), 12 * BS + 1, BS)
+    assert dl.sessions_started == 3
+    assert dl.hint() == ()
+    pl = CheckpointPlacement(BS)
+    assert pl.positions(30 * BS + 1, seen=30 * BS) and pl.positions(30 * BS + 1, seen=30 * BS, back=[]) == ()
+    dl.observe("q2", chain(10, "doc") + chain(1, "q2") + chain(4, "q2b"), 15 * BS + 1, BS)  # 1 block back
+    assert dl.sessions_started == 3 and dl.placement.num_observed == 1
+    assert dl.hint() == (1 * BS, 2 * BS, 4 * BS)  # learned 1, and the prior's 2 and 4 that one observation leaves
+    with pytest.raises(ValueError, match="one_turn_after"):
+        DivergenceLearner(one_turn_after=0)
+
+
+def test_router_decisions_name_no_distances_after_one_turn_sessions():
+    """Through the router: the configured count of sessions without a follow-up, then ``()``."""
+    ws = workers(4)
+    router = StateAwareRouter(config={"one_turn_after": 2})
+    seen = []
+    for i in range(3):
+        r = req(chain(8, "doc") + chain(2, f"q{i}"), sid=f"q{i}", rid=f"r{i}")
+        d = router.route(r, ws)
+        seen.append(d.checkpoint_back)
+        router.on_routed(r, d)
+    assert seen == [None, None, ()]
+    with pytest.raises(ValueError, match="one_turn_after"):
+        StateAwareRouter(config={"one_turn_after": 0})
