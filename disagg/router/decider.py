@@ -139,6 +139,15 @@ class PDDecider:
     def __init__(self, config: DeciderConfig | None = None, **params: object):
         self.config = config or DeciderConfig(**params)  # type: ignore[arg-type]
 
+    def short_suffix(self, suffix, batch):
+        """Rule "local_short_suffix": whether a suffix this long is prefilled on a decode worker
+        running ``batch`` (>= 0) decodes. Floats, or numpy arrays over decode-worker candidates (the
+        decode scorer's harm: ``disagg.router.scorers.decode``). It is the one local rule decided
+        from the decode worker alone; the others read the prefill pool's view, which a decode
+        pool's router in serving does not have when it places (docs/router.md, "Serve adapter")."""
+        cfg = self.config
+        return suffix * (1.0 + cfg.local_harm_weight * batch) <= cfg.local_prefill_max_tokens
+
     def decide(self, suffix_tokens: int, prefill_loads: list[float], pool_uncached: list[float] | None = None,
                decode_batch: float = 0.0, decode_coming: float | None = None, first_turn: bool = False,
                decode_queued: float = 0.0) -> PDDecision:
@@ -151,8 +160,7 @@ class PDDecider:
         cfg = self.config
         if not prefill_loads:
             return PDDecision(False, "local_no_prefill_pool")
-        weighted = suffix_tokens * (1.0 + cfg.local_harm_weight * max(decode_batch, 0.0))
-        if weighted <= cfg.local_prefill_max_tokens:
+        if self.short_suffix(suffix_tokens, max(decode_batch, 0.0)):
             return PDDecision(False, "local_short_suffix")
         coming = decode_batch if decode_coming is None else max(decode_coming, decode_batch)
         stalled = suffix_tokens * (1.0 + cfg.local_harm_weight * max(coming, 0.0))

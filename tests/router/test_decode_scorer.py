@@ -195,3 +195,22 @@ def test_a_measured_batch_curve_prices_steps_as_the_engine_runs_them():
     for bad in ([], [[0, 0.1]], [[1, 0.1], [1, 0.2]], [[1, -0.1]]):
         with pytest.raises(ValueError):
             DecodeScorer(batch_curve=bad)
+
+
+def test_decode_phase_charges_a_local_prefill_only_where_the_decider_would_run_one():
+    """With the decider's short-suffix rule known (``ctx.local_prefill``: 256 tokens, each running
+    decode weighing 1): a (4 decodes, 1000 uncached) would disaggregate, so its batch waits for
+    nothing; b (1 decode, 100 uncached: 100 x 2 <= 256) would prefill locally and its decode waits
+    0.1 s; ``harm_everywhere`` charges a too."""
+    from disagg.router.decider import PDDecider
+
+    loads = [EffectiveLoad(decode_requests=4), EffectiveLoad(decode_requests=1), EffectiveLoad()]
+    ctx = _ctx(loads, {"b": PrefixMatch(900, "host", 225)}, phase="decode", hint=10)
+    ctx.local_prefill = PDDecider(local_prefill_max_tokens=256, local_harm_weight=1.0).short_suffix
+    cost, _ = DecodeScorer(**CFG, **XFER).costs(ctx, W3)
+    step_a, step_b = 0.01 + 0.005 + 1e-6 * 1000, 0.01 + 0.002 + 1e-6 * 1000
+    join_a, join_b = 0.01 + 0.5 * step_a, 0.01 + 0.5 * step_b  # remote hand-off, half a step in progress
+    assert cost.tolist() == pytest.approx([10 * step_a + join_a, 10 * step_b + 1 * 100 / 1000 + join_b,
+                                           10 * 0.012 + 0.01])
+    everywhere, _ = DecodeScorer(**CFG, **XFER, harm_everywhere=True).costs(ctx, W3)
+    assert everywhere.tolist() == pytest.approx([cost[0] + 4 * 1000 / 1000, cost[1], cost[2]])

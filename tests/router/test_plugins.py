@@ -523,3 +523,16 @@ def test_profile_result_ranking_on_demand_matches_the_picker(epsilon):
         assert res.ranked == eager and res.picked == eager[0] == "w2"  # w2 and w5 tie: the earlier one
     else:
         assert sorted(res.ranked) == sorted(eager) and res.picked == res.ranked[0]
+
+
+def test_decider_short_suffix_rule_over_candidates_matches_decide():
+    """``short_suffix`` on arrays (the decode scorer's per-candidate harm) gives what ``decide`` gives
+    one candidate at a time (a pool that is idle and whose cache is unknown: only that rule can fire)."""
+    import numpy as np
+
+    d = PDDecider(local_prefill_max_tokens=256, local_harm_weight=2.0)
+    suffix = np.array([0.0, 50.0, 52.0, 256.0, 257.0, 80.0])
+    batch = np.array([5.0, 2.0, 2.0, 0.0, 0.0, 1.0])
+    mask = d.short_suffix(suffix, batch)
+    one = [not d.decide(int(s), [0.0], None, float(b)).disaggregate for s, b in zip(suffix, batch, strict=True)]
+    assert mask.tolist() == one == [True, True, False, True, False, True]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import time
 
 from disagg.router.index import PrefixIndex
+from disagg.router.registry import DEFAULT_PROFILES
 from disagg.router.router import StateAwareRouter
 from disagg.router.types import RouteRequest, WorkerState
 from disagg.tools.sim.simulator import ClusterConfig, Simulator
@@ -263,3 +264,27 @@ def test_a_session_its_client_ended_stops_counting_once_answered():
     r.end_session("t\x00s-on")
     assert r.loads.session("t\x00s-on") is None
     assert sum(r.effective_loads(ws, 0.0)[w.worker_id].active_sessions for w in ws) == 1  # "s-gone" only
+
+
+def test_pd_decode_placement_charges_a_local_prefill_only_where_the_decider_takes_one():
+    """A question on a document the pool's node holds in its host tier (held-out ``rag/pd``): d0, on
+    that node, resumes the document and runs 3 decodes; d1, on another node, holds nothing and runs 2.
+    Neither would prefill the question locally (its suffix, 1000 tokens at d0, is past the short-suffix
+    rule), so the pool prefills it and d1's smaller batch decodes it. Charged on every candidate
+    (``harm_everywhere``, rounds 7-44), d1's 17K uncached tokens stalled its 2 decodes for nothing
+    and d0 took it."""
+    idx, h = PrefixIndex(), chain(64, "doc")
+    ws = [WorkerState("p0", "prefill", "n0"), WorkerState("d0", "decode", "n0", running_decode_requests=3),
+          WorkerState("d1", "decode", "n1", running_decode_requests=2)]
+    for w in ws:
+        idx.add_worker(w.worker_id, w.node_id)
+    for x in h:  # the pool's node host tier (reported by p0: every worker of n0 reads it)
+        store(idx, "mla", x, "host", "p0")
+    store(idx, "kda", h[63], "host", "p0")
+    q = RouteRequest("q", "s", h, 64 * 256 + 1000, 256)
+    d = StateAwareRouter(idx).route(q, ws)
+    assert (d.decode_worker, d.prefill_worker) == ("d1", "p0") and d.reason.startswith("disagg/")
+    everywhere = {"profiles": {"decode": {**DEFAULT_PROFILES["decode"], "scorers": {
+        **DEFAULT_PROFILES["decode"]["scorers"], "decode": {"weight": 3.0, "params": {"harm_everywhere": True}}}}}}
+    d = StateAwareRouter(idx, config=everywhere).route(q, ws)
+    assert (d.decode_worker, d.prefill_worker) == ("d0", "p0")

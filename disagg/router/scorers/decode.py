@@ -19,8 +19,9 @@ session's finished turns generated), else its hint, else
     harm_w  = B_w * n_w / prefill_tokens_per_s                          decode time r's prefill steals
                                                                         from the batch on w (phase
                                                                         "both": it prefills there;
-                                                                        "decode": it may, by the P/D
-                                                                        decider's local rules)
+                                                                        "decode": where the P/D
+                                                                        decider's short-suffix rule
+                                                                        would take r local on w, else 0)
     join_w  = q_w / prefill_tokens_per_s                                phase "decode": r's first decode
               + ((prompt - held_w) * bytes_per_token                    step waits for the prefill queued
                  + checkpoint_bytes) / bw_w                             on w, for r's state and, when w
@@ -50,6 +51,20 @@ without, 15 with). Where outputs are a few tokens, the co-runner a request
 avoids costs less than the longer hand-off to another worker
 (docs/router.md, "Round 20").
 
+In P/D (phase "decode") r prefills on its decode worker only where the
+decider takes it local, and by the one rule the decode worker alone decides
+(``local_short_suffix``: ``ctx.local_prefill``, ``PDDecider.short_suffix``)
+a suffix w cannot resume most of never is. Charged on every candidate, as
+rounds 7-44 did (``harm_everywhere``), ``harm_w`` priced r's uncached
+prompt, at 0.44 s a running decode for an 11K question, at a worker whose
+node held no copy of its document, for a prefill the pool would run: on the
+held-out ``rag/pd`` (4 prefill and 12 decode workers on two nodes) the
+decode workers on the pool's node took 115-123 of the 1,200 questions each,
+the other eight 84-94, and the P90 interactivity was theirs (docs/router.md,
+"Round 45"). The other local rules read the prefill pool's view, which the
+decode pool's router in serving does not have when it places; after
+placement the decider still applies them.
+
 A batch slows each of its members: r's own steps price the decodes it
 joins (``own_w``), and ``joined_w`` prices r for them, as ``harm_w`` prices
 its prefill. It counts r's o steps, the most the two decodes can overlap.
@@ -74,7 +89,7 @@ Config example (YAML)::
 
     decode: {decode_base_s: 0.008, decode_per_seq_s: 1.0e-4, decode_per_ctx_token_s: 2.0e-9,
              prefill_tokens_per_s: 25000, default_output_tokens: 256, join_step_fraction: 0.5,
-             count_joined: true}
+             count_joined: true, harm_everywhere: false}
 """
 
 from __future__ import annotations
@@ -112,6 +127,7 @@ class DecodeScorerConfig:
     count_queued: bool = True  # B_w counts the requests queued for prefill on w (they join its batch)
     count_inbound: bool = False  # ... and those prefilling in the pool for w or handing off to it (P/D)
     count_joined: bool = False  # cost_w counts the decode time r's decode adds to the B_w it joins
+    harm_everywhere: bool = False  # phase decode: harm_w on every candidate, not only where r is prefilled local
     # [[batch, seconds at zero context], ...]: a measured step curve, used in place of base + per_seq * batch
     batch_curve: list[list[float]] | None = None
     _curve: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
@@ -175,8 +191,10 @@ class DecodeScorer(ArrayScorer):
         cost = out * step
         if cfg.count_joined:  # each of the B_w decodes r joins steps slower while r decodes beside it
             cost = cost + b * out * (per_seq + cfg.decode_per_ctx_token_s * req.prompt_len)
-        if ctx.phase != "prefill":  # it prefills there ("both"), or may (a P/D decider's local rules)
+        if ctx.phase != "prefill":  # it prefills there ("both"), or may (a P/D decider's local rule)
             uncached = np.maximum(req.prompt_len - v.resumable, 0.0)
+            if ctx.phase == "decode" and ctx.local_prefill is not None and not cfg.harm_everywhere:
+                uncached = np.where(ctx.local_prefill(uncached, v.loads[_B]), uncached, 0.0)
             cost = cost + b * uncached / cfg.prefill_tokens_per_s
         if ctx.phase == "decode":  # r's decode joins after w's local prefills and r's state
             held = np.where(v.tier == _DEVICE, v.resumable, 0.0)  # its device's rows are not moved again
