@@ -91,3 +91,15 @@ def test_finish_tells_the_learner_how_many_turns_back_a_prompt_could_resume():
     assert ages.observed == 2
     assert ages._age[0] > 0.99 and ages._age[1] > 0.99 and sum(ages._age) < 2.01
     assert ages._had[2] > 1.99  # both prompts came when s1 had published two turns
+
+
+def test_the_routers_empty_distances_leave_a_prompt_no_back_points():
+    """A decision naming ``()`` (the router saw ``one_turn_after`` sessions start and none come back,
+    ``disagg.router.divergence``) plans none of the back prior's points (19, 18, 16 blocks here),
+    only the start prior's; None (nothing known) keeps this worker's own prior."""
+    acc = ReuseAccounting(BS, CheckpointPlacement(BS))
+    prompt = ids(1300, 5)
+    own = acc.begin(prompt, H, "s1", "r1")
+    assert {19 * BS, 18 * BS, 16 * BS} <= set(own.planned)
+    none = acc.begin(ids(1300, 6), H, "s2", "r2", back=())
+    assert none.planned == none.speculative == (4 * BS, 8 * BS, 16 * BS)
