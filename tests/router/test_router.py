@@ -271,8 +271,8 @@ def test_pd_decode_placement_charges_a_local_prefill_only_where_the_decider_take
     that node, resumes the document and runs 3 decodes; d1, on another node, holds nothing and runs 2.
     Neither would prefill the question locally (its suffix, 1000 tokens at d0, is past the short-suffix
     rule), so the pool prefills it and d1's smaller batch decodes it. Charged on every candidate
-    (``harm_everywhere``, rounds 7-44), d1's 17K uncached tokens stalled its 2 decodes for nothing
-    and d0 took it."""
+    (``harm_everywhere``, rounds 7-44), d1's 17K uncached tokens were priced as a stall of its 2
+    decodes that no rule would cause, and d0 took it."""
     idx, h = PrefixIndex(), chain(64, "doc")
     ws = [WorkerState("p0", "prefill", "n0"), WorkerState("d0", "decode", "n0", running_decode_requests=3),
           WorkerState("d1", "decode", "n1", running_decode_requests=2)]
