@@ -198,6 +198,7 @@ class StateAwareRouter:
             session_node=prev.node_id if prev else None,
             now=now,
             expected_output=self.outputs.expect(session, request.output_len_hint, request.max_output_tokens),
+            local_prefill=self.decider.short_suffix,  # where a decode worker prefills locally (decode scorer)
         )
         roles = {w.role for w in workers}
         if roles == _AGGREGATED:
@@ -205,15 +206,12 @@ class StateAwareRouter:
             return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, "aggregated", res, "both")
         if len(roles) == 1:  # one phase's pool (3c)
             (phase,) = roles
-            if phase == "decode":
-                ctx.local_prefill = self.decider.short_suffix  # where its decider may prefill locally, as in 3b
-                if prefill_nodes:  # the hand-off's link, as in 3b
-                    ctx.prefill_nodes = frozenset(prefill_nodes)
+            if phase == "decode" and prefill_nodes:  # the hand-off's link, as in 3b
+                ctx.prefill_nodes = frozenset(prefill_nodes)
             res = self._run(phase, ctx, workers)
             return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, f"{phase}_pool",
                                   res, phase)
         ctx.prefill_nodes = frozenset(w.node_id for w in workers if w.healthy and w.role == "prefill")
-        ctx.local_prefill = self.decider.short_suffix  # the decode scorer's harm (its docstring)
         dec = self._run("decode", ctx, workers)
         decode_id = dec.picked
         if decode_id is None:  # no healthy decode-capable worker: degrade to any healthy worker
