@@ -79,7 +79,7 @@ class EngineConfig(_Strict):
     block_size: int = 64  # tokens per MLA block
     max_num_seqs: int = 16  # concurrent sequences per replica
     max_num_batched_tokens: int = 2048  # tokens per engine step
-    cache_budget_mb: int = 256  # device cache budget (MLA blocks + KDA slots)
+    cache_budget_mb: int = 256  # device cache budget (MLA blocks, KDA slots, kept KDA states)
     checkpoint_interval: int = 0  # extra KDA checkpoints every N tokens (0 = turn ends only)
     resident_sessions: bool = True  # keep finished sessions on the device (device tier)
     learned_checkpoints: bool = True  # extra KDA checkpoints where prompts diverge (disagg.reuse.placement)

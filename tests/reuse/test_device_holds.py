@@ -18,8 +18,9 @@ from tests.reuse.test_worker_reuse import BS, backend, ids, send, threads  # noq
 
 
 def victim_backend(victim: bool):
-    # 9 MiB of engine cache: 27 blocks of the tiny model, so a 20-block prompt evicts a resident session
-    return backend(deployment={"mode": "aggregated"}, engine={"cache_budget_mb": 9},
+    # 10 MiB of engine cache: 39 pages of the tiny model. A resident session of 11 blocks keeps three
+    # KDA states of 6 pages each in them (engine NOTE 10), 29 pages, so a 20-block prompt evicts it
+    return backend(deployment={"mode": "aggregated"}, engine={"cache_budget_mb": 10},
                    transfer={"host": {"capacity_mb": 256, "pin_memory": False, "victim": victim}})
 
 
@@ -146,7 +147,7 @@ def test_a_write_back_into_a_full_host_tier_keeps_every_piece(threads):  # noqa:
     from kv_transfer.store import StateStore
     from kv_transfer.tiers.host import HostTier
 
-    engine = build_reference_engine(load_config({"model": {"name": "tiny"}, "engine": {"cache_budget_mb": 9}}))
+    engine = build_reference_engine(load_config({"model": {"name": "tiny"}, "engine": {"cache_budget_mb": 10}}))
     host = HostTier(8 << 20, slab_bytes=512 << 10)
     store = StateStore([host], engine.layout)
     hasher = BlockHasher(BS, KeyExtras(engine.model_id))
@@ -193,7 +194,7 @@ def test_a_node_mate_resumes_what_another_device_holds(threads, case):  # noqa: 
     one it has and the document's end, no block. Without recalls ("off") B computes it all."""
     from disagg.launch.inprocess import InProcessBackend
 
-    over = {"deployment": {"mode": "aggregated"}, "engine": {"cache_budget_mb": 9},
+    over = {"deployment": {"mode": "aggregated"}, "engine": {"cache_budget_mb": 10},  # as victim_backend's
             "transfer": {"host": {"capacity_mb": 256, "pin_memory": False, "victim": True,
                                   "recall_ms": 0 if case == "off" else 5000}}}
     a = backend(**over)

@@ -72,6 +72,20 @@ NOTES
    and evicted for memory (``evicted``, with ``export`` valid during the call only: the state
    at any of its checkpoints, gathered to host memory before its pages are freed). The hook
    runs inside a step, so it must be quick; one that raises is logged and the engine goes on.
+10. Kept KDA states live in the MLA pool (``paged_cache`` NOTE 4): each takes
+    ``checkpoint_pages`` pages, so the cache budget bounds what residents keep. A state is
+    kept where the pool has room, after evicting resident sessions (LRU) as a block
+    allocation does, then after giving back its own request's earlier points, furthest back
+    first (a later point supersedes them: a prompt's end the back points placement asked
+    for, a turn's end both). Where there is still none (running and held requests fill the
+    pool), an optional point (periodic, aligned, requested, a prompt's end) is not kept, and
+    the end state of a request that must export it (``keep_state``) is kept in tensors of
+    its own (``checkpoints_unbudgeted``) until its release, when it moves into pages or is
+    dropped: a resident holds pages only. A running request short of blocks, once the
+    residents are gone, takes the pages of running requests' points, newest request first,
+    before it preempts (NOTE 6): they are read only once their request is held or resident.
+    Points not kept or given back are counted (``checkpoints_dropped``). Requests that keep
+    no state, where residents are off, copy no end state at all.
 """
 
 from __future__ import annotations
@@ -104,7 +118,7 @@ class EngineOptions:
     block_size: int = 64  # tokens per MLA block (a multiple of the KDA chunk, 64)
     max_num_seqs: int = 16  # running sequences (KDA slots)
     max_num_batched_tokens: int = 2048  # tokens per step
-    cache_budget_bytes: int = 256 << 20  # MLA blocks + KDA slots
+    cache_budget_bytes: int = 256 << 20  # MLA blocks + KDA slots; kept KDA states take blocks (NOTE 10)
     checkpoint_interval: int = 0  # keep KDA checkpoints every N tokens (multiple of block_size; 0 = off)
     resident_sessions: bool = True  # keep finished sessions' state on the device (NOTE 2)
     capture_logits: bool = False  # keep each request's latest sampling logits in ``last_logits`` (tests)
@@ -124,6 +138,15 @@ class EngineOptions:
 
 
 @dataclass(slots=True, repr=False)
+class _Kept:
+    """A kept KDA state (NOTE 10): in ``pages`` of the MLA pool, or, when the pool had no room for
+    a state a request must export, in tensors of its own, (conv, recurrent) stacked over layers."""
+
+    pages: list[int]
+    tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(slots=True, repr=False)
 class _Request:
     request_id: str
     token_ids: list[int]
@@ -136,7 +159,7 @@ class _Request:
     num_computed: int = 0
     num_cached: int = 0
     cached_source: str = "computed"
-    checkpoints: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    checkpoints: dict[int, _Kept] = field(default_factory=dict)  # position -> KDA state (NOTE 10)
     finished: bool = False
     finish_reason: str | None = None
     resume: ResumeState | None = None  # imported at admission, then dropped
@@ -153,7 +176,7 @@ class _Resident:
     cache_salt: str  # tenant the state belongs to
     tokens: list[int]  # tokens whose MLA rows are held (computed tokens)
     block_table: list[int]  # pages holding those rows
-    checkpoints: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]  # position -> KDA (conv, rec)
+    checkpoints: dict[int, _Kept]  # position -> KDA state (NOTE 10)
 
 
 @dataclass(slots=True, frozen=True)
@@ -195,7 +218,9 @@ class ReferenceEngine:
         self.resident_version = 0  # bumped whenever the set of resident sessions changes
         self.on_resident: Callable[[ResidentChange], None] | None = None  # NOTE 9
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "device_hit_tokens": 0,
-                         "resident_evictions": 0, "preemptions": 0, "delta_base_misses": 0}
+                         "resident_evictions": 0, "preemptions": 0, "delta_base_misses": 0,
+                         "checkpoints_dropped": 0, "checkpoints_unbudgeted": 0}  # NOTE 10
+        self._kept_pages = 0  # pages holding kept KDA states (NOTE 10)
         gil = self.options.gil_switch_interval_s
         if gil is not None and gil < sys.getswitchinterval():  # NOTE 4
             sys.setswitchinterval(gil)
@@ -287,6 +312,8 @@ class ReferenceEngine:
         while not self.cache.blocks.can_allocate(need) and self._residents:
             self._evict_resident()
         if not self.cache.blocks.can_allocate(need):
+            self._reclaim_points(need)
+        if not self.cache.blocks.can_allocate(need):
             return False
         req.block_table.extend(self.cache.blocks.allocate(need))
         return True
@@ -297,39 +324,118 @@ class ReferenceEngine:
             def export(position: int, first_block: int = 0) -> ResumeState:
                 if position not in res.checkpoints:
                     raise ValueError(f"no KDA checkpoint at {position} (have {sorted(res.checkpoints)})")
-                return self._gather(res.block_table, res.checkpoints[position], position, first_block)
+                return self._gather(res.block_table, self._state(res.checkpoints[position]), position, first_block)
 
             self._tell("evicted", rid, res, export)
+        self._drop_all(res.checkpoints)
         self.cache.blocks.free(res.block_table)
         self.resident_version += 1
         self.counters["resident_evictions"] += 1
 
     def _free(self, req: _Request, keep: bool) -> None:
+        """Give back ``req``'s slot; ``keep``: its end state is kept where it will be read (exported,
+        or resident), its pages and checkpoints stay; else they go too."""
         if req.slot >= 0:
-            if keep:
-                req.checkpoints[req.num_computed] = self._copy_slot(req.slot)
+            if keep and (req.keep_state or (self.options.resident_sessions and req.block_table)):
+                self._keep(req, required=req.keep_state)
             self.cache.free_slot(req.slot)
             req.slot = -1
         if not keep:
+            self._drop_all(req.checkpoints)
             self.cache.blocks.free(req.block_table)
             req.block_table = []
 
-    def _copy_slot(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return [c[slot].clone() for c in self.cache.conv], [r[slot].clone() for r in self.cache.rec]
+    # -- kept KDA states (NOTE 10) -----------------------------------------------------------
+    def _keep(self, req: _Request, required: bool = False) -> None:
+        """Keep ``req``'s KDA state at its position (its slot's), unless one is kept there already
+        (the same arithmetic gave it). Its earlier points give it room, furthest back first."""
+        if req.num_computed in req.checkpoints:
+            return
+        slot = (self.cache.conv_all[:, req.slot], self.cache.rec_all[:, req.slot])
+        pages = self._pages(req.checkpoints)
+        if pages is not None:
+            self.cache.save_state(*slot, pages)
+            req.checkpoints[req.num_computed] = _Kept(pages)
+        elif required or not self.geometry.checkpoint_pages:  # no pages at all: the model has no MLA pool
+            self.counters["checkpoints_unbudgeted"] += bool(self.geometry.checkpoint_pages)
+            req.checkpoints[req.num_computed] = _Kept([], (slot[0].clone(), slot[1].clone()))
+        else:
+            self.counters["checkpoints_dropped"] += 1
 
-    def _load_slot(self, slot: int, conv: list[torch.Tensor], rec: list[torch.Tensor]) -> None:
-        for dst, src in zip(self.cache.conv, conv, strict=True):
-            dst[slot].copy_(src)
-        for dst, src in zip(self.cache.rec, rec, strict=True):
-            dst[slot].copy_(src)
+    def _pages(self, owner: dict[int, _Kept] | None = None) -> list[int] | None:
+        """Room for one kept state, after evicting resident sessions as needed, then giving back
+        ``owner``'s points (the keeping request's own), furthest back first; None: none. Block 0
+        pads decode batches' tables: never a state's (paged_cache NOTE 4)."""
+        k = self.geometry.checkpoint_pages
+        if not k:
+            return None
+        blocks = self.cache.blocks
+
+        def room() -> bool:
+            return blocks.can_allocate(k + blocks.is_free(0))
+
+        while not room() and self._residents:
+            self._evict_resident()
+        for p in sorted(owner or ()):
+            if room():
+                break
+            self._drop_all({p: owner.pop(p)})
+            self.counters["checkpoints_dropped"] += 1
+        if not room():
+            return None
+        pages = blocks.allocate(k)
+        if 0 in pages:
+            pages[pages.index(0)] = blocks.allocate(1)[0]
+            blocks.free([0])
+        self._kept_pages += k
+        return pages
+
+    def _reclaim_points(self, need: int) -> None:
+        """Give back running requests' kept states, newest request first, until ``need`` pages are
+        free (NOTE 10: a running request's points are read only once it is held or resident)."""
+        for r in reversed(self._running):
+            for p in sorted(r.checkpoints, reverse=True):
+                self._drop_all({p: r.checkpoints.pop(p)})
+                self.counters["checkpoints_dropped"] += 1
+                if self.cache.blocks.can_allocate(need):
+                    return
+
+    def _state(self, kept: _Kept) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, recurrent), stacked over layers, as new tensors."""
+        if kept.tensors is not None:
+            return kept.tensors[0].clone(), kept.tensors[1].clone()
+        return self.cache.read_state(kept.pages)
+
+    def _load(self, kept: _Kept, slot: int) -> None:
+        if kept.tensors is None:
+            self.cache.load_state(kept.pages, slot)
+        else:
+            self.cache.conv_all[:, slot].copy_(kept.tensors[0])
+            self.cache.rec_all[:, slot].copy_(kept.tensors[1])
+
+    def _drop_all(self, checkpoints: dict[int, _Kept]) -> None:
+        for kept in checkpoints.values():
+            if kept.pages:
+                self._kept_pages -= len(kept.pages)
+                self.cache.drop_state(kept.pages)
+        checkpoints.clear()
 
     def _make_resident(self, req: _Request) -> None:
         end = req.num_computed
-        if not self.options.resident_sessions or end not in req.checkpoints or not req.block_table:
+        kept, req.checkpoints = req.checkpoints, {}
+        for p, c in sorted(kept.items(), reverse=True):  # a resident holds pages only (NOTE 10)
+            if c.tensors is not None and p in kept:  # (not given back for a later point's room)
+                del kept[p]
+                pages = self._pages(kept) if p <= end and self.options.resident_sessions else None
+                if pages is not None:
+                    self.cache.save_state(*c.tensors, pages)
+                    kept[p] = _Kept(pages)
+        if not self.options.resident_sessions or end not in kept or not req.block_table:
+            self._drop_all(kept)
             self.cache.blocks.free(req.block_table)
             req.block_table = []
             return
-        kept = {p: c for p, c in req.checkpoints.items() if p <= end}
+        self._drop_all({p: kept.pop(p) for p in [p for p in kept if p > end]})
         res = self._residents[self._next_resident] = _Resident(req.cache_salt, req.token_ids[:end], req.block_table,
                                                                 kept)
         self._next_resident += 1
@@ -401,6 +507,7 @@ class ReferenceEngine:
             self.resident_version += 1
             if self.on_resident is not None:
                 self._tell("taken", rid, res)
+            self._drop_all(res.checkpoints)  # the caller has read the one it resumes from
             self.cache.blocks.free(res.block_table[keep:])  # pages past the resume point go back to the pool
             req.block_table = res.block_table[:keep]
 
@@ -408,10 +515,8 @@ class ReferenceEngine:
         best, best_len = self.resident_match(req.token_ids, req.cache_salt)
         if best is None:
             return
-        res = self._residents[best]
+        self._load(self._residents[best].checkpoints[best_len], req.slot)  # before the pages are taken
         self._take_pages(req, best, -(-best_len // self.block_size), best_len)
-        conv, rec = res.checkpoints[best_len]
-        self._load_slot(req.slot, conv, rec)
         req.num_computed = req.num_cached = best_len
         req.cached_source = "device"
         self.counters["device_hit_tokens"] += best_len
@@ -470,12 +575,12 @@ class ReferenceEngine:
             raise KeyError(f"no live or held request {request_id!r}")
         position = req.num_computed if position is None else position
         if position == req.num_computed and req.slot >= 0:
-            conv, rec = self._copy_slot(req.slot)
+            kda = (self.cache.conv_all[:, req.slot].clone(), self.cache.rec_all[:, req.slot].clone())
         elif position in req.checkpoints:
-            conv, rec = req.checkpoints[position]
+            kda = self._state(req.checkpoints[position])
         else:
             raise ValueError(f"no KDA checkpoint at {position} (have {sorted(req.checkpoints)} and {req.num_computed})")
-        return self._gather(req.block_table, (conv, rec), position, first_block, on_device)
+        return self._gather(req.block_table, kda, position, first_block, on_device)
 
     def export_resident(self, resident_id: int, position: int, first_block: int = 0) -> ResumeState | None:
         """State of resident session ``resident_id`` at its checkpoint ``position``, MLA blocks from
@@ -486,12 +591,13 @@ class ReferenceEngine:
             return None
         if position not in res.checkpoints:
             raise ValueError(f"no KDA checkpoint at {position} (have {sorted(res.checkpoints)})")
-        return self._gather(res.block_table, res.checkpoints[position], position, first_block)
+        return self._gather(res.block_table, self._state(res.checkpoints[position]), position, first_block)
 
-    def _gather(self, block_table: list[int], kda: tuple[list[torch.Tensor], list[torch.Tensor]], position: int,
+    def _gather(self, block_table: list[int], kda: tuple[torch.Tensor, torch.Tensor], position: int,
                 first_block: int = 0, on_device: bool = False) -> ResumeState:
-        """The state at ``position`` of the rows in ``block_table`` and the KDA state ``kda``."""
-        conv, rec = kda
+        """The state at ``position`` of the rows in ``block_table`` and the KDA state ``kda``
+        ((conv, recurrent) stacked over layers, the caller's own tensors)."""
+        conv_t, rec_t = kda
         bs = self.block_size
         n_full = position // bs
         blocks, staging = [], None
@@ -511,7 +617,6 @@ class ReferenceEngine:
             rows = torch.stack([self.cache.read_rows(m, block_table, start, position)
                                 for m in range(self.layout.num_mla_layers)])
             tail = MLABlock(rows if on_device else rows.cpu(), start, position - start)
-        conv_t, rec_t = torch.stack(conv), torch.stack(rec)
         kda_state = KDACheckpoint(conv_t if on_device else conv_t.cpu(), rec_t if on_device else rec_t.cpu(), position)
         return ResumeState(self.layout, position, blocks, first_block, tail, [kda_state], mla_rows=staging)
 
@@ -530,6 +635,7 @@ class ReferenceEngine:
         if keep_resident:
             self._make_resident(req)
         else:
+            self._drop_all(req.checkpoints)
             self.cache.blocks.free(req.block_table)
             req.block_table = []
 
@@ -594,8 +700,9 @@ class ReferenceEngine:
             if req.num_computed < len(req.token_ids):
                 self._maybe_checkpoint(req)
                 continue
-            if req.num_computed == req.num_prompt and self.options.prompt_checkpoints:
-                req.checkpoints[req.num_computed] = self._copy_slot(req.slot)  # where a replayed prompt resumes
+            if (req.num_computed == req.num_prompt and self.options.prompt_checkpoints
+                    and (req.keep_state or self.options.resident_sessions)):  # read only once held or resident
+                self._keep(req)  # where a replayed prompt resumes
             if self.options.capture_logits:
                 self.last_logits[req.request_id] = lg[-1].detach().clone()
             token = sample(lg[-1], req.sampling, req.first_output_index + req.num_output)
@@ -658,7 +765,6 @@ class ReferenceEngine:
         self._free(victim, keep=False)
         victim.num_computed = victim.num_cached = 0  # what it reused is recomputed (usage says so)
         victim.cached_source = "computed"
-        victim.checkpoints.clear()
         self._waiting.appendleft(victim)
         self.counters["preemptions"] += 1
 
@@ -666,7 +772,7 @@ class ReferenceEngine:
         every = self.options.checkpoint_interval
         if ((req.keep_state and every and req.num_computed % every == 0) or req.num_computed == self._aligned_point(req)
                 or req.num_computed in req.checkpoint_at):
-            req.checkpoints[req.num_computed] = self._copy_slot(req.slot)
+            self._keep(req)
 
     def _finish_reason(self, req: _Request, token: int) -> str | None:
         sp = req.sampling
@@ -726,7 +832,7 @@ class ReferenceEngine:
 
     def stats(self) -> dict:
         return dict(self.counters, free_blocks=self.cache.blocks.num_free, num_blocks=self.geometry.num_blocks,
-                    block_bytes=self.geometry.block_bytes,
+                    block_bytes=self.geometry.block_bytes, checkpoint_blocks=self._kept_pages,
                     resident_sessions=len(self._residents), running=len(self._running),
                     waiting=len(self._waiting), held=len(self._held), time=time.time())
 

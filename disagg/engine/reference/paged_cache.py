@@ -20,6 +20,18 @@ NOTES
 3. The byte budget is split: KDA slots for ``max_num_seqs`` sequences first,
    the rest to MLA blocks. A request needing more blocks than exist is refused
    at admission with a ValueError.
+4. A kept KDA state (a checkpoint: a prompt's end, a turn's end, a periodic or
+   requested point) lives in pages of the MLA pool, ``checkpoint_pages`` of them
+   (ceil(slot bytes / block bytes): 6-85 for the presets, 54 for K3), as vLLM's
+   hybrid allocator pages Mamba state beside attention. So the budget bounds
+   everything a device keeps, resident sessions' checkpoints included, and a
+   checkpoint competes for room as the simulator charges it. Its bytes fill
+   the pages layer by layer (``save_state``: conv, then recurrent, each viewed
+   as bytes). Rows no sequence owns are read and masked (a decode batch pads
+   its tables with block 0; a sequence's last page past its position), and a
+   masked weight of 0 times a NaN bit pattern of state bytes is NaN: so a page
+   given back is zeroed (``drop_state``), and block 0 never holds a state (the
+   engine's allocation, engine NOTE 10).
 """
 
 from __future__ import annotations
@@ -49,6 +61,9 @@ class BlockAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
+    def is_free(self, block: int) -> bool:
+        return not self._used[block]
+
     def allocate(self, n: int) -> list[int]:
         assert self.can_allocate(n), f"asked for {n} blocks, {len(self._free)} free"
         out = [self._free.pop() for _ in range(n)]
@@ -72,6 +87,13 @@ class CacheGeometry:
     num_slots: int  # KDA state slots
     block_bytes: int  # MLA bytes per block (all layers)
     slot_bytes: int  # KDA bytes per slot (all layers)
+
+    @property
+    def checkpoint_pages(self) -> int:
+        """MLA pages one kept KDA state takes (NOTE 4; 0: the model keeps no KDA state, or has no pages)."""
+        if not (self.slot_bytes and self.block_bytes):
+            return 0
+        return -(-(self.slot_bytes + 16) // self.block_bytes)  # 16: the recurrent bytes start aligned
 
 
 def size_cache(layout: StateLayout, budget_bytes: int, max_num_seqs: int) -> CacheGeometry:
@@ -105,6 +127,14 @@ class PagedStateCache:
         self.rec_all = torch.zeros(layout.num_kda_layers, geometry.num_slots, h, k, v,
                                    dtype=getattr(torch, layout.state_dtype), device=device)
         self.mla = list(self.mla_all.unbind(0))
+        # the pool's pages as bytes, [layers, blocks, bytes per layer's page] (NOTE 4)
+        # the pool's pages as 8-byte words where a page's layer rows allow (an index copy moves words, not
+        # bytes: x6 faster on a CPU), [layers, blocks, words per layer's page] (NOTE 4)
+        page = self.mla_all.view(torch.uint8).view(layout.num_mla_layers, geometry.num_blocks, -1)
+        self._page_words = page.view(torch.int64) if page.shape[2] % 8 == 0 else page
+        conv_n = self.conv_all[:, 0].numel() * self.conv_all.element_size()
+        rec_at = -(-conv_n // 16) * 16  # the recurrent bytes start aligned
+        self._state_split = (conv_n, rec_at, rec_at + self.rec_all[:, 0].numel() * self.rec_all.element_size())
         self.conv = list(self.conv_all.unbind(0))
         self.rec = list(self.rec_all.unbind(0))
         self.blocks = BlockAllocator(geometry.num_blocks)
@@ -128,6 +158,47 @@ class PagedStateCache:
     def free_slot(self, slot: int) -> None:
         assert slot not in self._free_slots, f"slot {slot} freed twice"
         self._free_slots.append(slot)
+
+    # -- kept KDA states (NOTE 4) ---------------------------------------------------
+    def save_state(self, conv: torch.Tensor, rec: torch.Tensor, pages: list[int]) -> None:
+        """Write a KDA state, (conv, recurrent) stacked over layers (``conv_all[:, slot]``, ...), into
+        ``pages``."""
+        w = self._page_words
+        buf = torch.empty(w.shape[0], len(pages), w.shape[2], dtype=w.dtype, device=w.device)
+        flat = buf.view(torch.uint8).view(-1)
+        conv_n, rec_at, end = self._state_split
+        flat[conv_n:rec_at].zero_()  # the pages' bytes are all defined
+        flat[end:].zero_()
+        conv_v, rec_v = self._state_views(buf)
+        conv_v.copy_(conv)
+        rec_v.copy_(rec)
+        w.index_copy_(1, self._index(pages), buf)
+
+    def read_state(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KDA state ``save_state`` wrote to ``pages``: (conv, recurrent), stacked over layers, as new
+        tensors on the cache's device."""
+        return self._state_views(self._page_words.index_select(1, self._index(pages)))
+
+    def load_state(self, pages: list[int], slot: int) -> None:
+        conv, rec = self.read_state(pages)
+        self.conv_all[:, slot].copy_(conv)
+        self.rec_all[:, slot].copy_(rec)
+
+    def drop_state(self, pages: list[int]) -> None:
+        """Zero ``pages`` and give them back to the pool (NOTE 4)."""
+        self._page_words.index_fill_(1, self._index(pages), 0)
+        self.blocks.free(pages)
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        return torch.tensor(pages, dtype=torch.long).to(self._page_words.device, non_blocking=True)
+
+    def _state_views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = buf.view(torch.uint8).view(-1)
+        conv_n, rec_at, end = self._state_split
+        c, r = self.conv_all, self.rec_all
+        assert end <= flat.numel(), "a kept state needs more pages than it was given"
+        return (flat[:conv_n].view(c.dtype).view(c.shape[0], *c.shape[2:]),
+                flat[rec_at:end].view(r.dtype).view(r.shape[0], *r.shape[2:]))
 
     # -- positions -------------------------------------------------------------
     def row_index(self, block_table: list[int], start: int, stop: int) -> torch.Tensor:

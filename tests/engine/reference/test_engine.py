@@ -202,7 +202,9 @@ def test_replayed_turn_resumes_at_the_prompt_end_checkpoint(model):
     ref, _, ref_logits = run(make_engine(model, resident_sessions=False), "ref", p2, 6)
     assert tokens == ref
     assert_close(logits, ref_logits)
-    assert eng.cache.blocks.num_free + sum(len(r.block_table) for r in eng._residents.values()) == \
+    kept = sum(len(c.pages) for r in eng._residents.values() for c in r.checkpoints.values())
+    assert kept == eng.stats()["checkpoint_blocks"] > 0  # the residents' KDA states, in pages (engine NOTE 10)
+    assert eng.cache.blocks.num_free + sum(len(r.block_table) for r in eng._residents.values()) + kept == \
         eng.geometry.num_blocks, "pages past the resume point went back to the pool"
 
 
