@@ -231,6 +231,10 @@ class DeviceHolds:
                     seq, keys = tier.recalled(seq, 0.5)
                     if keys:
                         self._answer(keys)
+                except ConnectionError:  # the tier's server is gone (its node is shutting down): none will come
+                    if not self._closed:
+                        log.info("device holds: the host tier's server closed; no more recalls answered")
+                    return
                 except Exception:  # noqa: BLE001 - a recall unanswered: the asker recomputes
                     self.counters["errors"] += 1
                     log.warning("device holds: answering a recall failed", exc_info=True)

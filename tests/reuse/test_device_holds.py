@@ -377,3 +377,40 @@ def test_a_write_back_past_the_queue_cap_is_queued_when_nothing_is_ahead_of_it()
         gate.set()
         holds.close()
         host.close()
+
+
+def test_the_recall_listener_stops_quietly_when_the_tier_server_goes(caplog):
+    """At a node's shutdown the host tier's server can close before a worker's holds do: the
+    listener stops (a closed connection gets no more recalls) instead of logging a traceback."""
+    import logging
+
+    from disagg.config import load_config
+    from disagg.engine.factory import build_reference_engine
+    from disagg.workers.holds import DeviceHolds
+    from kv_transfer.keys import BlockHasher, KeyExtras
+    from kv_transfer.store import StateStore
+    from kv_transfer.tiers.host import HostTier
+    from kv_transfer.tiers.host_ipc import HostTierClient, HostTierServer
+
+    engine = build_reference_engine(load_config({"model": {"name": "tiny"}, "engine": {"cache_budget_mb": 10}}))
+    owner = HostTier(8 << 20, slab_bytes=512 << 10)
+    server = HostTierServer(owner)
+    client = HostTierClient(server.socket_path)
+    holds = DeviceHolds(StateStore([client], engine.layout), BlockHasher(BS, KeyExtras(engine.model_id)),
+                        export_fn=engine.export_resident)
+    try:
+        assert holds._listener is not None
+        deadline = time.monotonic() + 10
+        while not owner.stats()["num_recall_listeners"] and time.monotonic() < deadline:  # it listens
+            time.sleep(0.01)
+        assert owner.stats()["num_recall_listeners"] == 1 and holds._listener.is_alive()
+        with caplog.at_level(logging.INFO, logger="disagg.workers.holds"):
+            server.close()
+            holds._listener.join(timeout=10)
+        assert not holds._listener.is_alive()
+        assert [r.levelname for r in caplog.records if r.name == "disagg.workers.holds"] == ["INFO"]
+        assert holds.stats()["errors"] == 0
+    finally:
+        holds.close()
+        client.close()
+        owner.close()
