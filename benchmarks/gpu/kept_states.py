@@ -18,8 +18,8 @@ allocations (``--no-warmup``: the first point carries them). Run under the engin
 
 Micro: keeping one state (slot -> pages, ``PagedStateCache.save_state``) and reading it back into a
 slot (``load_state``), against the per-layer tensor copies an engine that keeps states outside its
-pool makes (``clone`` per layer, ``copy_`` per layer), for the preset's layout and K3's
-(``kimi-linear-48b``), median of ``--reps`` timed calls after a warm-up (CUDA events).
+pool makes (``clone`` per layer, ``copy_`` per layer), for the preset's layout and the full-size
+preset's (``kimi-linear-48b``), median of ``--reps`` timed calls after a warm-up (CUDA events).
 """
 
 from __future__ import annotations

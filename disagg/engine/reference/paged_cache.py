@@ -22,16 +22,18 @@ NOTES
    at admission with a ValueError.
 4. A kept KDA state (a checkpoint: a prompt's end, a turn's end, a periodic or
    requested point) lives in pages of the MLA pool, ``checkpoint_pages`` of them
-   (ceil(slot bytes / block bytes): 6-85 for the presets, 54 for K3), as vLLM's
-   hybrid allocator pages Mamba state beside attention. So the budget bounds
-   everything a device keeps, resident sessions' checkpoints included, and a
-   checkpoint competes for room as the simulator charges it. Its bytes fill
-   the pages layer by layer (``save_state``: conv, then recurrent, each viewed
-   as bytes). Rows no sequence owns are read and masked (a decode batch pads
-   its tables with block 0; a sequence's last page past its position), and a
-   masked weight of 0 times a NaN bit pattern of state bytes is NaN: so a page
-   given back is zeroed (``drop_state``), and block 0 never holds a state (the
-   engine's allocation, engine NOTE 10).
+   (its bytes over a page's, rounded up: 6-85 for the presets, 85 for
+   kimi-linear-48b in bf16; the simulator's default profile charges 54), as
+   vLLM's hybrid allocator pages Mamba state beside attention. So the budget
+   bounds everything a device keeps, resident sessions' checkpoints included,
+   and a checkpoint competes for room as the simulator charges it. The state's
+   bytes (conv, then recurrent from a 16-byte boundary) fill the pages' rows of
+   every layer in turn (``save_state``, one index copy of 8-byte words). Rows no
+   sequence owns are read and masked (a decode batch pads its tables with block
+   0; a sequence's last page past its position), and a masked weight of 0 times
+   a NaN bit pattern of state bytes is NaN: so a page given back is zeroed
+   (``drop_state``), and block 0 never holds a state (the engine's allocation,
+   engine NOTE 10).
 """
 
 from __future__ import annotations
@@ -127,7 +129,6 @@ class PagedStateCache:
         self.rec_all = torch.zeros(layout.num_kda_layers, geometry.num_slots, h, k, v,
                                    dtype=getattr(torch, layout.state_dtype), device=device)
         self.mla = list(self.mla_all.unbind(0))
-        # the pool's pages as bytes, [layers, blocks, bytes per layer's page] (NOTE 4)
         # the pool's pages as 8-byte words where a page's layer rows allow (an index copy moves words, not
         # bytes: x6 faster on a CPU), [layers, blocks, words per layer's page] (NOTE 4)
         page = self.mla_all.view(torch.uint8).view(layout.num_mla_layers, geometry.num_blocks, -1)
