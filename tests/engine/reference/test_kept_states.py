@@ -57,10 +57,11 @@ def test_a_state_round_trips_through_pages_bit_for_bit_and_leaves_zeros(dtype):
 
 
 def test_the_budget_bounds_what_residents_keep(model):
-    """Sessions with a checkpoint every block fill the pool with residents. Their states take
-    pages (evicting older residents), none is kept outside the pool, and the newest session
-    still resumes on the device, exactly."""
-    eng = make_engine(model, cache_budget_bytes=4 << 20, max_num_seqs=2)  # checkpoint every block
+    """Sessions fill the pool with residents, each keeping two states (its prompt's end and its
+    turn's end). The states take pages, so fewer sessions stay than their rows alone would leave
+    room for; none is kept outside the pool, and the newest session still resumes on the device,
+    exactly."""
+    eng = make_engine(model, cache_budget_bytes=4 << 20, max_num_seqs=2)
     k = eng.geometry.checkpoint_pages
     assert k > 1
     for i in range(8):
@@ -68,7 +69,9 @@ def test_the_budget_bounds_what_residents_keep(model):
         pages_accounted(eng)
     kept = [c for r in eng._residents.values() for c in r.checkpoints.values()]
     assert kept and all(c.tensors is None and len(c.pages) == k for c in kept)
-    assert eng.counters["resident_evictions"] > 0  # states took the room older sessions had
+    rows = max(len(r.block_table) for r in eng._residents.values())
+    assert len(eng._residents) < eng.geometry.num_blocks // rows  # the states took room rows alone would leave
+    assert eng.counters["resident_evictions"] > 0
     assert eng.counters["checkpoints_unbudgeted"] == 0
     # the last session's next turn resumes from a state read back from its pages
     p = prompt(5 * BS + 9, seed=107)
