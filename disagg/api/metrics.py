@@ -17,6 +17,8 @@ _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 
 
 SPILL_OUTCOMES = ("spilled", "refused", "dropped", "no_target")  # kv_transfer.spill counters
+# disagg_engine_kept_states{figure}: the reference engine's stats key of each
+KEPT_FIGURES = {"pages": "checkpoint_blocks", "dropped": "checkpoints_dropped", "unbudgeted": "checkpoints_unbudgeted"}
 
 
 class ServingMetrics:
@@ -56,6 +58,10 @@ class ServingMetrics:
                                   registry=r)
         self.engine_requests = Gauge("disagg_engine_requests", "Requests in the engines by role and state",
                                      ["role", "state"], registry=r)
+        self.kept_states = Gauge("disagg_engine_kept_states", "The reference engines' kept KDA states by role: "
+                                 "pages they hold now (of the device tier's), and, cumulative, points not kept "
+                                 "or given back for room (dropped) and held end states kept outside the budget "
+                                 "for want of room (unbudgeted); engine NOTE 10", ["role", "figure"], registry=r)
         self.route_decisions = Gauge("disagg_route_decisions", "Router decisions by reason (cumulative)",
                                      ["reason"], registry=r)
         self.route_overridden = Gauge("disagg_route_overridden", "Routed requests Serve ran on another replica "
@@ -133,6 +139,9 @@ class ServingMetrics:
         for role, e in (stats.get("engines") or {}).items():
             for state in ("running", "waiting", "held"):
                 self.engine_requests.labels(role=role, state=state).set(e.get(state, 0))
+        for role, k in (stats.get("kept_states") or {}).items():
+            for figure, n in k.items():
+                self.kept_states.labels(role=role, figure=figure).set(n)
         for reason, n in (stats.get("route_decisions") or {}).items():
             self.route_decisions.labels(reason=reason).set(n)
         if "route_overridden" in stats:
@@ -151,6 +160,7 @@ def merge_replica_stats(replica_stats: list[dict]) -> dict:
     once a node (``node_id``) and summed over the nodes."""
     tiers: dict[str, dict] = {}
     engines: dict[str, dict] = {}
+    kept: dict[str, dict[str, int]] = {}  # role -> kept KDA states' figures (engines that report them)
     workers: dict[str, dict[str, int]] = {}
     checksum = 0
     shared: dict[tuple[str, str], dict] = {}  # (node, tier) -> its figures (every replica there reports them)
@@ -180,12 +190,18 @@ def merge_replica_stats(replica_stats: list[dict]) -> dict:
             block_bytes = eng.get("block_bytes", 0)
             dev["used_bytes"] += (blocks - eng.get("free_blocks", 0)) * block_bytes
             dev["capacity_bytes"] += blocks * block_bytes
+            if "checkpoint_blocks" in eng:  # the reference engine (NOTE 10)
+                k = kept.setdefault(s.get("role", "?"), dict.fromkeys(KEPT_FIGURES, 0))
+                for figure, key in KEPT_FIGURES.items():
+                    k[figure] += eng.get(key, 0)
     for (_, tier), t in shared.items():  # summed over the nodes
         into = tiers.setdefault(tier, {})
         for k, v in t.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
                 into[k] = into.get(k, 0) + v
     out = {"tiers": tiers, "engines": engines, "checksum_failures": checksum, "workers": workers}
+    if kept:
+        out["kept_states"] = kept
     if spill:
         keys = [f"num_{o}" for o in SPILL_OUTCOMES] + ["bytes_spilled"]
         out["spill"] = {k: sum(n.get(k, 0) for n in spill.values()) for k in keys}

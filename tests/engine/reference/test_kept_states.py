@@ -153,3 +153,30 @@ def test_block_0_never_holds_a_state(model):
     (other,) = blocks.allocate(1)  # the last page given back: k free now, block 0 among them
     assert other != 0 and blocks.num_free == k
     assert eng._pages() is None and blocks.num_free == k  # no room without block 0
+
+
+def test_the_kept_state_figures_reach_the_metrics(model):
+    """/metrics sums the engines' kept-state figures by role (``disagg_engine_kept_states``): the
+    pages held, and the points dropped and end states kept aside for want of room; a replica whose
+    engine reports none (vLLM's) adds nothing."""
+    from disagg.api.metrics import ServingMetrics, merge_replica_stats
+
+    g = make_engine(model).geometry
+    eng = make_engine(model, cache_budget_bytes=g.slot_bytes * 2 + g.block_bytes * 6, max_num_seqs=2)
+    eng.generate(EngineRequest("held", prompt(5 * BS - 20, seed=60), greedy(3), keep_state=True))
+    roomy = make_engine(model)
+    roomy.generate(EngineRequest("a", prompt(3 * BS + 5, seed=61), greedy(2)))
+    st, st2 = eng.stats(), roomy.stats()
+    assert st["checkpoints_unbudgeted"] == 1 and st["checkpoints_dropped"] >= 1 and st2["checkpoint_blocks"] > 0
+    merged = merge_replica_stats([{"role": "prefill", "engine": st}, {"role": "decode", "engine": st2},
+                                  {"role": "decode", "engine": st2}, {"role": "decode", "engine": {"running": 1}}])
+    assert merged["kept_states"] == {
+        "prefill": {"pages": st["checkpoint_blocks"], "dropped": st["checkpoints_dropped"], "unbudgeted": 1},
+        "decode": {"pages": 2 * st2["checkpoint_blocks"], "dropped": 0, "unbudgeted": 0}}
+    metrics = ServingMetrics()
+    metrics.observe_stats(merged)
+    text = metrics.render()[0].decode()
+    for line in ('disagg_engine_kept_states{figure="unbudgeted",role="prefill"} 1.0',
+                 f'disagg_engine_kept_states{{figure="pages",role="decode"}} {2.0 * st2["checkpoint_blocks"]}'):
+        assert line in text, line
+    assert "kept_states" not in merge_replica_stats([{"role": "decode", "engine": {"running": 1}}])
