@@ -18,8 +18,8 @@ from tests.reuse.test_worker_reuse import BS, backend, ids, send, threads  # noq
 
 
 def victim_backend(victim: bool):
-    # 10 MiB of engine cache: 39 pages of the tiny model. A resident session of 11 blocks keeps three
-    # KDA states of 6 pages each in them (engine NOTE 10), 29 pages, so a 20-block prompt evicts it
+    # 10 MiB of engine cache: 39 pages of the tiny model. A resident session of 11 blocks keeps its KDA
+    # states beside them, 6 pages each (engine NOTE 10): a 20-block prompt evicts it
     return backend(deployment={"mode": "aggregated"}, engine={"cache_budget_mb": 10},
                    transfer={"host": {"capacity_mb": 256, "pin_memory": False, "victim": victim}})
 
