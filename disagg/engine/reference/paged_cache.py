@@ -178,7 +178,9 @@ class PagedStateCache:
     def read_state(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The KDA state ``save_state`` wrote to ``pages``: (conv, recurrent), stacked over layers, as new
         tensors on the cache's device."""
-        return self._state_views(self._page_words.index_select(1, self._index(pages)))
+        w, idx = self._page_words, self._index(pages)
+        # one gather kernel on a GPU; on a CPU index_select runs x6 slower than indexing does
+        return self._state_views(w.index_select(1, idx) if w.is_cuda else w[:, idx])
 
     def load_state(self, pages: list[int], slot: int) -> None:
         conv, rec = self.read_state(pages)
