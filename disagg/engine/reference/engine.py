@@ -379,7 +379,7 @@ class ReferenceEngine:
         for p in sorted(owner or ()):
             if room():
                 break
-            self._drop_all({p: owner.pop(p)})
+            self._drop(owner.pop(p))
             self.counters["checkpoints_dropped"] += 1
         if not room():
             return None
@@ -395,7 +395,7 @@ class ReferenceEngine:
         free (NOTE 10: a running request's points are read only once it is held or resident)."""
         for r in reversed(self._running):
             for p in sorted(r.checkpoints, reverse=True):
-                self._drop_all({p: r.checkpoints.pop(p)})
+                self._drop(r.checkpoints.pop(p))
                 self.counters["checkpoints_dropped"] += 1
                 if self.cache.blocks.can_allocate(need):
                     return
@@ -413,11 +413,14 @@ class ReferenceEngine:
             self.cache.conv_all[:, slot].copy_(kept.tensors[0])
             self.cache.rec_all[:, slot].copy_(kept.tensors[1])
 
+    def _drop(self, kept: _Kept) -> None:
+        if kept.pages:
+            self._kept_pages -= len(kept.pages)
+            self.cache.drop_state(kept.pages)
+
     def _drop_all(self, checkpoints: dict[int, _Kept]) -> None:
         for kept in checkpoints.values():
-            if kept.pages:
-                self._kept_pages -= len(kept.pages)
-                self.cache.drop_state(kept.pages)
+            self._drop(kept)
         checkpoints.clear()
 
     def _make_resident(self, req: _Request) -> None:
@@ -435,7 +438,8 @@ class ReferenceEngine:
             self.cache.blocks.free(req.block_table)
             req.block_table = []
             return
-        self._drop_all({p: kept.pop(p) for p in [p for p in kept if p > end]})
+        for p in [p for p in kept if p > end]:
+            self._drop(kept.pop(p))
         res = self._residents[self._next_resident] = _Resident(req.cache_salt, req.token_ids[:end], req.block_table,
                                                                 kept)
         self._next_resident += 1

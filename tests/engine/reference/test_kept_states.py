@@ -149,7 +149,7 @@ def test_block_0_never_holds_a_state(model):
     pages = eng._pages()
     assert pages is not None and len(pages) == k and 0 not in pages and blocks.num_free == 1
     assert eng.stats()["checkpoint_blocks"] == k
-    eng._drop_all({0: _Kept(pages)})
+    eng._drop(_Kept(pages))
     (other,) = blocks.allocate(1)  # the last page given back: k free now, block 0 among them
     assert other != 0 and blocks.num_free == k
     assert eng._pages() is None and blocks.num_free == k  # no room without block 0
