@@ -210,8 +210,8 @@ def _init_ray(http: HTTPConfig | None = None) -> bool:
     if ray.is_initialized():
         return False
     export_cluster_env(http)
-    try:
-        ray.init(num_cpus=local_num_cpus(), include_dashboard=False, namespace="disagg",
+    try:  # "local": a cluster of our own even where another runs here (or one still shuts down)
+        ray.init(address="local", num_cpus=local_num_cpus(), include_dashboard=False, namespace="disagg",
                  log_to_driver=os.environ.get("DISAGG_RAY_LOGS", "0") == "1")
     except BaseException as exc:  # e.g. Ray's fixed 30 s wait for its raylet, missed on an overloaded machine
         with contextlib.suppress(Exception):
