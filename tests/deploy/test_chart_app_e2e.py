@@ -35,7 +35,7 @@ def test_cpu_smoke_release_serves_with_its_key(tmp_path):
     keys.write_text(secret["stringData"]["api-keys"])
     cfg.http.host, cfg.http.port, cfg.http.api_keys_file = "127.0.0.1", free_port(), str(keys)
     # one Ray node standing in for the pod: its CPUs and the role resources it advertises
-    ray.init(num_cpus=int(float(group["rayStartParams"]["num-cpus"])) + 1, resources=advertised,
+    ray.init(address="local", num_cpus=int(float(group["rayStartParams"]["num-cpus"])) + 1, resources=advertised,
              include_dashboard=False, namespace="disagg")
     try:
         with local_app(cfg) as url:

@@ -34,7 +34,7 @@ def node_id():
     if started:
         for attempt in range(2):  # a loaded machine can time the first start out
             try:
-                ray.init(num_cpus=1, include_dashboard=False, namespace="disagg", log_to_driver=False)
+                ray.init(address="local", num_cpus=1, include_dashboard=False, namespace="disagg", log_to_driver=False)
                 break
             except Exception:
                 ray.shutdown()
