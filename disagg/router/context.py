@@ -117,9 +117,10 @@ class RoutingContext:
     now: float = 0.0  # router clock
     prefill_nodes: frozenset[str] = frozenset()  # P/D: nodes of the healthy prefill workers (else empty)
     expected_output: float = 0.0  # the request's expected output tokens (router step 0; 0 = unknown)
-    # P/D: (suffix, running decodes) per candidate -> whether the decider's short-suffix rule would prefill
-    # the request on that decode worker (``PDDecider.short_suffix``; None: not known, every candidate may)
-    local_prefill: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+    # P/D: (suffix, running decodes, queued prefill tokens) per candidate -> whether the decider would
+    # prefill the request on that decode worker (the short-suffix rule, or every rule where the prefill
+    # pool's view is known: ``Router._local_rules``; None: not known, every candidate may)
+    local_prefill: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None
     extra: dict[str, object] = field(default_factory=dict)  # plugin scratch space
     _views: dict[tuple[str, ...], CandidateView] = field(default_factory=dict)  # cache of view()
     _last: tuple[list[WorkerState], WorkerState, CandidateView] | None = None  # last list viewed (identity)

@@ -100,6 +100,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from disagg.config import (
     BUSY_LOCAL_MAX_TOKENS,
     LOCAL_HARM_WEIGHT,
@@ -147,6 +149,28 @@ class PDDecider:
         pool's router in serving does not have when it places (docs/router.md, "Serve adapter")."""
         cfg = self.config
         return suffix * (1.0 + cfg.local_harm_weight * batch) <= cfg.local_prefill_max_tokens
+
+    def local_mask(self, suffix, batch, queued, prefill_loads: list[float], pool_uncached: list[float],
+                   first_turn: bool):
+        """Every local rule of ``decide`` at once, over decode-worker candidates (numpy arrays of
+        their suffixes, running decodes and queued prefill tokens; the running decodes stand for
+        C_d too): where the decider would prefill the request on that worker, given the prefill
+        pool's view (the decode scorer's harm where that view is known: the simulator's P/D flow)."""
+        cfg = self.config
+        batch = np.maximum(batch, 0.0)
+        local = self.short_suffix(suffix, batch)
+        stalled = suffix * (1.0 + cfg.local_harm_weight * batch)
+        if min(prefill_loads) >= cfg.prefill_busy_tokens:
+            local = local | (stalled <= cfg.busy_local_max_tokens)
+        work = min(q + u for q, u in zip(prefill_loads, pool_uncached, strict=True))
+        least = min(pool_uncached)
+        local = local | ((suffix < least) & (stalled <= work))
+        margin = cfg.local_idle_margin
+        if margin > 0:
+            local = local | ((batch <= 0) & (suffix <= least) & (suffix * margin <= work))
+            if first_turn and min(prefill_loads) >= cfg.prefill_busy_tokens:
+                local = local | ((batch <= 0) & (queued <= 0) & (suffix * margin <= work))
+        return local
 
     def decide(self, suffix_tokens: int, prefill_loads: list[float], pool_uncached: list[float] | None = None,
                decode_batch: float = 0.0, decode_coming: float | None = None, first_turn: bool = False,

@@ -7,7 +7,9 @@ A ratio well below 1 means the index lags the caches (events late or lost);
 the router then routes to state that is gone. ``overridden`` counts requests
 a serving layer ran elsewhere than routed (Ray Serve goes down the router's
 ranks when its pick does not take a request): each resumes state the router
-did not plan for, or recomputes it.
+did not plan for, or recomputes it. ``pool_views`` counts a decode pool's
+placements that read their prefill pool's view and those that found none
+(``harm_pool_view``; ``deployments.request_router`` NOTE 2).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class RouterMetrics:
     overpredicted: int = 0  # finished requests with realized < predicted
     prompt_tokens: int = 0  # sum of prompt tokens of finished requests
     overridden: int = 0  # finished requests that ran on another worker than the one routed to
+    pool_views: Counter = field(default_factory=Counter)  # decode-pool placements: "read" / "missing" the
+    #                                                        prefill pool's view (deployments.request_router NOTE 2)
 
     def record_decision(self, reason: str, tier: str | None) -> None:
         self.num_decisions += 1
@@ -65,6 +69,7 @@ class RouterMetrics:
             "prediction_ratio": round(self.prediction_ratio, 4),
             "overpredicted": self.overpredicted,
             "overridden": self.overridden,
+            "pool_views": dict(self.pool_views),
         }
 
 

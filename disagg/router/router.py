@@ -14,7 +14,9 @@ Per request:
         "Round 23")
     2. effective loads = live stats + own in-flight predictions
     3a. aggregated pool (every role "both"): profile "both" picks one worker
-    3b. P/D pools: profile "decode" picks D (with ``peer_reads``, the prefill
+    3b. P/D pools: profile "decode" picks D, charging a candidate the stall of a local
+        prefill where the decider, given the prefill pool's view, would take one there
+        (``harm_pool_view``: ``PDDecider.local_mask``); (with ``peer_reads``, the prefill
         pool on other nodes is then credited with what D's node tiers hold, which
         a prefill reads through that node's state service: ``credit_node_state``;
         off by default, docs/router.md "Round 5"); the decider compares the uncached
@@ -29,7 +31,9 @@ Per request:
         worker's request flow (``disagg.flow`` NOTE 5), with the same decider;
         a decode pool is told its prefill pool's nodes (``prefill_nodes``: what
         the decode profile's hand-off cost reads in 3b, as the Serve adapter
-        learns them from the decode replicas' reports)
+        learns them from the decode replicas' reports) and that pool's view of
+        the request (``pool_view``: the local rules' figures, as in 3b; the
+        adapter asks its process's router of the prefill pool)
 
     4. a session whose decode moved to another node than its last turn's left its
        state in that node's shared tiers: when they hold more of the prompt than the
@@ -72,7 +76,7 @@ from disagg.router.filters.role import ALLOWED_ROLES
 from disagg.router.index import PrefixIndex
 from disagg.router.loads import LoadTracker
 from disagg.router.match import MatchResult, credit_node_state
-from disagg.router.metrics import RouterMetrics
+from disagg.router.metrics import PoolView, RouterMetrics
 from disagg.router.outputs import OutputPredictor
 from disagg.router.pending import PendingPrefixes
 from disagg.router.profile import ProfileResult
@@ -101,6 +105,7 @@ class RouterConfig:
     pending_credit: bool = False  # credit prefixes routed and not stored yet where waiting pays (step 1b)
     pending_ttl_s: float = 120.0  # ... forgotten this long after routing, if never finished
     pending_step_tokens: int = 8192  # ... an engine step's prefill budget (``disagg.router.pending`` NOTE 4)
+    harm_pool_view: bool = True  # P/D: decode placement charges a local prefill where any local rule takes one
 
     def __post_init__(self) -> None:
         if not 0.0 < self.common_fraction <= 1.0:
@@ -171,10 +176,11 @@ class StateAwareRouter:
 
     # ---- decision ------------------------------------------------------------
     def route(self, request: RouteRequest, workers: list[WorkerState],
-              prefill_nodes: Collection[str] = ()) -> RouteDecision:
+              prefill_nodes: Collection[str] = (), pool_view: PoolView | None = None) -> RouteDecision:
         """Place ``request`` on ``workers``; ``prefill_nodes``: a decode pool's prefill pool's
         nodes when that pool is not among ``workers`` (step 3c; in 3b they are the prefill
-        workers')."""
+        workers'); ``pool_view``: that pool as its own router sees it for ``request`` (3c, with
+        ``harm_pool_view``: the decode scorer's harm where any local rule would fire)."""
         assert workers, "route() needs at least one worker"
         now = self.clock()
         all_ids = [w.worker_id for w in workers]
@@ -198,7 +204,7 @@ class StateAwareRouter:
             session_node=prev.node_id if prev else None,
             now=now,
             expected_output=self.outputs.expect(session, request.output_len_hint, request.max_output_tokens),
-            local_prefill=self.decider.short_suffix,  # where a decode worker prefills locally (decode scorer)
+            local_prefill=self._short_suffix,  # where a decode worker prefills locally (decode scorer)
         )
         roles = {w.role for w in workers}
         if roles == _AGGREGATED:
@@ -208,17 +214,27 @@ class StateAwareRouter:
             (phase,) = roles
             if phase == "decode" and prefill_nodes:  # the hand-off's link, as in 3b
                 ctx.prefill_nodes = frozenset(prefill_nodes)
+            if phase == "decode" and cfg.harm_pool_view and prefill_nodes:  # the local rules, as in 3b
+                known = pool_view is not None and pool_view.loads and pool_view.uncached is not None
+                self.metrics.pool_views["read" if known else "missing"] += 1
+                if known:
+                    ctx.local_prefill = self._local_rules(pool_view.loads, pool_view.uncached,
+                                                          ctx.session_worker is None)
             res = self._run(phase, ctx, workers)
             return self._decision(request, ctx, workers, res.picked or workers[0].worker_id, None, f"{phase}_pool",
                                   res, phase)
         ctx.prefill_nodes = frozenset(w.node_id for w in workers if w.healthy and w.role == "prefill")
+        pool = [w for w in workers if w.healthy and w.role in ALLOWED_ROLES["prefill"] and w.role != "both"]
+        if cfg.harm_pool_view and pool:
+            pv = ctx.view(pool)
+            ctx.local_prefill = self._local_rules(pv.prefill.tolist(), (request.prompt_len - pv.resumable).tolist(),
+                                                  ctx.session_worker is None)
         dec = self._run("decode", ctx, workers)
         decode_id = dec.picked
         if decode_id is None:  # no healthy decode-capable worker: degrade to any healthy worker
             decode_id = ids[0] if ids else workers[0].worker_id
         held = ctx.match.resume(decode_id)[0]
         suffix = request.prompt_len - held
-        pool = [w for w in workers if w.healthy and w.role in ALLOWED_ROLES["prefill"] and w.role != "both"]
         if cfg.peer_reads and held:  # the pool reads the state D's node tiers hold (not its device)
             dnode = self.index.node_of(decode_id)
             far = {w.worker_id for w in pool if w.node_id != dnode}  # the walk reads dnode's tiers for the rest
@@ -242,6 +258,17 @@ class StateAwareRouter:
         if pre.picked is None:
             return self._decision(request, ctx, workers, decode_id, None, "local_no_prefill_pool", dec, "decode")
         return self._decision(request, ctx, workers, decode_id, pre.picked, pd.reason, pre, "prefill")
+
+    def _short_suffix(self, suffix, batch, queued):
+        """The decode scorer's harm mask from the decode worker alone (``PDDecider.short_suffix``)."""
+        return self.decider.short_suffix(suffix, batch)
+
+    def _local_rules(self, loads: list[float], uncached: list[float], first_turn: bool) -> Callable:
+        """Where the decider would prefill a request on each decode candidate, by every local rule,
+        given the prefill pool's view (per worker its effective queued prefill and the request's
+        uncached tokens) taken before placement (``PDDecider.local_mask``)."""
+        mask = self.decider.local_mask
+        return lambda suffix, batch, queued: mask(suffix, batch, queued, loads, uncached, first_turn)
 
     def _credit_pending(self, request: RouteRequest, match: MatchResult, loads: LoadColumns,
                         workers: list[WorkerState], now: float) -> MatchResult:

@@ -206,7 +206,8 @@ def test_decode_phase_charges_a_local_prefill_only_where_the_decider_would_run_o
 
     loads = [EffectiveLoad(decode_requests=4), EffectiveLoad(decode_requests=1), EffectiveLoad()]
     ctx = _ctx(loads, {"b": PrefixMatch(900, "host", 225)}, phase="decode", hint=10)
-    ctx.local_prefill = PDDecider(local_prefill_max_tokens=256, local_harm_weight=1.0).short_suffix
+    short = PDDecider(local_prefill_max_tokens=256, local_harm_weight=1.0).short_suffix
+    ctx.local_prefill = lambda suffix, batch, queued: short(suffix, batch)
     cost, _ = DecodeScorer(**CFG, **XFER).costs(ctx, W3)
     step_a, step_b = 0.01 + 0.005 + 1e-6 * 1000, 0.01 + 0.002 + 1e-6 * 1000
     join_a, join_b = 0.01 + 0.5 * step_a, 0.01 + 0.5 * step_b  # remote hand-off, half a step in progress

@@ -536,3 +536,32 @@ def test_decider_short_suffix_rule_over_candidates_matches_decide():
     mask = d.short_suffix(suffix, batch)
     one = [not d.decide(int(s), [0.0], None, float(b)).disaggregate for s, b in zip(suffix, batch, strict=True)]
     assert mask.tolist() == one == [True, True, False, True, False, True]
+
+
+@pytest.mark.parametrize("first_turn", [False, True])
+@pytest.mark.parametrize("loads,uncached", [
+    ([0.0, 0.0], [4000.0, 6000.0]),  # an idle pool: local_state and local_idle decide
+    ([70000.0, 90000.0], [4000.0, 500.0]),  # a busy pool: local_prefill_busy and local_burst too
+    ([1000.0, 70000.0], [100.0, 3000.0]),  # a pool that resumes more than any candidate
+    ([20000.0, 20000.0], [3000.0, 5000.0]),  # local_idle at a suffix the pool's best equals
+])
+def test_decider_every_local_rule_over_candidates_matches_decide(first_turn, loads, uncached):
+    """``local_mask`` (the decode scorer's harm where the prefill pool's view is known) gives, per
+    candidate, what ``decide`` gives one candidate at a time with C_d = B_d, on a grid that makes
+    every local rule fire somewhere and somewhere not."""
+    import numpy as np
+
+    d = PDDecider(local_prefill_max_tokens=256, local_harm_weight=2.0, busy_local_max_tokens=8192,
+                  prefill_busy_tokens=65536, local_idle_margin=4.0)
+    grid = [(s, b, q) for s in (0, 90, 300, 999, 2000, 3000, 3999, 4000, 7000, 12000)
+            for b in (0, 1, 3) for q in (0, 500)]
+    suffix, batch, queued = (np.array(col, dtype=float) for col in zip(*grid, strict=True))
+    mask = d.local_mask(suffix, batch, queued, loads, uncached, first_turn)
+    one = [d.decide(s, loads, uncached, float(b), first_turn=first_turn, decode_queued=q) for s, b, q in grid]
+    assert mask.tolist() == [not p.disaggregate for p in one]
+    fired = {p.reason for p in one}
+    assert "disagg" in fired and len(fired) >= 3, fired
+    if uncached == [3000.0, 5000.0]:
+        assert "local_idle" in fired
+    if loads[0] > 65536:
+        assert "local_prefill_busy" in fired and ("local_burst" in fired) == first_turn

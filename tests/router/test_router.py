@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from disagg.router.index import PrefixIndex
 from disagg.router.registry import DEFAULT_PROFILES
 from disagg.router.router import StateAwareRouter
@@ -288,3 +290,34 @@ def test_pd_decode_placement_charges_a_local_prefill_only_where_the_decider_take
         **DEFAULT_PROFILES["decode"]["scorers"], "decode": {"weight": 3.0, "params": {"harm_everywhere": True}}}}}}
     d = StateAwareRouter(idx, config=everywhere).route(q, ws)
     assert (d.decode_worker, d.prefill_worker) == ("d0", "p0")
+
+
+def test_pd_decode_placement_reads_the_pools_view_the_same_in_both_flows():
+    """``harm_pool_view``: a decode candidate is charged a local prefill's stall where any of the
+    decider's rules would take the request local there, given the prefill pool's view. d0 resumes
+    the session's 16K tokens on its device and runs a decode; the idle pool holds nothing, so the
+    1,000-token suffix goes local on d0 by "local_state" (not by the short-suffix rule), and d0 is
+    charged; d1 (2 decodes) resumes nothing and is charged nothing. The decode pool's router of serving, given
+    the pool's view (step 3c), scores the candidates as the router that sees both pools (3b)."""
+    from disagg.router.metrics import PoolView
+
+    idx, h = PrefixIndex(), chain(64, "sess")
+    pool = WorkerState("p0", "prefill", "n0")
+    dec = [WorkerState("d0", "decode", "n1", running_decode_requests=1),
+           WorkerState("d1", "decode", "n1", running_decode_requests=2)]
+    for w in [pool, *dec]:
+        idx.add_worker(w.worker_id, w.node_id)
+    for x in h:
+        store(idx, "mla", x, "device", "d0")
+    store(idx, "kda", h[63], "device", "d0")
+    q = RouteRequest("q", "s", h, 64 * 256 + 1000, 256)
+    view = PoolView([0.0], [float(q.prompt_len)])
+    on, off = {"harm_pool_view": True}, {"harm_pool_view": False}
+    both = StateAwareRouter(idx, config=on).route(q, [pool, *dec])
+    assert both.decode_worker == "d0" and both.prefill_worker is None and both.reason.startswith("local_state/")
+    served = StateAwareRouter(idx, config=on).route(q, dec, prefill_nodes={"n0"}, pool_view=view)
+    assert served.scores == pytest.approx(both.scores, rel=1e-12)
+    blind = StateAwareRouter(idx, config=on).route(q, dec, prefill_nodes={"n0"})  # no view: short suffix only
+    assert blind.scores == StateAwareRouter(idx, config=off).route(q, dec, prefill_nodes={"n0"}, pool_view=view).scores
+    margin = served.scores["d0"] - served.scores["d1"]  # the scores are relative to the cheapest candidate
+    assert margin < blind.scores["d0"] - blind.scores["d1"] - 1e-3

@@ -20,8 +20,8 @@ session's finished turns generated), else its hint, else
                                                                         from the batch on w (phase
                                                                         "both": it prefills there;
                                                                         "decode": where the P/D
-                                                                        decider's short-suffix rule
-                                                                        would take r local on w, else 0)
+                                                                        decider would take r local on
+                                                                        w, else 0)
     join_w  = q_w / prefill_tokens_per_s                                phase "decode": r's first decode
               + ((prompt - held_w) * bytes_per_token                    step waits for the prefill queued
                  + checkpoint_bytes) / bw_w                             on w, for r's state and, when w
@@ -52,18 +52,22 @@ avoids costs less than the longer hand-off to another worker
 (docs/router.md, "Round 20").
 
 In P/D (phase "decode") r prefills on its decode worker only where the
-decider takes it local, and by the one rule the decode worker alone decides
-(``local_short_suffix``: ``ctx.local_prefill``, ``PDDecider.short_suffix``)
-a suffix w cannot resume most of never is. Charged on every candidate, as
-rounds 7-44 did (``harm_everywhere``), ``harm_w`` priced r's uncached
-prompt, at 0.44 s a running decode for an 11K question, at a worker whose
-node held no copy of its document, for a prefill the pool would run: on the
-held-out ``rag/pd`` (4 prefill and 12 decode workers on two nodes) the
-decode workers on the pool's node took 115-123 of the 1,200 questions each,
-the other eight 84-94, and the P90 interactivity was theirs (docs/router.md,
-"Round 45"). The other local rules read the prefill pool's view, which the
-decode pool's router in serving does not have when it places; after
-placement the decider still applies them.
+decider takes it local (``ctx.local_prefill``): by the short-suffix rule,
+which reads the decode worker alone (``PDDecider.short_suffix``), and, given
+the prefill pool's view of r (its loads and what each of its workers could
+not resume), by every local rule (``PDDecider.local_mask``; the router's
+``harm_pool_view``, on by default). Charged on every candidate, as rounds
+7-44 did (``harm_everywhere``), ``harm_w`` priced r's uncached prompt, at
+0.44 s a running decode for an 11K question, at a worker whose node held no
+copy of its document, for a prefill the pool would run: on the held-out
+``rag/pd`` (4 prefill and 12 decode workers on two nodes) the decode workers
+on the pool's node took 115-123 of the 1,200 questions each, the other eight
+84-94, and the P90 interactivity was theirs (docs/router.md, "Round 45").
+Charged by the short-suffix rule alone (round 45), it missed the turns that
+rule "local_state" keeps on the worker that resumes their session: a sixth
+to two thirds of the router suite's P/D requests (docs/router.md, "Round
+46"). A decode pool's router in serving reads the view from its process's
+router of the prefill pool (``deployments.request_router`` NOTE 2).
 
 A batch slows each of its members: r's own steps price the decodes it
 joins (``own_w``), and ``joined_w`` prices r for them, as ``harm_w`` prices
@@ -194,7 +198,7 @@ class DecodeScorer(ArrayScorer):
         if ctx.phase != "prefill":  # it prefills there ("both"), or may (a P/D decider's local rule)
             uncached = np.maximum(req.prompt_len - v.resumable, 0.0)
             if ctx.phase == "decode" and ctx.local_prefill is not None and not cfg.harm_everywhere:
-                uncached = np.where(ctx.local_prefill(uncached, v.loads[_B]), uncached, 0.0)
+                uncached = np.where(ctx.local_prefill(uncached, v.loads[_B], v.loads[_Q]), uncached, 0.0)
             cost = cost + b * uncached / cfg.prefill_tokens_per_s
         if ctx.phase == "decode":  # r's decode joins after w's local prefills and r's state
             held = np.where(v.tier == _DEVICE, v.resumable, 0.0)  # its device's rows are not moved again
