@@ -33,7 +33,9 @@ ROUTERS = {
 SERVE_AREA_TAU_S = 1800.0  # decay of the router's booked prefill area in a served cluster (docs/router.md)
 
 
-def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
+def request_router_config(cfg: AppConfig, prefill_pool: str | None = None) -> RequestRouterConfig:
+    """``prefill_pool``: a decode deployment's prefill deployment (its router reads that pool's view:
+    ``deployments.request_router`` NOTE 2)."""
     if cfg.router.policy not in ROUTERS:
         raise ValueError(f"unknown router.policy {cfg.router.policy!r}; choose one of {sorted(ROUTERS)}")
     kwargs = {}
@@ -45,6 +47,8 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
         # disagg.router.router step 3c), by the router's default profiles as the simulator does,
         # unless router.weights replaces their scorers
         kwargs["policy"] = {"area_tau_s": SERVE_AREA_TAU_S}
+        if prefill_pool:
+            kwargs["prefill_pool"] = prefill_pool
         if cfg.router.weights:
             placement = {"filters": ["healthy", "role", "load_guard"], "scorers": dict(cfg.router.weights)}
             kwargs["policy"]["profiles"] = {phase: placement for phase in ("both", "prefill", "decode")}
@@ -55,8 +59,9 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
                                request_routing_stats_period_s=cfg.router.stats_period_s)
 
 
-def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True) -> dict[str, Any]:
-    """Serve deployment options for one role."""
+def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True,
+                       prefill_pool: str | None = None) -> dict[str, Any]:
+    """Serve deployment options for one role (``prefill_pool``: see ``request_router_config``)."""
     actor: dict[str, Any] = {"num_cpus": rc.num_cpus, "runtime_env": {"env_vars": dict(SERVE_ENV)}}
     if rc.num_gpus:
         actor["num_gpus"] = rc.num_gpus
@@ -85,7 +90,7 @@ def deployment_options(rc: ReplicaConfig, cfg: AppConfig, routed: bool = True) -
     else:
         opts["num_replicas"] = rc.num_replicas
     if routed:
-        opts["request_router_config"] = request_router_config(cfg)
+        opts["request_router_config"] = request_router_config(cfg, prefill_pool)
     return opts
 
 
@@ -98,7 +103,7 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
         prefill = serve.deployment(PrefillServer, name=PREFILL_DEPLOYMENT).options(
             **deployment_options(d.prefill, cfg)).bind(data)
     decode = serve.deployment(DecodeServer, name=DECODE_DEPLOYMENT).options(
-        **deployment_options(d.decode, cfg)).bind(data, prefill)
+        **deployment_options(d.decode, cfg, prefill_pool=PREFILL_DEPLOYMENT if prefill else None)).bind(data, prefill)
     ingress = serve.deployment(Ingress, name="Ingress").options(
         **deployment_options(d.ingress, cfg, routed=False)).bind(data, decode, prefill)
     return ingress

@@ -64,6 +64,8 @@ class ServeBackend:
         self.decode = decode
         self._decode_stream = decode.options(stream=True)  # built once, not per request
         self.prefill = prefill
+        if prefill is not None:  # initializes the handle: the decode pool's router reads this process's
+            prefill.options()  # router of the prefill pool (deployments.request_router NOTE 2)
         self.tokenizer = build_tokenizer(config)
         limits = engine_limits(config)
         self.max_model_len = limits.max_model_len

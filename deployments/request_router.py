@@ -97,6 +97,18 @@ log = logging.getLogger("ray.serve")
 # request's probe answered first. Serve's own matching, by internal request id, does not tell
 # apart calls that share one: the calls a request makes inherit its id, and the ingress's
 # per-replica calls (stats, a session's end) go out together, so all but one waited forever.
+# NOTE 2: what a decode pool's router knows of its prefill pool when it places. The decode
+# scorer charges a candidate the stall a local prefill of the request would cause its batch only
+# where the P/D decider would take the request local there (``disagg.router.scorers.decode``).
+# One local rule reads the decode worker alone; the others read the prefill pool's loads and what
+# each of its replicas could not resume (``PDDecider.local_mask``). With ``harm_pool_view`` the
+# decode pool's router asks this process's router of the prefill deployment (``prefill_pool``,
+# set by ``deployments.app`` on the decode deployment) for that view, as a decode replica asks its
+# own before it decides (``disagg.flow`` NOTE 5). The ingress holds one: it initializes its
+# prefill handle at start (``deployments.ingress``). Two differences from the decider's view:
+# the ingress routes no prefill, so its router books none in flight (the replicas' reported
+# queues still count), and the query names no node, so a pool replica on a candidate's node is
+# not credited with what that node's shared tiers hold.
 STATE_PROBE_ROUNDS = 4
 _PLACED = "_disagg_placed"  # the pending request's placement: its RouteDecision, or None (no pick)
 _UNPLACED = object()
@@ -147,15 +159,18 @@ def router_stats() -> dict:
     than routed, summed over this process's policies."""
     reasons: dict[str, int] = {}
     predicted = realized = overridden = 0
+    views: dict[str, int] = {}
     for policy in list(router_metrics.LIVE_POLICIES.values()):
         snap = policy.metrics.snapshot()
         for reason, n in snap["decisions"].items():
             reasons[reason] = reasons.get(reason, 0) + n
+        for outcome, n in snap["pool_views"].items():
+            views[outcome] = views.get(outcome, 0) + n
         predicted += snap["predicted_cached_tokens"]
         realized += snap["realized_cached_tokens"]
         overridden += snap["overridden"]
     return {"route_decisions": reasons, "route_predicted_cached_tokens": predicted,
-            "route_realized_cached_tokens": realized, "route_overridden": overridden}
+            "route_realized_cached_tokens": realized, "route_overridden": overridden, "route_pool_views": views}
 
 
 _POOL_ROLES = ("prefill", "decode", "both")
@@ -351,8 +366,10 @@ class _OwnReplicas:
 
 
 class StateAwareRequestRouter(_OwnReplicas, RequestRouter):
-    def initialize_state(self, policy: dict | None = None, node_events_period_s: float = 1.0, **_):
+    def initialize_state(self, policy: dict | None = None, node_events_period_s: float = 1.0,
+                         prefill_pool: str | None = None, **_):
         self._hasher: BlockHasher | None = None  # built from the first replica's model id and block size
+        self._prefill_pool = prefill_pool  # a decode pool's: its prefill deployment's name (NOTE 2)
         self._index = PrefixIndex()
         self._policy = StateAwareRouter(self._index, RouterConfig.from_dict(policy or {}))
         self._versions: dict[str, int] = {}
@@ -398,6 +415,17 @@ class StateAwareRequestRouter(_OwnReplicas, RequestRouter):
             match = credit_node_state(match, set(ids), self._index.node_of, query.node_id,
                                       min(query.node_resumable, req.prompt_len), self._policy.config.peer_reads)
         return PoolView(loads, [float(req.prompt_len - r) for r in match.resumable])
+
+    def _pool_view_before(self, params: GenerateParams, req: RouteRequest) -> PoolView | None:
+        """The prefill pool as this process's router of it sees ``params`` before its decode worker
+        is placed (NOTE 2); None: no such router here yet, or the policy does not read it."""
+        if self._prefill_pool is None or not self._policy.config.harm_pool_view:
+            return None
+        try:
+            return prefill_pool_view(self._prefill_pool, PoolQuery(params, self._hasher, req.block_hashes))
+        except Exception:  # noqa: BLE001 - placement without the pool's figures, not a failed request
+            log.warning("prefill pool view failed; placing without it", exc_info=True)
+            return None
 
     def _pool(self) -> tuple[list[str], list[float]] | None:
         """(ids, effective queued prefill tokens) of the healthy replicas; None: no replica known."""
@@ -502,7 +530,8 @@ class StateAwareRequestRouter(_OwnReplicas, RequestRouter):
             return [sorted(candidate_replicas, key=lambda r: (r.routing_stats or {}).get("inflight", 0))]
         req = self._route_request(params)
         pool_nodes = {n for r in candidate_replicas for n in (r.routing_stats or {}).get("prefill_nodes", ())}
-        decision = self._policy.route(req, workers, prefill_nodes=pool_nodes)
+        decision = self._policy.route(req, workers, prefill_nodes=pool_nodes,
+                                      pool_view=self._pool_view_before(params, req) if pool_nodes else None)
         self._policy.on_routed(req, decision)
         if decision.state_position > params.state_position:  # a moved session's last node (router step 4)
             params.state_node, params.state_position = decision.state_node, decision.state_position

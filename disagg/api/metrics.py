@@ -64,6 +64,9 @@ class ServingMetrics:
                                  "for want of room (unbudgeted); engine NOTE 10", ["role", "figure"], registry=r)
         self.route_decisions = Gauge("disagg_route_decisions", "Router decisions by reason (cumulative)",
                                      ["reason"], registry=r)
+        self.route_pool_views = Gauge("disagg_route_pool_views", "Decode-pool placements that read their prefill "
+                                      "pool's view (read) or found none (missing), cumulative", ["outcome"],
+                                      registry=r)
         self.route_overridden = Gauge("disagg_route_overridden", "Routed requests Serve ran on another replica "
                                       "than the router's pick (cumulative)", registry=r)
         self.rejections = Counter("disagg_http_rejections", "Requests refused at the edge by reason "
@@ -144,6 +147,8 @@ class ServingMetrics:
                 self.kept_states.labels(role=role, figure=figure).set(n)
         for reason, n in (stats.get("route_decisions") or {}).items():
             self.route_decisions.labels(reason=reason).set(n)
+        for outcome, n in (stats.get("route_pool_views") or {}).items():
+            self.route_pool_views.labels(outcome=outcome).set(n)
         if "route_overridden" in stats:
             self.route_overridden.set(stats["route_overridden"])
         for kind in ("predicted", "realized"):

@@ -441,3 +441,37 @@ def test_a_remote_prefills_end_reaches_the_pool_router_of_the_process_that_sent_
     loads = rr._policy.effective_loads([rr._sync(r) for r in rr._replicas.values()], rr._policy.clock())
     assert loads[sent[0]].prefill_requests == sent.count(sent[0]) - 1  # "a" is off, "b" failed: counted
     assert loads[sent[0]].prefill_tokens == len(PROMPT) * (sent.count(sent[0]) - 1)
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_the_decode_router_places_with_the_prefill_pools_view_of_its_process(monkeypatch, reads):
+    """``deployments.request_router`` NOTE 2: a decode pool's router told its prefill deployment
+    (``prefill_pool``) asks this process's router of that deployment for the pool's view of the
+    request, under the request's digests, before it places, and places with it (the policy's
+    ``harm_pool_view``; off: it asks nothing). Serve's replica records are stand-ins."""
+    from deployments.request_router import NodeEventFeed
+
+    for registry in ("REPLICA_NODES", "REPLICA_IDS", "POOL_VIEWS"):
+        monkeypatch.setattr(router_metrics, registry, {})
+    _router([_stats(100.0, [SESSION]), _stats(0.0)], deployment="Prefill")
+    asked: list[PoolQuery] = []
+    real = router_metrics.POOL_VIEWS["Prefill"]
+    router_metrics.POOL_VIEWS["Prefill"] = lambda q: asked.append(q) or real(q)
+
+    decode = {"role": "decode", "node_id": "n1", "time": time.time(), "load": {}, "model_id": "m", "block_size": BS,
+              "prefill_nodes": ["n0"]}
+    rr = object.__new__(StateAwareRequestRouter)
+    rr.initialize_state(policy={"harm_pool_view": reads}, prefill_pool="Prefill")
+    rr._replicas = {f"d{i}": SimpleNamespace(replica_id=SimpleNamespace(unique_id=f"d{i}"), routing_stats=decode)
+                    for i in range(2)}
+    rr._node_events = NodeEventFeed(rr._index, lookup=lambda node: None)  # no node stores (no Ray here)
+    seen = []
+    route = rr._policy.route
+    rr._policy.route = lambda *a, **k: seen.append(k.get("pool_view")) or route(*a, **k)
+    asyncio.run(rr.choose_replicas(list(rr._replicas.values()), _pending(_params())))
+    if not reads:
+        assert asked == [] and seen == [None]
+        return
+    assert len(asked) == 1 and asked[0].params.prompt_token_ids == PROMPT
+    assert asked[0].hashes == H.with_salt(SALT).block_hashes(PROMPT)  # the decode router's digests, not hashed again
+    assert seen == [PoolView([100.0, 0.0], [30.0, 99.0])]  # p0 resumes the session to its turn end

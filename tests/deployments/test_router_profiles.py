@@ -67,3 +67,27 @@ def test_router_engine_profile_takes_a_file_and_refuses_an_unknown_name(tmp_path
     assert "plugins" not in request_router_config(load_config({})).request_router_kwargs["policy"]
     with pytest.raises(ValueError, match="no profile"):
         load_config({"router": {"engine_profile": "no-such-engine"}})
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_the_decode_deployments_router_is_told_its_prefill_pool(mode, monkeypatch):
+    """``deployments.request_router`` NOTE 2: in P/D the decode deployment's router reads its prefill
+    deployment's view before it places; the prefill deployment's router, and an aggregated app's,
+    are told none."""
+    import deployments.app as app
+    from deployments.servers import PREFILL_DEPLOYMENT
+
+    cfg = load_config({"deployment": {"mode": mode}})
+    told = {}
+    real = app.deployment_options
+
+    def recorded(rc, cfg, routed=True, prefill_pool=None):
+        opts = real(rc, cfg, routed, prefill_pool)
+        if routed:
+            role = "prefill" if rc is cfg.deployment.prefill else "decode"
+            told[role] = opts["request_router_config"].request_router_kwargs.get("prefill_pool")
+        return opts
+
+    monkeypatch.setattr(app, "deployment_options", recorded)
+    app.build_app(cfg)
+    assert told == ({"decode": PREFILL_DEPLOYMENT, "prefill": None} if mode == "disaggregated" else {"decode": None})

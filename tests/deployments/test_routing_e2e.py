@@ -88,6 +88,10 @@ def test_turns_follow_their_state_and_survive_losing_it():
         # when its pick answers Serve's probe late (deployments.request_router NOTE 1)
         overridden = float(re.search(r'^disagg_route_overridden (\S+)$', metrics, re.M).group(1))
         assert overridden <= len(first), "requests counted as run elsewhere than routed"
+        # the decode pool's router placed with the prefill pool's view, as its router in the
+        # ingress sees it (deployments.request_router NOTE 2)
+        views = dict(re.findall(r'^disagg_route_pool_views\{outcome="(\w+)"\} (\S+)$', metrics, re.M))
+        assert float(views.get("read", 0)) >= len(placed), views
 
         victim = placed["s0"]["disagg"]["replica"]
         _kill_replica(victim)
