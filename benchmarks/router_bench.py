@@ -151,13 +151,16 @@ def build_latency_index(num_workers: int = 64, num_blocks: int = 1_000_000, seed
 
 
 def decision_latency(num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
-                     reps: int = 1, pd: bool = False, engine: str | None = None) -> dict:
+                     reps: int = 1, pd: bool = False, engine: str | None = None,
+                     router_config: dict | None = None) -> dict:
     """``engine``: a cost profile's name; the router prices time with its figures (a measured decode
-    batch curve included, ``disagg.router.calibration``), else with its built-in constants."""
+    batch curve included, ``disagg.router.calibration``), else with its built-in constants;
+    ``router_config``: the router's config (under the engine's figures)."""
     t0 = time.perf_counter()
     idx, ws, sessions, rng = build_latency_index(num_workers, num_blocks, seed, pd=pd)
     build_s = time.perf_counter() - t0
-    router = StateAwareRouter(idx, with_engine_costs(None, cost_profile(engine).to_dict()) if engine else None)
+    router = StateAwareRouter(idx, with_engine_costs(router_config, cost_profile(engine).to_dict()) if engine
+                              else router_config)
     keys = sorted(sessions)
     out = {"workers": num_workers, "pd": pd, "engine": engine, "indexed_blocks": idx.num_objects()["mla"], "calls": n,
            "checkpoints": idx.num_objects()["kda"], "build_s": round(build_s, 1), "reps": []}
@@ -225,7 +228,7 @@ def _decision_fields(d) -> tuple:
 
 
 def compare_latency(ref: str, num_workers: int = 64, num_blocks: int = 1_000_000, n: int = 2000, seed: int = 0,
-                    reps: int = 1, pd: bool = False) -> dict:
+                    reps: int = 1, pd: bool = False, router_config: dict | None = None) -> dict:
     """Same-process A/B: this tree's ``route`` against git ``ref``'s, interleaved call by call.
 
     Both versions get the same index (built twice, once per version's classes), the same
@@ -238,7 +241,7 @@ def compare_latency(ref: str, num_workers: int = 64, num_blocks: int = 1_000_000
     idx_ref, ws_ref, _, _ = build_latency_index(num_workers, num_blocks, seed, ref_mod, pd=pd)
     build_s = time.perf_counter() - t0
     now = [0.0]  # one simulated clock for both (queue averages decay with it): 20 requests/s
-    new = StateAwareRouter(idx_new, clock=lambda: now[0])
+    new = StateAwareRouter(idx_new, router_config, clock=lambda: now[0])  # the config: this tree's router only
     old = ref_mod["StateAwareRouter"](idx_ref, clock=lambda: now[0])
     ref_request = ref_mod["RouteRequest"]
     keys = sorted(sessions)
@@ -564,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-blocks", type=int, default=1_000_000)
     ap.add_argument("--latency-decisions", type=int, default=2000)
     ap.add_argument("--latency-reps", type=int, default=1, help="repetitions of the latency measurement")
+    ap.add_argument("--latency-router-config", type=json.loads, default=None, metavar="JSON",
+                    help="decision latency of a router with this config (JSON), e.g. '{\"harm_pool_view\": true}'; "
+                         "with --compare-ref, this tree's router's")
     ap.add_argument("--latency-only", action="store_true", help="skip the simulations")
     ap.add_argument("--latency-pd", action="store_true",
                     help="decision latency with P/D pools (a quarter prefill, the rest decode)")
@@ -596,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         return report("router_ray_replay", ray_table(res, args), res)
     if args.compare_ref:
         cmp = compare_latency(args.compare_ref, num_blocks=args.latency_blocks, n=args.latency_decisions,
-                              seed=args.seed, reps=args.latency_reps, pd=args.latency_pd)
+                              seed=args.seed, reps=args.latency_reps, pd=args.latency_pd,
+                              router_config=args.latency_router_config)
         return report("router_latency_ab", compare_text(cmp), cmp)
     results = {} if args.latency_only else {w: run_sim(w, args.seed, args.scale, args.sessions_per_worker)
                                             for w in args.workers}
@@ -608,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     print("decision latency: building the index ...", file=sys.stderr, flush=True)
     lat = decision_latency(num_blocks=args.latency_blocks, n=args.latency_decisions, seed=args.seed,
-                           reps=args.latency_reps, pd=args.latency_pd, engine=args.latency_engine)
+                           reps=args.latency_reps, pd=args.latency_pd, engine=args.latency_engine,
+                           router_config=args.latency_router_config)
     lat_line = latency_text(lat)
     print(lat_line)
     with open(os.path.join(args.out, "router_bench.txt"), "w") as f:
