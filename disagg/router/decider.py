@@ -145,8 +145,8 @@ class PDDecider:
         """Rule "local_short_suffix": whether a suffix this long is prefilled on a decode worker
         running ``batch`` (>= 0) decodes. Floats, or numpy arrays over decode-worker candidates (the
         decode scorer's harm: ``disagg.router.scorers.decode``). It is the one local rule decided
-        from the decode worker alone; the others read the prefill pool's view, which a decode
-        pool's router in serving does not have when it places (docs/router.md, "Serve adapter")."""
+        from the decode worker alone: the harm's mask where the prefill pool's view is not known
+        (``local_mask`` where it is)."""
         cfg = self.config
         return suffix * (1.0 + cfg.local_harm_weight * batch) <= cfg.local_prefill_max_tokens
 
@@ -155,7 +155,7 @@ class PDDecider:
         """Every local rule of ``decide`` at once, over decode-worker candidates (numpy arrays of
         their suffixes, running decodes and queued prefill tokens; the running decodes stand for
         C_d too): where the decider would prefill the request on that worker, given the prefill
-        pool's view (the decode scorer's harm where that view is known: the simulator's P/D flow)."""
+        pool's view (the decode scorer's harm mask where that view is known: ``harm_pool_view``)."""
         cfg = self.config
         batch = np.maximum(batch, 0.0)
         local = self.short_suffix(suffix, batch)
