@@ -297,8 +297,9 @@ def test_pd_decode_placement_reads_the_pools_view_the_same_in_both_flows():
     decider's rules would take the request local there, given the prefill pool's view. d0 resumes
     the session's 16K tokens on its device and runs a decode; the idle pool holds nothing, so the
     1,000-token suffix goes local on d0 by "local_state" (not by the short-suffix rule), and d0 is
-    charged; d1 (2 decodes) resumes nothing and is charged nothing. The decode pool's router of serving, given
-    the pool's view (step 3c), scores the candidates as the router that sees both pools (3b)."""
+    charged; d1 (2 decodes) resumes nothing and is charged nothing. The decode pool's router of
+    serving, given the pool's view (step 3c), scores the candidates as the router that sees both
+    pools (3b); without a view it charges by the short-suffix rule alone, as with the option off."""
     from disagg.router.metrics import PoolView
 
     idx, h = PrefixIndex(), chain(64, "sess")
