@@ -17,7 +17,7 @@ CHARTED = {"disagg_ttft_seconds", "disagg_itl_seconds", "disagg_e2e_seconds", "d
            "disagg_prompt_tokens", "disagg_generation_tokens", "disagg_transfer_bytes", "disagg_transfer_seconds",
            "disagg_tier_used_bytes", "disagg_tier_capacity_bytes", "disagg_tier_objects", "disagg_tier_evictions",
            "disagg_checksum_failures", "disagg_route_cached_tokens", "disagg_engine_requests",
-           "disagg_route_decisions"}
+           "disagg_route_decisions", "disagg_route_pool_views"}
 
 
 def _exported() -> dict[str, tuple[str, set[str]]]:
